@@ -1,0 +1,650 @@
+"""transformers adapter: model caches <-> engine checkpoints.
+
+Install with ``pip install 'prefixstore[transformers]'``. Written against the transformers
+5.x cache API (``DynamicCache`` made of per-layer ``DynamicLayer`` / ``LinearAttentionLayer``
+objects) and batch size 1: a checkpoint is one token sequence.
+
+How a model's cache maps onto an engine :class:`Layout` (see :func:`cache_map`):
+
+* ``tok`` -- a segment of the token ids themselves (int32, per-token shape ``(1,)``,
+  replicated on every rank). It lets :func:`from_engine` check that restored rows belong to
+  the tokens asked for, and gives pure recurrent models (which have no per-token state)
+  the segment every layout needs.
+* full-attention layer ``i`` -> segments ``k.i`` and ``v.i`` with per-token shape
+  ``(kv_heads // ranks, head_dim)``, token axis first. Rank ``r`` holds KV heads
+  ``[r * kv_heads // ranks, (r + 1) * kv_heads // ranks)``, like tensor parallelism does;
+  ``kv_heads`` must be divisible by ``ranks``.
+* recurrent layer ``i`` (Mamba mixer, Qwen3-Next gated delta-net, ...) -> snapshots
+  ``conv.i`` (the causal-conv window) and ``ssm.i`` (the recurrent state) at the
+  checkpoint's end. Each is split along its channel/head dimension the way tensor
+  parallelism shards it (for Qwen3-Next's conv window: the q, k and v channel groups are
+  each split by heads and every rank holds its ``[q_r, k_r, v_r]``). A state whose heads or
+  channels do not divide evenly by ``ranks`` is *replicated*: every rank stores the whole
+  tensor and :func:`from_engine` checks the copies agree.
+
+Models with recurrent layers need a rule giving their state shapes; ``mamba`` and
+``qwen3_next`` are built in, others can be added with :func:`register_state_rule`.
+Sliding-window attention layers are refused: their cache drops the rows a segment needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from prefixstore.engine.errors import (
+    InvalidInputError,
+    LayoutError,
+    PrefixStoreError,
+    RankError,
+    ShapeError,
+)
+from prefixstore.engine.keys import Prefix
+from prefixstore.engine.layout import Layout, TensorSpec
+
+try:
+    from transformers.cache_utils import (
+        Cache,
+        DynamicCache,
+        LinearAttentionCacheLayerMixin,
+        get_layer_types_and_kwargs,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "prefixstore.adapters.hf needs transformers 5.x: pip install 'prefixstore[transformers]'"
+    ) from exc
+
+__all__ = [
+    "AttentionSpec",
+    "CacheMap",
+    "EngineTensors",
+    "HFPrefixCache",
+    "Resumed",
+    "StateSpec",
+    "TokenMismatchError",
+    "cache_map",
+    "feed",
+    "from_engine",
+    "greedy",
+    "layout_for",
+    "register_state_rule",
+    "to_engine",
+]
+
+TOKENS = "tok"
+TOKEN_DTYPE = torch.int32
+ATTENTION_TYPES = frozenset({"full_attention", "hybrid"})
+RECURRENT_TYPES = frozenset({"linear_attention", "conv", "hybrid"})
+SKIPPED_TYPES = frozenset({"dummy"})
+
+
+class TokenMismatchError(PrefixStoreError):
+    """Restored token ids differ from the tokens the caller asked for."""
+
+
+# -- specs ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class AttentionSpec:
+    """One full-attention layer: its KV heads (all ranks together) and head size."""
+
+    layer: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def key_name(self) -> str:
+        return f"k.{self.layer}"
+
+    @property
+    def value_name(self) -> str:
+        return f"v.{self.layer}"
+
+
+def _groups(value: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
+    return tuple((int(u), int(w)) for u, w in value)
+
+
+@attrs.frozen
+class StateSpec:
+    """One recurrent state tensor of one layer, without its batch dimension.
+
+    ``groups`` lists ``(units, unit_width)`` pairs laid end to end along ``split_dim``
+    (e.g. ``((heads, head_dim),)``); each group is split by units across ranks.
+    ``kind`` is ``"conv"`` or ``"recurrent"``; ``state_idx`` is the layer's state slot.
+    """
+
+    name: str
+    layer: int
+    kind: str
+    shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(d) for d in s))
+    groups: tuple[tuple[int, int], ...] = attrs.field(converter=_groups)
+    split_dim: int = 0
+    state_idx: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in ("conv", "recurrent"):
+            raise LayoutError(f"state {self.name!r}: kind must be conv or recurrent")
+        if not 0 <= self.split_dim < len(self.shape):
+            raise LayoutError(f"state {self.name!r}: split_dim {self.split_dim} out of range")
+        if sum(u * w for u, w in self.groups) != self.shape[self.split_dim]:
+            raise LayoutError(
+                f"state {self.name!r}: groups {self.groups} do not cover dim "
+                f"{self.split_dim} of shape {self.shape}"
+            )
+
+    def sharded(self, ranks: int) -> bool:
+        """True when every group divides evenly by ``ranks`` (else the state is replicated)."""
+        return ranks > 1 and all(u % ranks == 0 for u, _ in self.groups)
+
+    def rank_shape(self, ranks: int) -> tuple[int, ...]:
+        """The shape one rank holds."""
+        if not self.sharded(ranks):
+            return self.shape
+        shape = list(self.shape)
+        shape[self.split_dim] //= ranks
+        return tuple(shape)
+
+    def split(self, tensor: torch.Tensor, ranks: int) -> list[torch.Tensor]:
+        """Cut a full state (no batch dim) into per-rank contiguous copies."""
+        if tuple(tensor.shape) != self.shape:
+            raise ShapeError(
+                f"state {self.name!r} has shape {tuple(tensor.shape)}, expected {self.shape}"
+            )
+        if not self.sharded(ranks):
+            return [_copy(tensor) for _ in range(ranks)]
+        pieces = tensor.split([u * w for u, w in self.groups], dim=self.split_dim)
+        chunks = [p.chunk(ranks, dim=self.split_dim) for p in pieces]
+        return [_copy(torch.cat([c[r] for c in chunks], dim=self.split_dim)) for r in range(ranks)]
+
+    def join(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`split`."""
+        ranks = len(parts)
+        if not self.sharded(ranks):
+            for r, p in enumerate(parts[1:], start=1):
+                if not torch.equal(p, parts[0]):
+                    raise InvalidInputError(
+                        f"replicated state {self.name!r} differs between rank 0 and rank {r}"
+                    )
+            return parts[0]
+        sizes = [u // ranks * w for u, w in self.groups]
+        per_rank = [p.split(sizes, dim=self.split_dim) for p in parts]
+        groups = [
+            torch.cat([pr[g] for pr in per_rank], dim=self.split_dim) for g in range(len(sizes))
+        ]
+        return torch.cat(groups, dim=self.split_dim)
+
+
+StateRule = Callable[[Any, int], list[StateSpec]]
+"""Given a layer's config and index, the recurrent state tensors the layer caches."""
+
+_STATE_RULES: dict[str, StateRule] = {}
+_STEPWISE: set[str] = set()
+
+
+def register_state_rule(model_type: str, rule: StateRule, *, stepwise: bool = False) -> None:
+    """Teach the adapter the recurrent state shapes of ``model_type`` (``config.model_type``).
+
+    ``stepwise=True`` says that continuing from a restored state must feed tokens one
+    at a time (the model's multi-token path does not start from a cached state).
+    """
+    _STATE_RULES[model_type] = rule
+    if stepwise:
+        _STEPWISE.add(model_type)
+    else:
+        _STEPWISE.discard(model_type)
+
+
+def _mamba_states(cfg: Any, i: int) -> list[StateSpec]:
+    d = int(cfg.intermediate_size)
+    return [
+        StateSpec(f"conv.{i}", i, "conv", (d, cfg.conv_kernel), groups=[(d, 1)]),
+        StateSpec(f"ssm.{i}", i, "recurrent", (d, cfg.state_size), groups=[(d, 1)]),
+    ]
+
+
+def _gated_delta_net_states(cfg: Any, i: int) -> list[StateSpec]:
+    nk, nv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
+    hk, hv = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
+    conv_dim = 2 * nk * hk + nv * hv  # channels laid out as [q | k | v]
+    return [
+        StateSpec(
+            f"conv.{i}",
+            i,
+            "conv",
+            (conv_dim, cfg.linear_conv_kernel_dim),
+            groups=[(nk, hk), (nk, hk), (nv, hv)],
+        ),
+        StateSpec(f"ssm.{i}", i, "recurrent", (nv, hk, hv), groups=[(nv, 1)]),
+    ]
+
+
+# Mamba's reference (no mamba_ssm) multi-token scan ignores the cached SSM state.
+register_state_rule("mamba", _mamba_states, stepwise=True)
+register_state_rule("qwen3_next", _gated_delta_net_states)
+
+
+# -- the map ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CacheMap:
+    """How one model's cache maps onto an engine layout (build it with :func:`cache_map`)."""
+
+    layout: Layout
+    model_type: str
+    num_layers: int
+    attention: tuple[AttentionSpec, ...]
+    states: tuple[StateSpec, ...]
+    stepwise: bool = False
+
+    @property
+    def ranks(self) -> int:
+        return self.layout.ranks
+
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+    @property
+    def has_snapshot(self) -> bool:
+        return bool(self.states)
+
+
+def _attention_spec(cfg: Any, i: int, ranks: int) -> AttentionSpec:
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if heads % ranks:
+        raise RankError(f"layer {i}: {heads} KV heads cannot be split evenly across {ranks} ranks")
+    return AttentionSpec(i, heads, int(head_dim))
+
+
+def cache_map(
+    config: Any,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    block_tokens: int = 16,
+    ranks: int = 1,
+    state_dtype: torch.dtype | str | None = None,
+) -> CacheMap:
+    """Derive the cache map (and engine layout) of a transformers model config.
+
+    ``dtype`` is the KV dtype; ``state_dtype`` (default ``dtype``) that of recurrent states.
+    """
+    text = config.get_text_config(decoder=True)
+    model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
+    layer_types, _ = get_layer_types_and_kwargs(text)
+    layer_cfgs = list(text.per_layer_config)
+    if ranks <= 0:
+        raise RankError(f"ranks must be positive, got {ranks}")
+    attention: list[AttentionSpec] = []
+    states: list[StateSpec] = []
+    for i, (kind, cfg) in enumerate(zip(layer_types, layer_cfgs, strict=True)):
+        if kind in SKIPPED_TYPES:
+            continue
+        if kind not in ATTENTION_TYPES | RECURRENT_TYPES:
+            raise LayoutError(f"layer {i}: cache layer type {kind!r} is not supported")
+        if kind in ATTENTION_TYPES:
+            attention.append(_attention_spec(cfg, i, ranks))
+        if kind in RECURRENT_TYPES:
+            rule = _STATE_RULES.get(model_type)
+            if rule is None:
+                raise LayoutError(
+                    f"no recurrent-state rule for model_type {model_type!r}; "
+                    "add one with register_state_rule()"
+                )
+            states.extend(rule(cfg, i))
+    sdtype = dtype if state_dtype is None else state_dtype
+    segments = [TensorSpec(TOKENS, TOKEN_DTYPE, (1,))]
+    for a in attention:
+        per_rank = (a.kv_heads // ranks, a.head_dim)
+        segments += [
+            TensorSpec(a.key_name, dtype, per_rank),
+            TensorSpec(a.value_name, dtype, per_rank),
+        ]
+    snapshots = [TensorSpec(s.name, sdtype, s.rank_shape(ranks)) for s in states]
+    layout = Layout(segments=segments, block_tokens=block_tokens, snapshots=snapshots, ranks=ranks)
+    return CacheMap(
+        layout=layout,
+        model_type=model_type,
+        num_layers=len(layer_types),
+        attention=tuple(attention),
+        states=tuple(states),
+        stepwise=model_type in _STEPWISE,
+    )
+
+
+def layout_for(config: Any, **kwargs: Any) -> Layout:
+    """The engine layout of a model config (keyword arguments as for :func:`cache_map`)."""
+    return cache_map(config, **kwargs).layout
+
+
+# -- conversion -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class EngineTensors:
+    """A checkpoint as the engine takes it: per-rank segments and (optional) snapshot."""
+
+    segments: list[dict[str, torch.Tensor]]
+    snapshot: list[dict[str, torch.Tensor]] | None
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _token_tensor(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    t = torch.as_tensor(tokens).reshape(-1)
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise InvalidInputError(f"token ids must be integers, got {t.dtype}")
+    return t.to("cpu", torch.int64)
+
+
+def _attention_length(cmap: CacheMap, cache: Cache) -> int | None:
+    if not cmap.attention:
+        return None
+    return int(cache.layers[cmap.attention[0].layer].get_seq_length())
+
+
+def to_engine(
+    cmap: CacheMap,
+    cache: Cache,
+    tokens: Sequence[int] | torch.Tensor,
+    start_tok: int = 0,
+    end_tok: int | None = None,
+) -> EngineTensors:
+    """Cut tokens ``[start_tok, end_tok)`` of ``cache`` into per-rank engine tensors.
+
+    ``tokens`` are *all* the tokens ``cache`` has consumed. ``end_tok`` (default: the
+    deepest block boundary) must be a block boundary; with recurrent layers it must
+    equal ``len(tokens)``, the only position whose state the cache holds. Tensors are
+    copied, so later decoding (which updates recurrent states in place) leaves them be.
+    """
+    ids = _token_tensor(tokens)
+    total = len(ids)
+    bt = cmap.block_tokens
+    if end_tok is None:
+        end_tok = total // bt * bt
+    cmap.layout.check_blocks(end_tok)
+    if not 0 <= start_tok <= end_tok <= total:
+        raise InvalidInputError(f"bad span [{start_tok}, {end_tok}) of {total} tokens")
+    if cmap.has_snapshot and end_tok != total:
+        raise InvalidInputError(
+            f"the cache holds recurrent state at token {total} only, cannot checkpoint {end_tok}"
+        )
+    seen = _attention_length(cmap, cache)
+    if seen is not None and seen != total:
+        raise InvalidInputError(f"cache holds {seen} tokens but {total} token ids were given")
+    ranks = cmap.ranks
+    n = end_tok - start_tok
+    tok = ids[start_tok:end_tok].to(TOKEN_DTYPE).reshape(n, 1)
+    segments: list[dict[str, torch.Tensor]] = [{TOKENS: tok.clone()} for _ in range(ranks)]
+    for a in cmap.attention:
+        layer = cache.layers[a.layer]
+        for name, full in ((a.key_name, layer.keys), (a.value_name, layer.values)):
+            if full is None or full.dim() != 4 or full.shape[0] != 1:
+                raise ShapeError(f"layer {a.layer}: expected a (1, heads, tokens, dim) KV tensor")
+            rows = full[0, :, start_tok:end_tok].transpose(0, 1)  # (tokens, heads, dim)
+            for r, part in enumerate(rows.chunk(ranks, dim=1)):
+                segments[r][name] = _copy(part)
+    snapshot: list[dict[str, torch.Tensor]] | None = None
+    if cmap.has_snapshot:
+        snapshot = [{} for _ in range(ranks)]
+        for s in cmap.states:
+            state = _read_state(cache, s)
+            for r, part in enumerate(s.split(state[0], ranks)):
+                snapshot[r][s.name] = part
+    for r in range(ranks):
+        cmap.layout.check_segments(r, segments[r], n)
+        if snapshot is not None:
+            cmap.layout.check_snapshot(r, snapshot[r])
+    return EngineTensors(segments, snapshot)
+
+
+def _read_state(cache: Cache, s: StateSpec) -> torch.Tensor:
+    layer = cache.layers[s.layer]
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        raise ShapeError(f"layer {s.layer} is {type(layer).__name__}, not a recurrent layer")
+    if not layer.has_previous_state[s.state_idx]:
+        raise InvalidInputError(f"layer {s.layer} has no recurrent state yet")
+    states = layer.conv_states if s.kind == "conv" else layer.recurrent_states
+    t = states[s.state_idx]
+    if t is None or t.dim() != len(s.shape) + 1 or t.shape[0] != 1:
+        raise ShapeError(f"state {s.name!r}: expected batch size 1 and shape {s.shape}")
+    return t
+
+
+def from_engine(
+    cmap: CacheMap,
+    config: Any,
+    segments: Sequence[Mapping[str, torch.Tensor]],
+    snapshot: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    *,
+    tokens: Sequence[int] | torch.Tensor | None = None,
+    start_tok: int = 0,
+    base: Cache | None = None,
+    device: torch.device | str | None = None,
+) -> DynamicCache:
+    """Join per-rank engine tensors back into a ``DynamicCache`` the model accepts.
+
+    ``segments`` cover tokens ``[start_tok, end)``. With ``start_tok > 0`` the first
+    ``start_tok`` attention rows come from ``base`` (the GPU-resident prefix). When
+    ``tokens`` is given, the restored ``tok`` rows must equal ``tokens[start_tok:end]``
+    (else :class:`TokenMismatchError`).
+    """
+    layout = cmap.layout
+    segments = layout.per_rank(segments)
+    if cmap.has_snapshot and snapshot is None:
+        raise InvalidInputError("this layout needs a snapshot")
+    n = int(segments[0][TOKENS].shape[0]) if TOKENS in segments[0] else -1
+    for r in range(cmap.ranks):
+        layout.check_segments(r, segments[r], n)
+        if cmap.has_snapshot:
+            layout.check_snapshot(r, layout.per_rank(snapshot)[r])
+    if tokens is not None:
+        want = _token_tensor(tokens)[start_tok : start_tok + n]
+        for r in range(cmap.ranks):
+            got = segments[r][TOKENS].reshape(-1).to(torch.int64)
+            if len(want) != n or not torch.equal(got, want):
+                raise TokenMismatchError(
+                    f"rank {r}: restored token ids of [{start_tok}, {start_tok + n}) differ from the request"
+                )
+    if start_tok and cmap.attention:
+        if base is None:
+            raise InvalidInputError(
+                f"start_tok={start_tok} needs the base cache holding those rows"
+            )
+        have = _attention_length(cmap, base)
+        if have is None or have < start_tok:
+            raise InvalidInputError(f"base cache holds {have} tokens, need {start_tok}")
+    cache = DynamicCache(config=config)
+    for a in cmap.attention:
+        pair = []
+        for name in (a.key_name, a.value_name):
+            rows = torch.cat([segments[r][name] for r in range(cmap.ranks)], dim=1)
+            t = rows.transpose(0, 1).unsqueeze(0)  # (1, heads, tokens, dim)
+            if start_tok:
+                old = base.layers[a.layer]
+                prev = old.keys if name == a.key_name else old.values
+                t = torch.cat([prev[:, :, :start_tok].to(t.device), t], dim=2)
+            pair.append(t.to(device).contiguous() if device is not None else t.contiguous())
+        cache.layers[a.layer].update(pair[0], pair[1])
+    if cmap.has_snapshot:
+        snaps = layout.per_rank(snapshot)
+        for s in cmap.states:
+            t = s.join([snaps[r][s.name] for r in range(cmap.ranks)]).unsqueeze(0)
+            t = t.to(device) if device is not None else t
+            layer = cache.layers[s.layer]
+            if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                raise LayoutError(f"layer {s.layer} of this config is not a recurrent layer")
+            if s.kind == "conv":
+                layer.lazy_initialization(
+                    conv_states=t, state_idx=s.state_idx, conv_kernel_size=t.shape[-1]
+                )
+                layer.conv_states[s.state_idx].copy_(t)
+            else:
+                layer.lazy_initialization(recurrent_states=t, state_idx=s.state_idx)
+                layer.recurrent_states[s.state_idx].copy_(t)
+            layer.has_previous_state[s.state_idx] = True
+    return cache
+
+
+# -- running a model --------------------------------------------------------------------
+
+
+@torch.no_grad()
+def feed(
+    model: Any,
+    ids: Sequence[int] | torch.Tensor,
+    cache: Cache | None = None,
+    *,
+    stepwise: bool = False,
+) -> tuple[Cache, torch.Tensor]:
+    """Run ``ids`` through ``model`` after ``cache`` (None: a fresh prefill).
+
+    Returns the updated cache and the logits after the last token, shape ``(vocab,)``.
+    With ``stepwise`` (see :attr:`CacheMap.stepwise`) a non-empty cache is continued one
+    token at a time.
+    """
+    ids = _token_tensor(ids)
+    if len(ids) == 0:
+        raise InvalidInputError("feed needs at least one token")
+    device = next(model.parameters()).device
+    ids = ids.to(device).unsqueeze(0)
+    chunks = ids.split(1, dim=1) if (stepwise and cache is not None) else (ids,)
+    out = None
+    for chunk in chunks:
+        out = model(input_ids=chunk, cache=cache, use_cache=True)
+        cache = out.cache
+    return cache, out.logits[0, -1]
+
+
+@torch.no_grad()
+def greedy(model: Any, cache: Cache, logits: torch.Tensor, steps: int) -> list[int]:
+    """Greedy-decode ``steps`` tokens from ``logits``, one token per call (updates ``cache``).
+
+    The last token returned is not fed, so ``cache`` ends one token behind the output.
+    """
+    out: list[int] = []
+    for i in range(steps):
+        token = int(torch.argmax(logits))
+        out.append(token)
+        if i + 1 < steps:
+            cache, logits = feed(model, [token], cache)
+    return out
+
+
+# -- engine glue ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Resumed:
+    """What :meth:`HFPrefixCache.resume` found: a cache covering ``tokens`` tokens
+    (``cache`` None and ``tokens`` 0 on a miss), and how many restores failed first."""
+
+    cache: DynamicCache | None
+    tokens: int
+    match: Any = None
+    failed_restores: int = 0
+
+
+class HFPrefixCache:
+    """An engine paired with one model config: store caches, resume from the deepest match."""
+
+    def __init__(self, engine: Any, config: Any, cmap: CacheMap, *, device: Any = None) -> None:
+        layout = getattr(engine, "layout", None)
+        if layout is not None and layout != cmap.layout:
+            raise LayoutError("the engine's layout differs from the model's cache map")
+        self.engine = engine
+        self.config = config
+        self.cmap = cmap
+        self.device = device
+
+    @classmethod
+    def open(
+        cls,
+        path: Any,
+        config: Any,
+        *,
+        capacity_bytes: int,
+        dtype: torch.dtype | str = torch.float32,
+        block_tokens: int = 16,
+        ranks: int = 1,
+        state_dtype: torch.dtype | str | None = None,
+        device: Any = None,
+        **opts: Any,
+    ) -> HFPrefixCache:
+        """Open (or create) an engine at ``path`` with the layout of ``config``."""
+        from prefixstore.engine.core import Engine
+
+        cmap = cache_map(
+            config, dtype=dtype, block_tokens=block_tokens, ranks=ranks, state_dtype=state_dtype
+        )
+        engine = Engine.open(path, cmap.layout, capacity_bytes, **opts)
+        return cls(engine, config, cmap, device=device)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> HFPrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def store(
+        self,
+        cache: Cache,
+        tokens: Sequence[int] | torch.Tensor,
+        end_tok: int | None = None,
+        *,
+        tokens_from: int = 0,
+    ) -> Any:
+        """Store the checkpoint of ``cache`` at ``end_tok`` (default: deepest block boundary).
+
+        ``tokens`` are all the tokens ``cache`` consumed. Returns the engine's
+        StoreResult, or None when ``end_tok`` is 0 (nothing to store).
+        """
+        ids = _token_tensor(tokens)
+        bt = self.cmap.block_tokens
+        end = len(ids) // bt * bt if end_tok is None else end_tok
+        if end == 0:
+            return None
+        t = to_engine(self.cmap, cache, ids, tokens_from, end)
+        prefix = Prefix.from_tokens(ids[:end], bt)
+        return self.engine.store(prefix, t.segments, t.snapshot, tokens_from=tokens_from)
+
+    def resume(self, tokens: Sequence[int] | torch.Tensor) -> Resumed:
+        """Restore the deepest stored checkpoint of ``tokens``, falling back to shallower
+        ones when a restore fails (the engine marks that node damaged).
+
+        The last token is never covered, so the caller always has one token to feed to
+        get next-token logits.
+        """
+        ids = _token_tensor(tokens)
+        prefix = Prefix.from_tokens(ids[: max(len(ids) - 1, 0)], self.cmap.block_tokens)
+        failed = 0
+        match = None
+        for _ in range(len(prefix) + 2):
+            match = self.engine.lookup(prefix)
+            if not match.hit:
+                break
+            restored = self.engine.restore(match)
+            if restored is None:
+                failed += 1
+                continue
+            cache = from_engine(
+                self.cmap,
+                self.config,
+                restored.segments,
+                restored.snapshot if self.cmap.has_snapshot else None,
+                tokens=ids,
+                device=self.device,
+            )
+            return Resumed(cache, match.tokens, match, failed)
+        return Resumed(None, 0, match, failed)

@@ -1,0 +1,229 @@
+"""The SQLite WAL catalog: nodes, files and the journal.
+
+One writer (the engine, under its lock); readers (audit, stats from another
+process) open their own read-only connection and never block on it.
+
+Tables:
+
+- ``meta``: format marker, layout, capacity.
+- ``nodes``: one row per checkpoint (``key`` = chained hash at ``end_block``).
+- ``files``: every file the catalog or journal owns, on every rank. ``status`` is
+  ``writing`` (reserved by an in-flight transaction), ``live`` (a node's shard) or
+  ``garbage`` (to be unlinked). Charged bytes are the sum of ``size`` over all rows.
+- ``journal``: unfinished transactions (kind, state, JSON payload).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from prefixstore.engine.errors import CatalogCorruptError, NotACacheError, SchemaVersionError
+from prefixstore.gpu.fileio import FaultHook
+
+FORMAT_MARKER = "prefixstore"
+CATALOG_NAME = "catalog.sqlite"
+SCHEMA_VERSION = 1
+
+_MIGRATIONS: dict[int, str] = {
+    # version -> SQL that brings version-1 up to version
+    1: """
+    CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE nodes(
+        id INTEGER PRIMARY KEY,
+        key BLOB NOT NULL UNIQUE,
+        parent INTEGER REFERENCES nodes(id),
+        start_block INTEGER NOT NULL,
+        end_block INTEGER NOT NULL CHECK(end_block > start_block),
+        digests BLOB NOT NULL,
+        has_snapshot INTEGER NOT NULL,
+        state TEXT NOT NULL CHECK(state IN ('ready', 'damaged')),
+        generation INTEGER NOT NULL,
+        last_used INTEGER NOT NULL,
+        snap_used INTEGER NOT NULL
+    );
+    CREATE INDEX nodes_parent ON nodes(parent);
+    CREATE TABLE files(
+        rank INTEGER NOT NULL,
+        name TEXT NOT NULL,
+        node INTEGER REFERENCES nodes(id),
+        generation INTEGER NOT NULL,
+        size INTEGER NOT NULL,
+        checksum TEXT,
+        status TEXT NOT NULL CHECK(status IN ('writing', 'live', 'garbage')),
+        txn INTEGER,
+        PRIMARY KEY(rank, name)
+    );
+    CREATE INDEX files_node ON files(node);
+    CREATE INDEX files_txn ON files(txn);
+    CREATE TABLE journal(
+        id INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL,
+        state TEXT NOT NULL,
+        payload TEXT NOT NULL
+    );
+    """,
+}
+
+
+def catalog_path(root: str) -> str:
+    return os.path.join(root, CATALOG_NAME)
+
+
+class Catalog:
+    """The engine's single writer connection, with fault-hooked commits."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        synchronous: str = "FULL",
+        hook: FaultHook | None = None,
+        create: bool = True,
+    ) -> None:
+        if synchronous.upper() not in ("FULL", "NORMAL"):
+            raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
+        self.path = catalog_path(root)
+        self.synchronous = synchronous.upper()
+        self.hook = hook or FaultHook()
+        exists = os.path.exists(self.path)
+        if not exists and not create:
+            raise NotACacheError(f"{root}: no catalog")
+        self.conn = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=30
+        )
+        try:
+            self._setup(fresh=not exists)
+        except sqlite3.DatabaseError as exc:
+            self.conn.close()
+            raise NotACacheError(f"{root}: {CATALOG_NAME} is not a prefixstore catalog: {exc}") from exc
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def _setup(self, fresh: bool) -> None:
+        c = self.conn
+        c.execute("PRAGMA journal_mode=WAL")
+        c.execute(f"PRAGMA synchronous={self.synchronous}")
+        c.execute("PRAGMA foreign_keys=ON")
+        version = c.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"catalog schema version {version} is newer than this prefixstore "
+                f"(supports up to {SCHEMA_VERSION}); upgrade prefixstore"
+            )
+        if version == 0:
+            tables = c.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+            if tables and not fresh:
+                raise NotACacheError("catalog file holds foreign tables")
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                for stmt in _split_sql(_MIGRATIONS[v]):
+                    c.execute(stmt)
+                if v == 1:
+                    c.execute("INSERT INTO meta VALUES('format', ?)", (FORMAT_MARKER,))
+                c.execute(f"PRAGMA user_version={v}")
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        if self.meta("format") != FORMAT_MARKER:
+            raise NotACacheError("catalog has no prefixstore format marker")
+
+    # -- transactions ----------------------------------------------------------------
+
+    @contextmanager
+    def txn(self, label: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction; its COMMIT is an effect reported to the fault hook."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            yield c
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        try:
+            self.hook.before("commit", label, None)
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        c.execute("COMMIT")
+        self.hook.after("commit", label, None)
+
+    def barrier(self) -> None:
+        """Make every earlier commit durable (a no-op cost under FULL).
+
+        Under ``synchronous=NORMAL`` the last commits may be lost at power loss; an
+        effect that destroys data (unlink of a retired file) must not outrun them.
+        """
+        if self.synchronous == "FULL":
+            return
+        self.conn.execute("PRAGMA synchronous=FULL")
+        try:
+            with self.txn("barrier") as c:
+                c.execute("UPDATE meta SET value=value WHERE key='format'")
+        finally:
+            self.conn.execute(f"PRAGMA synchronous={self.synchronous}")
+
+    # -- meta ------------------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, c: sqlite3.Connection, key: str, value: str) -> None:
+        c.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)", (key, value))
+
+    # -- reads -----------------------------------------------------------------------
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        return self.conn.execute(sql, args).fetchall()
+
+    def charged(self) -> int:
+        return self.conn.execute("SELECT coalesce(sum(size), 0) FROM files").fetchone()[0]
+
+    def journal(self) -> list[tuple[int, str, str, dict]]:
+        rows = self.conn.execute("SELECT id, kind, state, payload FROM journal ORDER BY id")
+        out = []
+        for tid, kind, state, payload in rows:
+            try:
+                out.append((tid, kind, state, json.loads(payload)))
+            except ValueError as exc:
+                raise CatalogCorruptError(f"journal row {tid} has a corrupt payload") from exc
+        return out
+
+    def close(self) -> None:
+        with suppress(sqlite3.Error):
+            self.conn.close()
+
+
+def _split_sql(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip()]
+
+
+def open_readonly(root: str) -> sqlite3.Connection:
+    """A read-only connection that neither blocks nor disturbs a running engine."""
+    path = catalog_path(root)
+    if not os.path.exists(path):
+        raise NotACacheError(f"{root}: no {CATALOG_NAME}")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise SchemaVersionError(f"catalog schema version {version} > {SCHEMA_VERSION}")
+        marker = conn.execute("SELECT value FROM meta WHERE key='format'").fetchone()
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise NotACacheError(f"{root}: not a prefixstore catalog: {exc}") from exc
+    except BaseException:
+        conn.close()
+        raise
+    if not marker or marker[0] != FORMAT_MARKER:
+        conn.close()
+        raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
+    return conn

@@ -1,0 +1,1065 @@
+"""The engine: public API, journaled transactions and their orchestration.
+
+Public API (section "public"): ``Engine.open``, ``store``, ``lookup``, ``restore``,
+``pin`` / ``unpin`` / ``pinned``, ``evict``, ``reclaim``, ``retry_pending``,
+``stats``, ``audit``, ``close``. Everything below "internal" is private.
+
+Concurrency: one re-entrant lock guards the index, the catalog connection and the
+pin/fence tables. File writes and reads of a store or restore run outside the lock,
+with the nodes involved fenced (in flight) or pinned, so lookups never wait on I/O.
+
+Every mutation is a transaction whose states are defined in
+``prefixstore.statemachine.transactions``; ``_advance`` commits each state reached
+before the effects of the next step run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+
+from prefixstore.engine import recovery
+from prefixstore.engine.catalog import CATALOG_NAME, Catalog
+from prefixstore.engine.counters import Counters, log
+from prefixstore.engine.errors import (
+    EngineClosedError,
+    InvalidInputError,
+    LayoutMismatchError,
+    LockedError,
+    NotACacheError,
+    ShapeError,
+    ShardError,
+    SimulatedCrash,
+)
+from prefixstore.engine.index import Index, Node
+from prefixstore.engine.keys import DIGEST_SIZE, Prefix
+from prefixstore.engine.layout import Layout, RankTensors
+from prefixstore.engine.results import (
+    DUPLICATE,
+    FAILED,
+    QUEUED,
+    REFILLED,
+    REFUSED,
+    SKIPPED,
+    STORED,
+    Match,
+    Restored,
+    StoreResult,
+)
+from prefixstore.gpu import shards
+from prefixstore.gpu.fileio import FaultHook, FileSystem, OsFS
+from prefixstore.gpu.ranks import LocalRank, RankIO, rank_dir_name, shard_name
+from prefixstore.statemachine import policy as pol
+from prefixstore.statemachine.cost import CostModel, choose
+from prefixstore.statemachine.transactions import MACHINES
+
+LOCK_NAME = "LOCK"
+
+
+@attrs.define
+class _Pending:
+    """A store refused for lack of space, retried while ``valid()`` holds."""
+
+    prefix: Prefix
+    segments: list[RankTensors]
+    snapshot: list[RankTensors] | None
+    tokens_from: int
+    valid: Callable[[], bool]
+
+
+@attrs.define
+class _Plan:
+    """Where a new checkpoint goes: its parent and the row it refills, if any."""
+
+    parent: Node | None
+    existing: Node | None
+    start: int
+
+
+class Engine:
+    """A prefix-cache host tier over a SQLite WAL catalog and per-rank shard files."""
+
+    # ------------------------------------------------------------------ public
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, layout: Layout, capacity_bytes: int, **opts: Any) -> Engine:
+        """Open (creating if needed) the cache at ``path`` and recover it.
+
+        Options: ``synchronous`` ('FULL' default, or 'NORMAL'), ``policy``
+        ('prefixstore', 'leaf-lru', 'lru'), ``cost`` (a CostModel; None restores the
+        deepest match), ``high_watermark`` / ``low_watermark`` (fractions of
+        capacity: when a store would pass the high one, evict down to the low one),
+        ``create`` (False refuses to create a new cache), ``fs`` / ``hook`` (effect
+        layer for fault injection), ``ranks`` (RankIO objects, e.g. rank processes),
+        ``registry`` (a prometheus CollectorRegistry), ``admission`` (callable
+        deciding whether to admit a store; see ``prefixstore.statemachine.admission``).
+        """
+        return cls(os.fspath(path), layout, capacity_bytes, **opts)
+
+    def __init__(
+        self,
+        root: str,
+        layout: Layout,
+        capacity_bytes: int,
+        *,
+        synchronous: str = "FULL",
+        policy: str = "prefixstore",
+        cost: CostModel | None = None,
+        high_watermark: float = 1.0,
+        low_watermark: float = 1.0,
+        create: bool = True,
+        fs: FileSystem | None = None,
+        hook: FaultHook | None = None,
+        ranks: Sequence[RankIO] | None = None,
+        registry: Any = None,
+        admission: Any = None,
+    ) -> None:
+        if not isinstance(layout, Layout):
+            raise InvalidInputError("layout must be a prefixstore Layout")
+        if int(capacity_bytes) <= 0:
+            raise InvalidInputError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if not 0 < low_watermark <= high_watermark <= 1.0:
+            raise InvalidInputError("need 0 < low_watermark <= high_watermark <= 1")
+        self.root = root
+        self.layout = layout
+        self.capacity = int(capacity_bytes)
+        self.high_watermark, self.low_watermark = high_watermark, low_watermark
+        self.cost = cost
+        self.policy_name = policy
+        self.admission = admission
+        self.hook = hook or FaultHook()
+        self.fs = fs or OsFS()
+        self.counters = Counters(registry)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._lock_fd: int | None = None
+        self._pins: Counter[int] = Counter()
+        self._fences: Counter[int] = Counter()
+        self._inflight_blocks: dict[bytes, int] = {}
+        self._pending: deque[_Pending] = deque()
+        self._retrying = False
+        self._dirty_recency: set[int] = set()
+        self.index = Index()
+        self.heap = pol.VictimHeap(policy, layout.has_snapshot)
+        self._check_root(create)
+        self._take_lock()
+        try:
+            self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create)
+            try:
+                self._check_layout()
+                self.ranks: list[RankIO] = list(ranks) if ranks is not None else [
+                    LocalRank(r, os.path.join(root, rank_dir_name(r)), self.fs, self.hook)
+                    for r in range(layout.ranks)
+                ]
+                if len(self.ranks) != layout.ranks:
+                    raise InvalidInputError(f"{len(self.ranks)} rank executors for {layout.ranks} ranks")
+                self._pool = ThreadPoolExecutor(max_workers=max(1, layout.ranks), thread_name_prefix="rank")
+                self.recovery_report = recovery.recover(self)
+                self._load()
+            except BaseException:
+                self.catalog.close()
+                raise
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._closed:
+            self.close()
+
+    def store(
+        self,
+        prefix: Prefix,
+        segments: RankTensors | Sequence[RankTensors],
+        snapshot: RankTensors | Sequence[RankTensors] | None = None,
+        *,
+        tokens_from: int = 0,
+        valid: Callable[[], bool] | None = None,
+    ) -> StoreResult:
+        """Store the checkpoint at the end of ``prefix``.
+
+        ``segments`` (one mapping per rank; a bare mapping for one rank) hold the
+        prefix's segment rows for tokens ``[tokens_from, len(prefix) * block_tokens)``;
+        the engine keeps only the rows its new node needs. ``snapshot`` holds the
+        recurrent state at the end (required iff the layout has snapshot tensors).
+        ``valid``, when given, tells whether the caller's GPU checkpoint is still
+        valid: a store refused for lack of space is then queued and retried until it
+        fits or ``valid()`` turns false (then it is dropped and counted).
+        """
+        segs, snaps = self._check_store_input(prefix, segments, snapshot, tokens_from)
+        with self._guard():
+            result = self._store(prefix, segs, snaps, tokens_from)
+            if result.status == REFUSED and valid is not None:
+                with self._lock:
+                    self._pending.append(_Pending(prefix, segs, snaps, tokens_from, valid))
+                self.counters.inc("retries", "queued")
+                result = attrs.evolve(result, status=QUEUED)
+            if result.ok:
+                self.retry_pending()
+            return result
+
+    def lookup(self, prefix: Prefix, *, gpu_blocks: int = 0, total_tokens: int | None = None) -> Match:
+        """The deepest checkpoint of ``prefix`` worth restoring.
+
+        ``gpu_blocks``: leading blocks already resident on the GPU (not restored).
+        ``total_tokens``: the request's length (for the cost rule; default the prefix).
+        Only nodes whose whole path below the GPU-resident part is ready qualify, and
+        for layouts with snapshots only nodes that have their snapshot.
+        """
+        if not isinstance(prefix, Prefix):
+            raise InvalidInputError("lookup takes a Prefix")
+        if gpu_blocks < 0 or gpu_blocks > len(prefix):
+            raise InvalidInputError(f"gpu_blocks={gpu_blocks} outside 0..{len(prefix)}")
+        with self._guard(), self._lock:
+            match = self._lookup(prefix, gpu_blocks, total_tokens)
+        self.counters.inc("lookups", match.outcome)
+        return match
+
+    def restore(self, match: Match) -> Restored | None:
+        """Read, verify and return the tensors of ``match``; None on a miss.
+
+        A shard that is missing, short, or fails its checksum or header check marks
+        its node damaged and the restore reports a miss: other bytes are never
+        returned.
+        """
+        if not isinstance(match, Match):
+            raise InvalidInputError("restore takes a Match from lookup()")
+        if not match.hit:
+            return None
+        with self._guard():
+            return self._restore(match)
+
+    def pin(self, match: Match) -> bool:
+        """Pin every node of ``match`` (never evicted or replaced until unpinned)."""
+        with self._guard(), self._lock:
+            if not self._path_current(match):
+                return False
+            for nid, _ in match.path:
+                self._pins[nid] += 1
+            return True
+
+    def unpin(self, match: Match) -> None:
+        """Release a pin taken by ``pin``; unpinning what is not pinned is an error."""
+        with self._guard():
+            with self._lock:
+                for nid, _ in match.path:
+                    if self._pins[nid] <= 0:
+                        raise InvalidInputError(f"node {nid} is not pinned")
+                for nid, _ in match.path:
+                    self._pins[nid] -= 1
+                    if not self._pins[nid]:
+                        del self._pins[nid]
+            self.retry_pending()
+
+    @contextmanager
+    def pinned(self, match: Match) -> Iterator[bool]:
+        """Context manager: pin ``match`` for the duration of the block."""
+        ok = self.pin(match)
+        try:
+            yield ok
+        finally:
+            if ok:
+                self.unpin(match)
+
+    def evict(self, nbytes: int | None = None, *, prefix: Prefix | None = None) -> int:
+        """Reclaim space: ``nbytes`` by policy, or the node at the end of ``prefix``
+        (a leaf is evicted; an interior node refuses). Returns bytes freed."""
+        with self._guard():
+            with self._lock:
+                before = self._charged
+                if prefix is not None:
+                    nid = self.index.by_key.get(prefix.keys[-1]) if len(prefix) else None
+                    node = self.index.get(nid) if nid is not None else None
+                    if node is None:
+                        return 0
+                    if self._blocked(node.id, pol.EVICT) or not node.is_leaf:
+                        return 0
+                    self._evict_nodes([node])
+                elif nbytes is not None:
+                    self._free(min(self._charged, int(nbytes)), 0, set())
+                freed = before - self._charged
+            self.retry_pending()
+            return freed
+
+    def reclaim(self) -> int:
+        """Unlink garbage left by failed cleanups; returns bytes reclaimed."""
+        with self._guard(), self._lock:
+            before = self._charged
+            rows = self.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage' AND txn IS NULL")
+            self._reclaim_rows(None, rows)
+            return before - self._charged
+
+    def retry_pending(self) -> None:
+        """Retry queued stores: drop those no longer valid, store those that now fit."""
+        with self._lock:
+            if self._retrying or not self._pending:
+                return
+            self._retrying = True
+            todo = list(self._pending)
+            self._pending.clear()
+        keep = []
+        try:
+            for p in todo:
+                try:
+                    still_valid = bool(p.valid())
+                except Exception:
+                    still_valid = False
+                if not still_valid:
+                    self.counters.inc("retries", "dropped")
+                    continue
+                r = self._store(p.prefix, p.segments, p.snapshot, p.tokens_from)
+                if r.status == REFUSED:
+                    keep.append(p)
+                elif r.ok:
+                    self.counters.inc("retries", "succeeded")
+                else:
+                    self.counters.inc("retries", "dropped")
+        finally:
+            with self._lock:
+                self._pending.extendleft(reversed(keep))
+                self._retrying = False
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, capacity and node counts as one dict."""
+        with self._guard(), self._lock:
+            by_status = dict(
+                self.catalog.query("SELECT status, coalesce(sum(size),0) FROM files GROUP BY status")
+            )
+            damaged = self.catalog.query(
+                "SELECT coalesce(sum(f.size),0) FROM files f JOIN nodes n ON f.node=n.id "
+                "WHERE n.state='damaged'"
+            )[0][0]
+            snap_nodes = sum(1 for n in self.index if n.has_snapshot)
+            out = {
+                "capacity_bytes": self.capacity,
+                "charged_bytes": self._charged,
+                "live_bytes": by_status.get("live", 0),
+                "writing_bytes": by_status.get("writing", 0),
+                "garbage_bytes": by_status.get("garbage", 0),
+                "damaged_bytes": damaged,
+                "snapshot_bytes_used": snap_nodes * self.layout.snapshot_bytes * self.layout.ranks,
+                "nodes": len(self.index),
+                "nodes_damaged": sum(1 for n in self.index if not n.ready),
+                "pinned": len(self._pins),
+                "fenced": len(self._fences),
+                "pending_retries": len(self._pending),
+                "counters": self.counters.snapshot(),
+                "last_decision": self.counters.last_decision,
+            }
+        self.counters.set_bytes(
+            capacity=self.capacity, charged=out["charged_bytes"], damaged=damaged,
+            garbage=out["garbage_bytes"], snapshot_used=out["snapshot_bytes_used"],
+        )
+        return out
+
+    def audit(self, *, checksums: bool = True):
+        """Check every invariant against this engine's directory (and its memory)."""
+        from prefixstore.engine.audit import audit_engine
+
+        with self._guard(), self._lock:
+            return audit_engine(self, checksums=checksums)
+
+    def close(self) -> None:
+        """Flush recency, close the catalog and release the directory lock."""
+        if self._closed:
+            return
+        with self._lock:
+            try:
+                self._flush_recency()
+            finally:
+                self._shutdown()
+
+    # ------------------------------------------------------------------ internal: setup
+
+    def _check_root(self, create: bool) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise NotACacheError(f"{self.root} is not a directory")
+        if os.path.isdir(self.root):
+            entries = set(os.listdir(self.root))
+            if entries and CATALOG_NAME not in entries:
+                raise NotACacheError(f"{self.root} is not empty and holds no prefixstore catalog")
+        elif not create:
+            raise NotACacheError(f"{self.root} does not exist")
+        os.makedirs(self.root, exist_ok=True)
+
+    def _take_lock(self) -> None:
+        fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockedError(f"{self.root} is open in another engine") from None
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _check_layout(self) -> None:
+        stored = self.catalog.meta("layout")
+        if stored is None:
+            with self.catalog.txn("init") as c:
+                self.catalog.set_meta(c, "layout", self.layout.to_json())
+                self.catalog.set_meta(c, "capacity", str(self.capacity))
+            return
+        if Layout.from_json(stored) != self.layout:
+            raise LayoutMismatchError(
+                f"{self.root} was created with layout {stored}, not {self.layout.to_json()}"
+            )
+        if self.catalog.meta("capacity") != str(self.capacity):
+            with self.catalog.txn("capacity") as c:
+                self.catalog.set_meta(c, "capacity", str(self.capacity))
+
+    def _load(self) -> None:
+        self.index = Index()
+        sizes = dict(
+            self.catalog.query(
+                "SELECT node, sum(size) FROM files WHERE status='live' AND node IS NOT NULL GROUP BY node"
+            )
+        )
+        rows = self.catalog.query(
+            "SELECT id, key, parent, start_block, end_block, digests, has_snapshot, state, "
+            "generation, last_used, snap_used FROM nodes ORDER BY end_block, id"
+        )
+        clock = 0
+        for r in rows:
+            node = Node(
+                id=r[0], key=bytes(r[1]), parent=r[2], start=r[3], end=r[4], digests=bytes(r[5]),
+                has_snapshot=bool(r[6]), state=r[7], generation=r[8], last_used=r[9],
+                snap_used=r[10], nbytes=sizes.get(r[0], 0),
+            )
+            self.index.add(node)
+            clock = max(clock, node.last_used, node.snap_used)
+        self._clock = clock
+        self._charged = self.catalog.charged()
+        self.heap.rebuild(self.index)
+
+    # ------------------------------------------------------------------ internal: guards
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        try:
+            yield
+        except SimulatedCrash:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Model process death: drop the connection (uncommitted work rolls back)."""
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        cat = getattr(self, "catalog", None)
+        if cat is not None:
+            cat.close()
+        self._release_lock()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # ------------------------------------------------------------------ internal: journal
+
+    def _journal_begin(self, c, kind: str, payload: dict[str, Any]) -> int:
+        state = MACHINES[kind].initial
+        cur = c.execute(
+            "INSERT INTO journal(kind, state, payload) VALUES(?, ?, ?)", (kind, state, json.dumps(payload))
+        )
+        return int(cur.lastrowid)
+
+    def _advance(self, c, tid: int, kind: str, state: str, event: str) -> str:
+        """Move transaction ``tid`` along its table inside the open catalog txn ``c``."""
+        nxt = MACHINES[kind].next(state, event)
+        if MACHINES[kind].is_final(nxt):
+            c.execute("DELETE FROM journal WHERE id=?", (tid,))
+        else:
+            c.execute("UPDATE journal SET state=? WHERE id=?", (nxt, tid))
+        return nxt
+
+    # ------------------------------------------------------------------ internal: store
+
+    def _check_store_input(self, prefix, segments, snapshot, tokens_from):
+        L = self.layout
+        if not isinstance(prefix, Prefix):
+            raise InvalidInputError("store takes a Prefix")
+        if len(prefix) == 0:
+            raise InvalidInputError("cannot store an empty prefix")
+        L.check_blocks(tokens_from)
+        end_tokens = len(prefix) * L.block_tokens
+        if tokens_from >= end_tokens:
+            raise InvalidInputError(f"tokens_from={tokens_from} is not before the end ({end_tokens})")
+        segs = L.per_rank(segments)
+        for r, t in enumerate(segs):
+            L.check_segments(r, t, end_tokens - tokens_from)
+        if L.has_snapshot:
+            if snapshot is None:
+                raise ShapeError("this layout has snapshot tensors: store needs snapshot=")
+            snaps = L.per_rank(snapshot)
+            for r, t in enumerate(snaps):
+                L.check_snapshot(r, t)
+        else:
+            if snapshot:
+                raise ShapeError("this layout has no snapshot tensors")
+            snaps = None
+        return segs, snaps
+
+    def _plan(self, prefix: Prefix) -> _Plan | StoreResult:
+        n = len(prefix)
+        keys = prefix.keys
+        p = self.index.deepest_block(keys, n)
+        owner = self.index.owner(keys, p)
+        if owner is not None and owner.end != p:
+            # The checkpoint lands inside an existing node's span (split needed).
+            return StoreResult(SKIPPED, n, "inside_span")
+        existing = owner if (owner is not None and p == n) else None
+        parent = owner if existing is None else self.index.get(existing.parent) if existing.parent is not None else None
+        if existing is not None:
+            if existing.ready and (existing.has_snapshot or not self.layout.has_snapshot):
+                return StoreResult(DUPLICATE, n, "duplicate")
+            if self._pins[existing.id] or self._fences[existing.id]:
+                return StoreResult(SKIPPED, n, "pinned" if self._pins[existing.id] else "fenced")
+        start = parent.end if parent is not None else 0
+        if any(k in self._inflight_blocks for k in keys[start:n]):
+            return StoreResult(SKIPPED, n, "in_flight")
+        return _Plan(parent, existing, start)
+
+    def _store(self, prefix: Prefix, segs, snaps, tokens_from: int) -> StoreResult:
+        L = self.layout
+        n = len(prefix)
+        with self._lock:
+            plan = self._plan(prefix)
+            if isinstance(plan, StoreResult):
+                self._count_store(plan)
+                return plan
+            if self.admission is not None and plan.existing is None and not self.admission(self, prefix, plan):
+                res = StoreResult(SKIPPED, n, "admission")
+                self._count_store(res)
+                return res
+            start = plan.start
+            if tokens_from > start * L.block_tokens:
+                raise InvalidInputError(
+                    f"the new node needs tokens from {start * L.block_tokens}, "
+                    f"but segments start at tokens_from={tokens_from}"
+                )
+            key = prefix.keys[-1]
+            gen = (plan.existing.generation + 1) if plan.existing else 1
+            name = shard_name(key, gen)
+            lo = start * L.block_tokens - tokens_from
+            hi = n * L.block_tokens - tokens_from
+            meta = self._shard_meta(key, gen, start, n, L.has_snapshot)
+            datas = [
+                shards.encode(
+                    {k: v[lo:hi] for k, v in segs[r].items()},
+                    snaps[r] if snaps is not None else {},
+                    {**meta, "rank": str(r)},
+                )
+                for r in range(L.ranks)
+            ]
+            needed = sum(len(d) for d in datas)
+            protect = {x.id for x in (plan.parent, plan.existing) if x is not None}
+            if not self._make_space(needed, protect):
+                res = StoreResult(REFUSED, n, "no_space", needed)
+                self._count_store(res)
+                return res
+            payload = {
+                "key": key.hex(), "generation": gen, "name": name, "start": start, "end": n,
+                "parent": plan.parent.id if plan.parent else None,
+                "node": plan.existing.id if plan.existing else None,
+            }
+            with self.catalog.txn("store.intent") as c:
+                tid = self._journal_begin(c, "store", payload)
+                c.executemany(
+                    "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+                    "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
+                    [(r, name, gen, len(d), shards.checksum(d), tid) for r, d in enumerate(datas)],
+                )
+            self._charged += needed
+            for k in prefix.keys[start:n]:
+                self._inflight_blocks[k] = tid
+            for x in protect:
+                self._fences[x] += 1
+        try:
+            errors = self._write_all(name, datas)
+            with self._lock:
+                if errors:
+                    self._rollback(tid, "store", "INTENT", "failed")
+                    self._check_prior(plan)
+                    self.counters.inc("stores", FAILED)
+                    return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), needed)
+                digests = b"".join(prefix.digests[start:n])
+                node = self._publish_store(tid, plan, key, digests, start, n, gen, needed)
+                status = REFILLED if plan.existing is not None else STORED
+                if status == REFILLED and plan.existing.state == "damaged":
+                    self.counters.inc("refills")
+                self.counters.inc("stores", status)
+                log.debug("stored", key=key.hex()[:12], blocks=n, node=node.id, bytes=needed)
+                return StoreResult(status, n, None, needed)
+        finally:
+            with self._lock:
+                for k in prefix.keys[start:n]:
+                    if self._inflight_blocks.get(k) == tid:
+                        del self._inflight_blocks[k]
+                for x in protect:
+                    self._fences[x] -= 1
+                    if not self._fences[x]:
+                        del self._fences[x]
+
+    def _count_store(self, res: StoreResult) -> None:
+        if res.status in (SKIPPED, DUPLICATE, REFUSED):
+            self.counters.inc("skips", res.reason or res.status)
+
+    def _shard_meta(self, key: bytes, gen: int, start: int, end: int, snap: bool) -> dict[str, str]:
+        return {"key": key.hex(), "generation": str(gen), "start": str(start), "end": str(end),
+                "snapshot": "1" if snap else "0"}
+
+    def _write_all(self, name: str, datas: list[bytes]) -> list[tuple[int, OSError]]:
+        """Write ``name`` on every rank (in parallel); return the ranks that failed."""
+        if len(datas) == 1:
+            try:
+                self.ranks[0].write_shard(name, datas[0])
+                return []
+            except OSError as exc:
+                self.counters.inc("faults", "write")
+                return [(0, exc)]
+        futures = [self._pool.submit(self.ranks[r].write_shard, name, d) for r, d in enumerate(datas)]
+        errors: list[tuple[int, OSError]] = []
+        crash: BaseException | None = None
+        for r, f in enumerate(futures):
+            try:
+                f.result()
+            except OSError as exc:
+                self.counters.inc("faults", "write")
+                errors.append((r, exc))
+            except BaseException as exc:  # a crash or a bug in a rank: re-raised below
+                crash = crash or exc
+        if crash is not None:
+            raise crash
+        return errors
+
+    def _publish_store(self, tid, plan: _Plan, key, digests, start, end, gen, needed) -> Node:
+        now = self._tick()
+        with self.catalog.txn("store.publish") as c:
+            old = []
+            if plan.existing is not None:
+                node = plan.existing
+                old = c.execute(
+                    "SELECT rank, name, size FROM files WHERE node=? AND status='live'", (node.id,)
+                ).fetchall()
+                c.execute(
+                    "UPDATE files SET status='garbage', node=NULL, txn=? WHERE node=? AND status='live'",
+                    (tid, node.id),
+                )
+                c.execute(
+                    "UPDATE nodes SET state='ready', generation=?, has_snapshot=?, last_used=?, "
+                    "snap_used=? WHERE id=?",
+                    (gen, int(self.layout.has_snapshot), now, now, node.id),
+                )
+                nid = node.id
+            else:
+                cur = c.execute(
+                    "INSERT INTO nodes(key, parent, start_block, end_block, digests, has_snapshot, "
+                    "state, generation, last_used, snap_used) VALUES(?, ?, ?, ?, ?, ?, 'ready', ?, ?, ?)",
+                    (key, plan.parent.id if plan.parent else None, start, end, digests,
+                     int(self.layout.has_snapshot), gen, now, now),
+                )
+                nid = int(cur.lastrowid)
+            c.execute(
+                "UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing'",
+                (nid, tid),
+            )
+            state = self._advance(c, tid, "store", "INTENT", "durable")
+            if not old:
+                state = self._advance(c, tid, "store", state, "retired")
+            self._flush_recency(c)
+        if plan.existing is not None:
+            node = plan.existing
+            node.state, node.generation, node.has_snapshot = "ready", gen, self.layout.has_snapshot
+            node.last_used = node.snap_used = now
+            node.nbytes = needed
+        else:
+            node = Node(id=nid, key=key, parent=plan.parent.id if plan.parent else None, start=start,
+                        end=end, digests=digests, has_snapshot=self.layout.has_snapshot, state="ready",
+                        generation=gen, last_used=now, snap_used=now, nbytes=needed)
+            self.index.add(node)
+            if plan.parent is not None:
+                self.heap.offer(plan.parent)
+        self.heap.offer(node)
+        if old:
+            self._finish_retire(tid, "store", old)
+        return node
+
+    def _finish_retire(self, tid: int, kind: str, rows) -> None:
+        """Unlink a published transaction's retired files, then end it."""
+        self.catalog.barrier()
+        left = self._unlink_rows(rows)
+        with self.catalog.txn(f"{kind}.retired") as c:
+            for r, name, _size in rows:
+                if (r, name) in left:
+                    c.execute("UPDATE files SET txn=NULL WHERE rank=? AND name=?", (r, name))
+                else:
+                    c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+            if kind == "evict":
+                self._advance(c, tid, kind, "REMOVED", "reclaim_failed" if left else "reclaimed")
+            else:
+                self._advance(c, tid, kind, "PUBLISHED", "retire_failed" if left else "retired")
+        self._charged -= sum(size for r, name, size in rows if (r, name) not in left)
+
+    def _unlink_rows(self, rows) -> set[tuple[int, str]]:
+        """Remove the files of ``rows`` on their ranks; return those that failed."""
+        failed: set[tuple[int, str]] = set()
+        touched: set[int] = set()
+        for r, name, _size in rows:
+            try:
+                self.ranks[r].remove(name)
+                touched.add(r)
+            except OSError:
+                self.counters.inc("faults", "unlink")
+                failed.add((r, name))
+        for r in sorted(touched):
+            try:
+                self.ranks[r].sync_dir()
+            except OSError:
+                self.counters.inc("faults", "fsync_dir")
+        return failed
+
+    def _rollback(self, tid: int, kind: str, state: str, event: str) -> None:
+        """Drive a transaction that had not published back to its previous record."""
+        if state == "INTENT":
+            with self.catalog.txn(f"{kind}.rollback") as c:
+                c.execute("UPDATE files SET status='garbage' WHERE txn=?", (tid,))
+                state = self._advance(c, tid, kind, state, event)
+        rows = self.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+        left = self._unlink_rows(rows)
+        with self.catalog.txn(f"{kind}.cleaned") as c:
+            for r, name, _ in rows:
+                if (r, name) in left:
+                    c.execute("UPDATE files SET txn=NULL WHERE rank=? AND name=?", (r, name))
+                else:
+                    c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+            self._advance(c, tid, kind, state, "cleanup_failed" if left else "cleaned")
+        self._charged -= sum(size for r, name, size in rows if (r, name) not in left)
+
+    def _check_prior(self, plan: _Plan) -> None:
+        """After a failed store, invalidate a prior record found damaged on some rank."""
+        for node in (plan.existing, plan.parent):
+            if node is None or node.state != "ready":
+                continue
+            rows = self.catalog.query(
+                "SELECT rank, name, size FROM files WHERE node=? AND status='live'", (node.id,)
+            )
+            for r, name, size in rows:
+                try:
+                    actual = self.ranks[r].size(name)
+                except OSError:
+                    actual = None
+                if actual != size:
+                    self._invalidate(node, f"rank {r} shard {'missing' if actual is None else 'short'}")
+                    break
+
+    # ------------------------------------------------------------------ internal: space
+
+    def _make_space(self, needed: int, protect: set[int]) -> bool:
+        cap = self.capacity
+        if self._charged + needed <= cap * self.high_watermark:
+            return True
+        target = max(0, min(cap * self.low_watermark, cap) - needed)
+        self._free(self._charged - target, needed, protect)
+        if self._charged + needed > cap:
+            self._free(self._charged + needed - cap, needed, protect)
+        return self._charged + needed <= cap
+
+    def _free(self, amount: float, needed: int, protect: set[int]) -> None:
+        """Reclaim at least ``amount`` bytes by policy (best effort)."""
+        goal = self._charged - amount
+        while self._charged > goal:
+            victim = self.heap.pop(self.index.get, lambda nid, act: self._blocked(nid, act, protect))
+            if victim is None:
+                return
+            nid, action = victim
+            node = self.index.nodes[nid]
+            if action == pol.EVICT:
+                self._evict_nodes([node])
+            elif action == pol.SUBTREE:
+                self._evict_nodes(self._subtree(node))
+            else:
+                self._retire_snapshot(node)
+            self.counters.inc("evictions", action)
+        self.heap.compact_if_stale(len(self.index), lambda: self.index)
+
+    def _blocked(self, nid: int, action: str, protect: set[int] = frozenset()) -> bool:
+        if nid in protect or self._pins[nid] or self._fences[nid]:
+            return True
+        node = self.index.nodes[nid]
+        if action == pol.SUBTREE:
+            return any(self._pins[x.id] or self._fences[x.id] or x.id in protect for x in self._subtree(node))
+        if action == pol.RETIRE:
+            seg = node.blocks * self.layout.block_tokens * self.layout.token_bytes * self.layout.ranks
+            return self._charged + seg > self.capacity
+        return False
+
+    def _subtree(self, node: Node) -> list[Node]:
+        """``node`` and its descendants, leaves first."""
+        out, todo = [], [node]
+        while todo:
+            n = todo.pop()
+            out.append(n)
+            todo.extend(self.index.nodes[c] for c in n.children)
+        out.reverse()
+        return out
+
+    def _evict_nodes(self, nodes: list[Node]) -> None:
+        """One evict transaction removing ``nodes`` (leaves first)."""
+        ids = [n.id for n in nodes]
+        with self.catalog.txn("evict.remove") as c:
+            tid = self._journal_begin(c, "evict", {"nodes": ids})
+            rows = []
+            for n in nodes:
+                rows += c.execute(
+                    "SELECT rank, name, size FROM files WHERE node=?", (n.id,)
+                ).fetchall()
+                c.execute("UPDATE files SET status='garbage', node=NULL, txn=? WHERE node=?", (tid, n.id))
+                c.execute("DELETE FROM nodes WHERE id=?", (n.id,))
+        for n in nodes:
+            self.index.remove(n.id)
+            self._dirty_recency.discard(n.id)
+        parent = self.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
+        if parent is not None:
+            self.heap.offer(parent)
+        self._finish_retire(tid, "evict", rows)
+
+    def _retire_snapshot(self, node: Node) -> None:
+        """Compact-replace ``node`` with a generation that has no snapshot."""
+        from prefixstore.engine import replace
+
+        replace.retire_snapshot(self, node)
+
+    def _invalidate(self, node: Node, why: str) -> None:
+        """Mark ``node`` damaged (one commit); descendants keep their links."""
+        if node.state == "damaged":
+            return
+        with self.catalog.txn("invalidate") as c:
+            c.execute("UPDATE nodes SET state='damaged' WHERE id=?", (node.id,))
+        node.state = "damaged"
+        self.heap.offer(node)
+        self.counters.inc("faults", "damaged_node")
+        log.warning("node_damaged", node=node.id, key=node.key.hex()[:12], why=why)
+
+    # ------------------------------------------------------------------ internal: lookup/restore
+
+    def _lookup(self, prefix: Prefix, gpu_blocks: int, total_tokens: int | None) -> Match:
+        L = self.layout
+        n = len(prefix)
+        keys = prefix.keys
+        base = dict(prefix_blocks=n, block_tokens=L.block_tokens, gpu_blocks=gpu_blocks)
+        p = self.index.deepest_block(keys, n)
+        owner = self.index.owner(keys, p)
+        if owner is None:
+            return Match("miss", **base)
+        node = owner if owner.end == p else self.index.get(owner.parent) if owner.parent is not None else None
+        if node is None:
+            return Match("miss", **base)
+        if node.end <= gpu_blocks:
+            return Match("gpu_resident", blocks=node.end, node_id=node.id, **base)
+        path = self.index.path(node)
+        # Nodes below the GPU-resident part must be ready; the deepest usable endpoint
+        # is above the first damaged node there.
+        usable: list[Node] = []
+        damaged_below = False
+        for x in path:
+            if x.end <= gpu_blocks:
+                continue
+            if not x.ready:
+                damaged_below = True
+                break
+            usable.append(x)
+        ends = [x for x in usable if x.has_snapshot or not L.has_snapshot]
+        if not ends:
+            return Match("damaged" if damaged_below else "miss", **base)
+        cands = []
+        for x in reversed(ends):
+            nbytes = self._transfer_bytes(path, x, gpu_blocks)
+            cands.append((x, nbytes))
+        total = total_tokens if total_tokens is not None else n * L.block_tokens
+        decision = choose(
+            self.cost, [(x.end * L.block_tokens, b) for x, b in cands], gpu_blocks * L.block_tokens, total
+        )
+        if decision.estimates:
+            self.counters.decision(
+                key=keys[-1].hex()[:12], gpu_tokens=gpu_blocks * L.block_tokens, total_tokens=total,
+                chosen_tokens=None if decision.chosen is None else cands[decision.chosen][0].end * L.block_tokens,
+                estimates=[list(e) for e in decision.estimates],
+            )
+        if decision.chosen is None:
+            return Match("rejected_cost", **base,
+                         transfer_s=decision.estimates[0][1], prefill_s=decision.estimates[0][2])
+        chosen, nbytes = cands[decision.chosen]
+        est = decision.estimates[decision.chosen] if decision.estimates else None
+        chosen_path = tuple((x.id, x.generation) for x in path if x.end > gpu_blocks and x.end <= chosen.end)
+        return Match(
+            "hit", blocks=chosen.end, node_id=chosen.id, path=chosen_path, nbytes=nbytes,
+            transfer_s=est[1] if est else None, prefill_s=est[2] if est else None, **base,
+        )
+
+    def _transfer_bytes(self, path: list[Node], end: Node, gpu_blocks: int) -> int:
+        L = self.layout
+        tokens = sum(
+            (x.end - max(x.start, gpu_blocks)) for x in path if x.end > gpu_blocks and x.end <= end.end
+        ) * L.block_tokens
+        return L.ranks * L.payload_bytes(tokens, L.has_snapshot)
+
+    def _path_current(self, match: Match) -> bool:
+        for nid, gen in match.path:
+            node = self.index.get(nid)
+            if node is None or node.generation != gen or not node.ready:
+                return False
+        return bool(match.path)
+
+    def _restore(self, match: Match) -> Restored | None:
+        L = self.layout
+        with self._lock:
+            if not self._path_current(match):
+                self.counters.inc("lookups", "stale")
+                return None
+            nodes = [self.index.nodes[nid] for nid, _ in match.path]
+            end = nodes[-1]
+            if L.has_snapshot and not end.has_snapshot:
+                return None
+            rows = {}
+            for x in nodes:
+                rows[x.id] = {
+                    r: (name, size, ck)
+                    for r, name, size, ck in self.catalog.query(
+                        "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (x.id,)
+                    )
+                }
+                self._pins[x.id] += 1
+        try:
+            parts: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(L.ranks)]
+            snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
+            files = 0
+            for x in nodes:
+                with_snap = x is end and L.has_snapshot
+                results = self._read_node(x, rows[x.id], with_snap)
+                if isinstance(results, str):
+                    with self._lock:
+                        self._invalidate(x, results)
+                    self.counters.inc("lookups", "damaged_on_restore")
+                    return None
+                if results is None:
+                    return None
+                cut = max(0, match.gpu_blocks - x.start) * L.block_tokens
+                for r, (segs, sn) in enumerate(results):
+                    parts[r].append({k: v[cut:] for k, v in segs.items()})
+                    if with_snap:
+                        snaps[r] = sn
+                files += len(results)
+            segments = [
+                {s.name: torch.cat([p[s.name] for p in parts[r]]) if len(parts[r]) > 1 else parts[r][0][s.name]
+                 for s in L.segments}
+                for r in range(L.ranks)
+            ]
+        finally:
+            with self._lock:
+                for x in nodes:
+                    self._pins[x.id] -= 1
+                    if not self._pins[x.id]:
+                        del self._pins[x.id]
+        with self._lock:
+            now = self._tick()
+            for x in nodes:
+                x.last_used = now
+                self._dirty_recency.add(x.id)
+                self.heap.offer(x)
+            end.snap_used = now
+            self.heap.offer(end)
+        return Restored(match, segments, snaps, match.gpu_tokens, match.tokens, files)
+
+    def _read_node(self, node: Node, rows: dict[int, tuple[str, int, str]], with_snap: bool):
+        """Read and verify ``node``'s shards on every rank.
+
+        Returns per-rank (segments, snapshot), a damage description (str) when a shard
+        is missing or fails verification, or None on a transient I/O error.
+        """
+        L = self.layout
+        if set(rows) != set(range(L.ranks)):
+            return f"shards recorded on ranks {sorted(rows)}"
+        meta = self._shard_meta(node.key, node.generation, node.start, node.end, node.has_snapshot)
+        tokens = node.blocks * L.block_tokens
+
+        def one(r: int):
+            name, size, ck = rows[r]
+            try:
+                data = self.ranks[r].read_shard(name)
+            except FileNotFoundError:
+                return f"rank {r}: shard missing"
+            except OSError:
+                self.counters.inc("faults", "read")
+                return None
+            if len(data) != size:
+                return f"rank {r}: shard is {len(data)} bytes, catalog says {size}"
+            if shards.checksum(data) != ck:
+                return f"rank {r}: checksum mismatch"
+            try:
+                segs, sn = shards.decode(data, L, tokens, node.has_snapshot, {**meta, "rank": str(r)})
+            except ShardError as exc:
+                return f"rank {r}: {exc}"
+            return segs, (sn if with_snap else {})
+
+        out = [one(0)] if L.ranks == 1 else list(self._pool.map(one, range(L.ranks)))
+        for o in out:
+            if isinstance(o, str):
+                return o
+        if any(o is None for o in out):
+            return None
+        return out
+
+    # ------------------------------------------------------------------ internal: recency
+
+    def _flush_recency(self, c=None) -> None:
+        if not self._dirty_recency:
+            return
+        rows = [
+            (self.index.nodes[i].last_used, self.index.nodes[i].snap_used, i)
+            for i in self._dirty_recency if i in self.index.nodes
+        ]
+        if c is None:
+            with self.catalog.txn("recency") as cc:
+                cc.executemany("UPDATE nodes SET last_used=?, snap_used=? WHERE id=?", rows)
+        else:
+            c.executemany("UPDATE nodes SET last_used=?, snap_used=? WHERE id=?", rows)
+        self._dirty_recency.clear()
+
+    def _reclaim_rows(self, tid: int | None, rows) -> None:
+        if not rows:
+            return
+        self.catalog.barrier()
+        left = self._unlink_rows(rows)
+        with self.catalog.txn("reclaim") as c:
+            for r, name, _ in rows:
+                if (r, name) not in left:
+                    c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+        self._charged -= sum(size for r, name, size in rows if (r, name) not in left)
+
+
+def digest_count(digests: bytes) -> int:
+    return len(digests) // DIGEST_SIZE

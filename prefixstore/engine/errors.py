@@ -1,0 +1,80 @@
+"""Typed errors. Every error the engine raises on purpose derives from PrefixStoreError."""
+
+from __future__ import annotations
+
+
+class PrefixStoreError(Exception):
+    """Base class of every error prefixstore raises on purpose."""
+
+
+class InvalidInputError(PrefixStoreError, ValueError):
+    """The caller passed something the engine cannot accept; nothing was changed."""
+
+
+class LayoutError(InvalidInputError):
+    """A Layout is malformed (unknown dtype, empty shape, bad block size...)."""
+
+
+class ShapeError(InvalidInputError):
+    """A tensor's shape does not match the layout."""
+
+
+class DtypeError(InvalidInputError):
+    """A tensor's dtype does not match the layout."""
+
+
+class UnalignedError(InvalidInputError):
+    """A length or position is not a multiple of the layout's block size."""
+
+
+class RankError(InvalidInputError):
+    """Tensors were given for the wrong number of ranks, or an unknown rank was named."""
+
+
+class NotACacheError(PrefixStoreError):
+    """The directory exists but does not hold a prefixstore cache."""
+
+
+class SchemaVersionError(PrefixStoreError):
+    """The catalog was written by a newer (or unknown) schema version."""
+
+
+class LayoutMismatchError(PrefixStoreError):
+    """The cache was created with a different layout than the one given to open()."""
+
+
+class CatalogCorruptError(PrefixStoreError):
+    """The catalog contradicts itself (a tampered or damaged row)."""
+
+
+class EngineClosedError(PrefixStoreError):
+    """The engine was closed (or abandoned after a simulated crash)."""
+
+
+class IllegalTransitionError(PrefixStoreError):
+    """A transaction's state machine was fed an event its current state cannot handle."""
+
+
+class ShardError(PrefixStoreError):
+    """A shard file failed verification (missing, short, checksum or header mismatch)."""
+
+
+class PinnedError(PrefixStoreError):
+    """The operation would touch a pinned or fenced node."""
+
+
+class NotFoundError(PrefixStoreError, KeyError):
+    """No node with that key is in the catalog."""
+
+
+class LockedError(PrefixStoreError):
+    """Another engine (process or object) holds this cache directory open."""
+
+
+class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error
+    """Raised by fault hooks to model process death; never caught by the engine.
+
+    It derives from BaseException so no ``except Exception`` swallows it. The engine
+    that sees it abandons itself (releases its catalog connection and lock without
+    committing anything more); reopen the directory to recover.
+    """

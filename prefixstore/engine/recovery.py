@@ -1,0 +1,115 @@
+"""Recovery on open: drive every unfinished transaction to an end state.
+
+Forward when it had published (PUBLISHED, REMOVED), back otherwise (INTENT,
+ROLLING_BACK). Then reclaim garbage, remove orphan shard files (a store whose intent
+commit was lost), quarantine foreign files into ``lost+found/``, and invalidate
+ready nodes whose shards are missing or short. Every step is idempotent, so a crash
+during recovery is recovered by the next open.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import attrs
+
+from prefixstore.engine.errors import CatalogCorruptError
+from prefixstore.statemachine.transactions import MACHINES, recovery_direction
+
+if TYPE_CHECKING:
+    from prefixstore.engine.core import Engine
+
+SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st(\.tmp)?$")
+
+
+@attrs.define
+class RecoveryReport:
+    """What recovery did."""
+
+    rolled_back: list[int] = attrs.field(factory=list)
+    rolled_forward: list[int] = attrs.field(factory=list)
+    garbage_reclaimed: int = 0
+    orphans_removed: list[str] = attrs.field(factory=list)
+    quarantined: list[str] = attrs.field(factory=list)
+    damaged: list[int] = attrs.field(factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return any(attrs.astuple(self))
+
+
+def recover(eng: Engine) -> RecoveryReport:
+    rep = RecoveryReport()
+    eng._charged = eng.catalog.charged()
+    eng._clock = 0
+    for tid, kind, state, _payload in eng.catalog.journal():
+        if kind not in MACHINES or state not in MACHINES[kind].states:
+            raise CatalogCorruptError(f"journal row {tid}: unknown transaction {kind}/{state}")
+        rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+        if recovery_direction(kind, state) == "forward":
+            eng._finish_retire(tid, kind, rows)
+            rep.rolled_forward.append(tid)
+        else:
+            eng._rollback(tid, kind, state, "recover")
+            rep.rolled_back.append(tid)
+    # 'writing' rows whose transaction is gone cannot exist; treat any as garbage.
+    with eng.catalog.txn("recover.stray") as c:
+        c.execute("UPDATE files SET status='garbage', txn=NULL WHERE status='writing'")
+    before = eng._charged
+    garbage = eng.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage'")
+    eng._reclaim_rows(None, garbage)
+    rep.garbage_reclaimed = before - eng._charged
+    _orphans(eng, rep)
+    _verify_live(eng, rep)
+    return rep
+
+
+def _orphans(eng: Engine, rep: RecoveryReport) -> None:
+    known: dict[int, set[str]] = {}
+    for r, name in eng.catalog.query("SELECT rank, name FROM files"):
+        known.setdefault(r, set()).add(name)
+    for rank in eng.ranks:
+        mine = known.get(rank.rank, set())
+        removed = False
+        for entry in rank.listdir():
+            if entry in mine:
+                continue
+            if SHARD_RE.match(entry):
+                base = entry.removesuffix(".tmp")
+                if base in mine:
+                    # a leftover temporary of a known file: remove just the temporary
+                    rank.remove_temp(base)
+                else:
+                    rank.remove(base)
+                rep.orphans_removed.append(f"rank{rank.rank}/{entry}")
+                removed = True
+            else:
+                rank.quarantine(entry)
+                rep.quarantined.append(f"rank{rank.rank}/{entry}")
+        if removed:
+            rank.sync_dir()
+
+
+def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
+    ranks = eng.layout.ranks
+    per_node: dict[int, list[tuple[int, str, int]]] = {}
+    for node, r, name, size in eng.catalog.query(
+        "SELECT node, rank, name, size FROM files WHERE status='live'"
+    ):
+        per_node.setdefault(node, []).append((r, name, size))
+    bad = []
+    for (nid,) in eng.catalog.query("SELECT id FROM nodes WHERE state='ready'"):
+        files = per_node.get(nid, [])
+        ok = len(files) == ranks and {r for r, _, _ in files} == set(range(ranks))
+        if ok:
+            for r, name, size in files:
+                if eng.ranks[r].size(name) != size:
+                    ok = False
+                    break
+        if not ok:
+            bad.append(nid)
+    if bad:
+        with eng.catalog.txn("recover.invalidate") as c:
+            c.executemany("UPDATE nodes SET state='damaged' WHERE id=?", [(i,) for i in bad])
+        rep.damaged.extend(bad)

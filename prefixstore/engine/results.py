@@ -1,0 +1,76 @@
+"""The paired request/result objects of the public API."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+STORED = "stored"
+REFILLED = "refilled"
+DUPLICATE = "duplicate"
+QUEUED = "queued"
+REFUSED = "refused"
+FAILED = "failed"
+SKIPPED = "skipped"
+
+
+@attrs.frozen
+class StoreResult:
+    """What a store did. ``status`` is one of stored, refilled, duplicate, queued,
+    refused, failed, skipped; ``reason`` explains skips, refusals and failures."""
+
+    status: str
+    blocks: int
+    reason: str | None = None
+    nbytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when the checkpoint is (now or already) durably stored."""
+        return self.status in (STORED, REFILLED, DUPLICATE)
+
+
+@attrs.frozen
+class Match:
+    """The result of a lookup: the deepest checkpoint worth restoring, if any.
+
+    ``outcome`` is one of: hit, gpu_resident, miss, rejected_cost, damaged.
+    ``path`` holds ``(node_id, generation)`` root-first for the nodes to read.
+    """
+
+    outcome: str
+    prefix_blocks: int
+    block_tokens: int
+    gpu_blocks: int = 0
+    blocks: int = 0
+    node_id: int | None = None
+    path: tuple[tuple[int, int], ...] = ()
+    nbytes: int = 0
+    transfer_s: float | None = None
+    prefill_s: float | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.outcome == "hit"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens covered by the checkpoint (0 when there is none)."""
+        return self.blocks * self.block_tokens
+
+    @property
+    def gpu_tokens(self) -> int:
+        return self.gpu_blocks * self.block_tokens
+
+
+@attrs.frozen(eq=False)
+class Restored:
+    """Restored tensors, per rank: segments cover tokens ``[start_tokens, end_tokens)``
+    (axis 0), the snapshot is the recurrent state at ``end_tokens``."""
+
+    match: Match
+    segments: list[dict[str, torch.Tensor]]
+    snapshot: list[dict[str, torch.Tensor]]
+    start_tokens: int
+    end_tokens: int
+    files_read: int = 0

@@ -1,0 +1,116 @@
+"""Per-rank file effects: durable shard writes, reads and idempotent removal.
+
+``RankIO`` is what the engine talks to for one rank. ``LocalRank`` applies the
+effects in this process on a rank directory; ``prefixstore.gpu.distributed``
+provides the same interface for a rank living in its own process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Protocol
+
+from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS
+
+SHARD_SUFFIX = ".st"
+TMP_SUFFIX = ".tmp"
+
+
+def shard_name(key: bytes, generation: int) -> str:
+    """File name of a node's shard (the same on every rank, in that rank's directory)."""
+    return f"{key.hex()}-g{generation}{SHARD_SUFFIX}"
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank{rank}"
+
+
+class RankIO(Protocol):
+    """File effects of one rank. Every method is idempotent where the docs say so."""
+
+    rank: int
+    directory: str
+
+    def write_shard(self, name: str, data: bytes) -> None: ...
+    def read_shard(self, name: str) -> bytes: ...
+    def remove(self, name: str) -> bool: ...
+    def remove_temp(self, name: str) -> None: ...
+    def quarantine(self, entry: str) -> str: ...
+    def sync_dir(self) -> None: ...
+    def size(self, name: str) -> int | None: ...
+    def listdir(self) -> list[str]: ...
+
+
+class LocalRank:
+    """A rank whose directory this process writes directly."""
+
+    def __init__(self, rank: int, directory: str, fs: FileSystem | None = None,
+                 hook: FaultHook | None = None) -> None:
+        self.rank = rank
+        self.directory = directory
+        self.fs = HookedFS(fs or OsFS(), hook or FaultHook(), rank)
+        self.fs.makedirs(directory)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def write_shard(self, name: str, data: bytes) -> None:
+        """Write to a temporary name, fsync, rename into place, fsync the directory.
+
+        Raises OSError on any failure; a failed fsync is a failed write (never retried).
+        """
+        final = self.path(name)
+        tmp = final + TMP_SUFFIX
+        self.fs.write_new(tmp, data)
+        self.fs.fsync(tmp)
+        self.fs.rename_new(tmp, final)
+        self.fs.fsync_dir(self.directory)
+
+    def read_shard(self, name: str) -> bytes:
+        return self.fs.read(self.path(name))
+
+    def remove(self, name: str) -> bool:
+        """Unlink ``name`` and its temporary; a file already missing is success.
+
+        Returns True when something was unlinked. Does not fsync the directory:
+        call ``sync_dir`` once after a batch.
+        """
+        removed = False
+        for p in (self.path(name), self.path(name) + TMP_SUFFIX):
+            if self.fs.size(p) is None:
+                continue
+            try:
+                self.fs.unlink(p)
+                removed = True
+            except FileNotFoundError:
+                pass
+        return removed
+
+    def remove_temp(self, name: str) -> None:
+        """Unlink ``name``'s leftover temporary (missing is success)."""
+        p = self.path(name) + TMP_SUFFIX
+        if self.fs.size(p) is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.unlink(p)
+
+    def quarantine(self, entry: str) -> str:
+        """Move a foreign entry out of the rank directory into ``lost+found``."""
+        dest_dir = os.path.join(os.path.dirname(self.directory), "lost+found", os.path.basename(self.directory))
+        os.makedirs(dest_dir, exist_ok=True)
+        dest = os.path.join(dest_dir, entry)
+        n = 0
+        while os.path.lexists(dest):
+            n += 1
+            dest = os.path.join(dest_dir, f"{entry}.{n}")
+        os.rename(self.path(entry), dest)
+        return dest
+
+    def sync_dir(self) -> None:
+        self.fs.fsync_dir(self.directory)
+
+    def size(self, name: str) -> int | None:
+        return self.fs.size(self.path(name))
+
+    def listdir(self) -> list[str]:
+        return self.fs.listdir(self.directory)

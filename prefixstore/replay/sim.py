@@ -1,0 +1,531 @@
+"""A fast block-level prefix-cache simulator for comparing eviction policies on a trace.
+
+Pure: no engine, no files. The cache holds nodes of the prefix tree. A node is a chain
+position ``(parent node, block id)``; in Mooncake traces ids are already prefix-unique,
+so a node is just a block id whose parent is the previous id of any request holding it.
+Every block costs ``block_bytes``; the capacity is ``capacity_bytes // block_bytes``
+blocks.
+
+Per request (file order):
+
+1. **Lookup**: the hit is the leading run of the request's blocks that are cached. The
+   cache is always *whole* (a cached node's ancestors are cached), so this is every
+   cached block of the request. Token hits are ``min(hit * block_tokens, input_length)``.
+2. **Touch** the hit blocks, root to leaf (``Policy.on_access``).
+3. **Store** the missing blocks root to leaf. The policy may refuse one
+   (``Policy.admit``: an engine counts a skipped store, reason ``'admission'``); then
+   the rest of the request is not stored either, keeping the tree whole. A full cache
+   asks ``Policy.choose_victim`` for a node to evict; an interior victim takes its
+   cached subtree with it. The request's own blocks are pinned while it is stored: a
+   pinned victim (or ``None``) means no room, and the rest of the request is skipped.
+
+Prefill seconds come from a cumulative curve ``prefill_s(tokens)`` (default
+``5e-5*t + 1e-10*t**2``): prefilling ``(h, T]`` on top of ``h`` cached tokens costs
+``prefill_s(T) - prefill_s(h)``, so a hit of ``h`` tokens saves ``prefill_s(h)``.
+
+Policies (``POLICIES``):
+
+- ``leaf-lru``: evict the least recently used *leaf* (the tree stays whole for free).
+- ``lru``: evict the least recently used block; its cached descendants go with it.
+  Blocks are touched root to leaf, so a chain's root is its oldest block: this is the
+  prefix-oblivious baseline (a per-block LRU whose orphaned descendants are dropped).
+- ``prefixstore``: see :class:`PrefixStorePolicy` (admission by a ghost history plus a
+  protected segment for reused blocks, leaf eviction).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from prefixstore.engine.errors import InvalidInputError
+from prefixstore.replay.trace import BLOCK_TOKENS, Request
+
+PrefillFn = Callable[[int], float]
+
+DEFAULT_BLOCK_BYTES = 512 * 64 * 1024
+"""Nominal bytes per 512-token block (64 KiB/token). Hit ratios depend only on
+``capacity_bytes // block_bytes``."""
+
+PREFILL_A = 5e-5
+PREFILL_B = 1e-10
+
+
+def default_prefill_s(tokens: int) -> float:
+    """Modeled seconds to prefill ``tokens`` tokens from nothing: ``a*t + b*t**2``."""
+    if tokens <= 0:
+        return 0.0
+    return PREFILL_A * tokens + PREFILL_B * tokens * tokens
+
+
+# ----------------------------------------------------------------------------------
+# Compiled traces
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledTrace:
+    """A trace as dense tree nodes: ``paths[r]`` are request ``r``'s node ids, root first."""
+
+    paths: tuple[tuple[int, ...], ...]
+    parent: tuple[int, ...]  # per node; -1 for a root
+    depth: tuple[int, ...]  # per node; 0 for a root
+    input_lengths: tuple[int, ...]
+    block_tokens: int = BLOCK_TOKENS
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.parent)
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.paths)
+
+    @property
+    def n_refs(self) -> int:
+        return sum(len(p) for p in self.paths)
+
+    def children(self) -> list[list[int]]:
+        """Children of every node (all nodes of the trace, cached or not)."""
+        kids: list[list[int]] = [[] for _ in range(self.n_nodes)]
+        for node, p in enumerate(self.parent):
+            if p >= 0:
+                kids[p].append(node)
+        return kids
+
+    def unique_bytes(self, block_bytes: int) -> int:
+        return self.n_nodes * block_bytes
+
+
+def compile_trace(
+    requests: Sequence[Request] | Sequence[Sequence[int]],
+    input_lengths: Sequence[int] | None = None,
+    *,
+    block_tokens: int = BLOCK_TOKENS,
+) -> CompiledTrace:
+    """Intern each chain position ``(parent node, id)`` as a dense node id.
+
+    ``requests`` are :class:`Request` records, or bare id chains (then ``input_lengths``
+    defaults to full blocks).
+    """
+    if block_tokens <= 0:
+        raise InvalidInputError(f"block_tokens must be positive, got {block_tokens}")
+    nodes: dict[tuple[int, int], int] = {}
+    parent: list[int] = []
+    depth: list[int] = []
+    paths: list[tuple[int, ...]] = []
+    lengths: list[int] = []
+    for i, r in enumerate(requests):
+        ids = r.hash_ids if isinstance(r, Request) else tuple(r)
+        if not ids:
+            raise InvalidInputError(f"request {i} has no blocks")
+        if isinstance(r, Request):
+            n_tokens = r.input_length
+        elif input_lengths is not None:
+            n_tokens = input_lengths[i]
+        else:
+            n_tokens = len(ids) * block_tokens
+        path: list[int] = []
+        prev = -1
+        for h in ids:
+            key = (prev, h)
+            node = nodes.get(key)
+            if node is None:
+                node = nodes[key] = len(parent)
+                parent.append(prev)
+                depth.append(len(path))
+            path.append(node)
+            prev = node
+        paths.append(tuple(path))
+        lengths.append(n_tokens)
+    return CompiledTrace(tuple(paths), tuple(parent), tuple(depth), tuple(lengths), block_tokens)
+
+
+def as_compiled(trace: CompiledTrace | Sequence[Request] | Sequence[Sequence[int]]) -> CompiledTrace:
+    return trace if isinstance(trace, CompiledTrace) else compile_trace(trace)
+
+
+# ----------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """What one policy achieved on one trace at one capacity."""
+
+    policy: str
+    capacity_bytes: int
+    block_bytes: int
+    requests: int
+    blocks_total: int
+    blocks_hit: int
+    tokens_total: int
+    tokens_hit: int
+    prefill_s_total: float
+    prefill_s_saved: float
+    stored: int = 0
+    evicted: int = 0
+    skipped_admission: int = 0
+    skipped_no_room: int = 0
+    hits: tuple[int, ...] = field(default=(), repr=False)  # block hits per request
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.capacity_bytes // self.block_bytes
+
+    @property
+    def hit_ratio_blocks(self) -> float:
+        return self.blocks_hit / self.blocks_total if self.blocks_total else 0.0
+
+    @property
+    def hit_ratio_tokens(self) -> float:
+        return self.tokens_hit / self.tokens_total if self.tokens_total else 0.0
+
+    def row(self) -> dict[str, float | int | str]:
+        """A flat summary (for tables and JSON)."""
+        return {
+            "policy": self.policy,
+            "capacity_blocks": self.capacity_blocks,
+            "hit_ratio_blocks": round(self.hit_ratio_blocks, 6),
+            "hit_ratio_tokens": round(self.hit_ratio_tokens, 6),
+            "prefill_s_saved": round(self.prefill_s_saved, 3),
+            "prefill_s_total": round(self.prefill_s_total, 3),
+            "stored": self.stored,
+            "evicted": self.evicted,
+            "skipped_admission": self.skipped_admission,
+            "skipped_no_room": self.skipped_no_room,
+        }
+
+
+def summarize(
+    trace: CompiledTrace,
+    hits: Sequence[int],
+    *,
+    policy: str,
+    capacity_bytes: int,
+    block_bytes: int,
+    prefill_s: PrefillFn = default_prefill_s,
+    **counters: int,
+) -> SimResult:
+    """Token and prefill accounting for per-request block hits."""
+    bt = trace.block_tokens
+    tokens_total = tokens_hit = 0
+    pf_total = pf_saved = 0.0
+    for h, n in zip(hits, trace.input_lengths, strict=True):
+        th = min(h * bt, n)
+        tokens_total += n
+        tokens_hit += th
+        pf_total += prefill_s(n)
+        if th > 0:
+            pf_saved += prefill_s(th)
+    return SimResult(
+        policy=policy,
+        capacity_bytes=capacity_bytes,
+        block_bytes=block_bytes,
+        requests=trace.n_requests,
+        blocks_total=trace.n_refs,
+        blocks_hit=sum(hits),
+        tokens_total=tokens_total,
+        tokens_hit=tokens_hit,
+        prefill_s_total=pf_total,
+        prefill_s_saved=pf_saved,
+        hits=tuple(hits),
+        **counters,
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Cache state and the policy interface
+
+
+class CacheState:
+    """The simulator's tree state, readable by policies (they must not change it)."""
+
+    __slots__ = ("parent", "depth", "cached", "nchild", "pin", "req", "size", "capacity", "_children", "_trace")
+
+    def __init__(self, trace: CompiledTrace, capacity_blocks: int) -> None:
+        n = trace.n_nodes
+        self._trace = trace
+        self.parent = trace.parent
+        self.depth = trace.depth
+        self.cached = bytearray(n)
+        self.nchild = [0] * n  # cached children
+        self.pin = [-1] * n  # request index whose path pins the node
+        self.req = -1
+        self.size = 0
+        self.capacity = capacity_blocks
+        self._children: list[list[int]] | None = None
+
+    def is_leaf(self, node: int) -> bool:
+        """A cached node with no cached children."""
+        return bool(self.cached[node]) and self.nchild[node] == 0
+
+    def is_pinned(self, node: int) -> bool:
+        """On the path of the request being served."""
+        return self.pin[node] == self.req
+
+    def children(self) -> list[list[int]]:
+        if self._children is None:
+            self._children = self._trace.children()
+        return self._children
+
+
+class Policy:
+    """An online policy. Hooks are called by the simulator; defaults do nothing.
+
+    ``choose_victim`` must return a cached node (a leaf, or an interior node whose
+    subtree should go with it) or ``None`` when it has nothing to offer; it should not
+    return pinned nodes unless nothing else is evictable. It must not change state:
+    the simulator calls ``on_evict`` for every node it removes.
+    """
+
+    name = "policy"
+    state: CacheState
+
+    def bind(self, state: CacheState) -> None:
+        self.state = state
+
+    def begin_request(self, req: int, path: Sequence[int], hit: int, input_length: int) -> None:
+        """A request arrives; ``hit`` of its ``path`` nodes are cached."""
+
+    def on_access(self, node: int) -> None:
+        """A cached node of the request was hit (called root to leaf)."""
+
+    def admit(self, node: int, pos: int) -> bool:
+        """Whether to store ``node`` (position ``pos`` in the request); False skips the rest."""
+        return True
+
+    def on_insert(self, node: int) -> None:
+        """``node`` was stored."""
+
+    def choose_victim(self) -> int | None:
+        raise NotImplementedError
+
+    def on_evict(self, node: int) -> None:
+        """``node`` was removed (its parent's ``nchild`` is already updated)."""
+
+
+class _RecencyLeafHeap:
+    """Leaves ordered by a per-node key, with lazy invalidation (a min-heap)."""
+
+    __slots__ = ("heap", "key", "state")
+
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
+        self.heap: list[tuple[float, int]] = []
+        self.key: list[float] = [0.0] * len(state.parent)
+
+    def set(self, node: int, key: float) -> None:
+        self.key[node] = key
+        if self.state.nchild[node] == 0:
+            heapq.heappush(self.heap, (key, node))
+
+    def became_leaf(self, node: int) -> None:
+        heapq.heappush(self.heap, (self.key[node], node))
+
+    def peek(self) -> int | None:
+        st = self.state
+        heap = self.heap
+        cached, nchild, key, pin, req = st.cached, st.nchild, self.key, st.pin, st.req
+        skipped: list[tuple[float, int]] = []
+        found: int | None = None
+        while heap:
+            k, node = heap[0]
+            if not cached[node] or nchild[node] or key[node] != k:
+                heapq.heappop(heap)
+                continue
+            if pin[node] == req:  # the request's own leaf: look past it
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = node
+            break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+
+class LeafLRU(Policy):
+    """Evict the least recently used leaf."""
+
+    name = "leaf-lru"
+
+    def bind(self, state: CacheState) -> None:
+        super().bind(state)
+        self.leaves = _RecencyLeafHeap(state)
+        self.clock = 0
+
+    def on_access(self, node: int) -> None:
+        self.clock += 1
+        self.leaves.set(node, self.clock)
+
+    on_insert = on_access
+
+    def choose_victim(self) -> int | None:
+        return self.leaves.peek()
+
+    def on_evict(self, node: int) -> None:
+        p = self.state.parent[node]
+        if p >= 0 and self.state.nchild[p] == 0:
+            self.leaves.became_leaf(p)
+
+
+class LRU(Policy):
+    """Evict the least recently used block, and its cached descendants with it."""
+
+    name = "lru"
+
+    def bind(self, state: CacheState) -> None:
+        super().bind(state)
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def on_access(self, node: int) -> None:
+        self.order[node] = None
+        self.order.move_to_end(node)
+
+    on_insert = on_access
+
+    def choose_victim(self) -> int | None:
+        for node in self.order:
+            return node
+        return None
+
+    def on_evict(self, node: int) -> None:
+        del self.order[node]
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "leaf-lru": LeafLRU,
+    "lru": LRU,
+}
+
+
+def make_policy(policy: str | Policy) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    factory = POLICIES.get(policy)
+    if factory is None:
+        raise InvalidInputError(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))} or 'optimal'")
+    return factory()
+
+
+# ----------------------------------------------------------------------------------
+# The simulator
+
+
+def capacity_in_blocks(capacity_bytes: int, block_bytes: int) -> int:
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+        raise InvalidInputError(f"block_bytes must be a positive integer, got {block_bytes!r}")
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+        raise InvalidInputError(f"capacity_bytes must be a non-negative integer, got {capacity_bytes!r}")
+    return capacity_bytes // block_bytes
+
+
+def simulate(
+    trace: CompiledTrace | Sequence[Request],
+    capacity_bytes: int,
+    policy: str | Policy = "leaf-lru",
+    *,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    prefill_s: PrefillFn = default_prefill_s,
+) -> SimResult:
+    """Replay ``trace`` through a cache of ``capacity_bytes`` under ``policy``.
+
+    ``policy`` is a name from :data:`POLICIES`, ``'optimal'`` (the offline bound of
+    :mod:`prefixstore.replay.optimal`), or a :class:`Policy` instance (fresh per run).
+    """
+    if policy == "optimal":
+        from prefixstore.replay.optimal import belady
+
+        return belady(trace, capacity_bytes, block_bytes=block_bytes, prefill_s=prefill_s)
+    ct = as_compiled(trace)
+    cap = capacity_in_blocks(capacity_bytes, block_bytes)
+    pol = make_policy(policy)
+    st = CacheState(ct, cap)
+    pol.bind(st)
+
+    cached, nchild, parent, pin = st.cached, st.nchild, st.parent, st.pin
+    begin, on_access, admit = pol.begin_request, pol.on_access, pol.admit
+    on_insert, choose_victim, on_evict = pol.on_insert, pol.choose_victim, pol.on_evict
+    hits: list[int] = []
+    stored = evicted = skip_adm = skip_room = 0
+
+    def remove_subtree(victim: int) -> int:
+        """Evict ``victim`` and its cached descendants, deepest first."""
+        kids = st.children()
+        order = [victim]
+        i = 0
+        while i < len(order):
+            order.extend(c for c in kids[order[i]] if cached[c])
+            i += 1
+        for node in reversed(order):
+            if pin[node] == st.req:
+                raise AssertionError(f"policy {pol.name!r} evicted a pinned node {node} (subtree of {victim})")
+            cached[node] = 0
+            p = parent[node]
+            if p >= 0:
+                nchild[p] -= 1
+            on_evict(node)
+        st.size -= len(order)
+        return len(order)
+
+    for r, path in enumerate(ct.paths):
+        st.req = r
+        n = len(path)
+        h = 0
+        while h < n and cached[path[h]]:
+            h += 1
+        hits.append(h)
+        begin(r, path, h, ct.input_lengths[r])
+        for i in range(h):
+            node = path[i]
+            pin[node] = r
+            on_access(node)
+        for i in range(h, n):
+            node = path[i]
+            if not admit(node, i):
+                skip_adm += n - i
+                break
+            room = True
+            while st.size >= cap:
+                victim = choose_victim()
+                if victim is None or pin[victim] == r or not cached[victim]:
+                    room = False
+                    break
+                if nchild[victim] == 0:
+                    cached[victim] = 0
+                    p = parent[victim]
+                    if p >= 0:
+                        nchild[p] -= 1
+                    st.size -= 1
+                    on_evict(victim)
+                    evicted += 1
+                else:
+                    evicted += remove_subtree(victim)
+            if not room:
+                skip_room += n - i
+                break
+            cached[node] = 1
+            p = parent[node]
+            if p >= 0:
+                nchild[p] += 1
+            st.size += 1
+            pin[node] = r
+            on_insert(node)
+            stored += 1
+    st.req = -1
+    return summarize(
+        ct,
+        hits,
+        policy=pol.name,
+        capacity_bytes=capacity_bytes,
+        block_bytes=block_bytes,
+        prefill_s=prefill_s,
+        stored=stored,
+        evicted=evicted,
+        skipped_admission=skip_adm,
+        skipped_no_room=skip_room,
+    )
