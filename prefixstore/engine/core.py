@@ -607,9 +607,10 @@ class Engine:
                     self.counters.inc("stores", FAILED)
                     return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), needed)
                 digests = b"".join(prefix.digests[start:n])
+                was_damaged = plan.existing is not None and plan.existing.state == "damaged"
                 node = self._publish_store(tid, plan, key, digests, start, n, gen, needed)
                 status = REFILLED if plan.existing is not None else STORED
-                if status == REFILLED and plan.existing.state == "damaged":
+                if was_damaged:
                     self.counters.inc("refills")
                 self.counters.inc("stores", status)
                 log.debug("stored", key=key.hex()[:12], blocks=n, node=node.id, bytes=needed)

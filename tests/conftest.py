@@ -1,0 +1,120 @@
+"""Shared fixtures: small layouts, deterministic tensors, engines in temp dirs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from prefixstore.engine.core import Engine
+from prefixstore.engine.keys import Prefix
+from prefixstore.engine.layout import Layout, TensorSpec
+
+settings.register_profile("dev", max_examples=30, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("campaign", max_examples=5000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE", "dev"))
+
+BT = 4  # tokens per block in tests
+
+
+def make_layout(ranks: int = 1, snapshot: bool = True, dtype: str = "bfloat16", bt: int = BT) -> Layout:
+    return Layout(
+        segments=[TensorSpec("k", dtype, (2, 3)), TensorSpec("v", dtype, (2, 3))],
+        snapshots=[TensorSpec("state", "float32", (2, 2))] if snapshot else [],
+        block_tokens=bt,
+        ranks=ranks,
+    )
+
+
+def tokens_for(seed: int, blocks: int, bt: int = BT) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (blocks * bt,), generator=g).tolist()
+
+
+def seg_tensors(layout: Layout, tokens: list[int], salt: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Deterministic per-token rows: a token's rows depend only on its position and id."""
+    out = []
+    t = torch.tensor(tokens, dtype=torch.float64)
+    pos = torch.arange(len(tokens), dtype=torch.float64)
+    for r in range(layout.ranks):
+        d = {}
+        for i, spec in enumerate(layout.segments):
+            base = (t * 0.001 + pos * 0.01 + r * 0.5 + i + salt)[:, None, None]
+            val = base + torch.arange(6, dtype=torch.float64).reshape(1, 2, 3) * 0.125
+            if spec.torch_dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+                val = (t[:, None, None] + pos[:, None, None] * 3 + r + i
+                       + torch.arange(6).reshape(1, 2, 3)) % 100
+            d[spec.name] = val.to(spec.torch_dtype)
+        out.append(d)
+    return out
+
+
+def snap_tensors(layout: Layout, tokens: list[int], salt: int = 0) -> list[dict[str, torch.Tensor]] | None:
+    if not layout.has_snapshot:
+        return None
+    s = float(sum(tokens) % 10007 + len(tokens) + salt)
+    return [{spec.name: torch.full(spec.shape, s + r, dtype=spec.torch_dtype) for spec in layout.snapshots}
+            for r in range(layout.ranks)]
+
+
+def store_tokens(eng: Engine, tokens: list[int], salt: int = 0, **kw):
+    L = eng.layout
+    return eng.store(Prefix.from_tokens(tokens, L.block_tokens), seg_tensors(L, tokens, salt),
+                     snap_tensors(L, tokens, salt), **kw)
+
+
+def assert_restores(eng: Engine, tokens: list[int], salt: int = 0, blocks: int | None = None) -> None:
+    """The deepest match of ``tokens`` restores bit-identically (at ``blocks`` if given)."""
+    L = eng.layout
+    m = eng.lookup(Prefix.from_tokens(tokens, L.block_tokens))
+    assert m.hit, m
+    if blocks is not None:
+        assert m.blocks == blocks, m
+    r = eng.restore(m)
+    assert r is not None
+    want = seg_tensors(L, tokens[: m.tokens], salt)
+    for rank in range(L.ranks):
+        for name, t in r.segments[rank].items():
+            assert torch.equal(t, want[rank][name]), (rank, name)
+    if L.has_snapshot:
+        ws = snap_tensors(L, tokens[: m.tokens], salt)
+        for rank in range(L.ranks):
+            for name, t in r.snapshot[rank].items():
+                assert torch.equal(t, ws[rank][name]), (rank, name)
+
+
+@pytest.fixture
+def layout() -> Layout:
+    return make_layout()
+
+
+@pytest.fixture
+def cache_dir(tmp_path) -> str:
+    return str(tmp_path / "cache")
+
+
+class Gate:
+    """A FaultHook that forwards to ``inner`` only while armed (setup runs unhooked)."""
+
+    def __init__(self) -> None:
+        self.inner = None
+
+    def arm(self, inner) -> None:
+        self.inner = inner
+
+    def disarm(self) -> None:
+        self.inner = None
+
+    def before(self, op, target, rank):
+        if self.inner is not None:
+            self.inner.before(op, target, rank)
+
+    def after(self, op, target, rank):
+        if self.inner is not None:
+            self.inner.after(op, target, rank)
