@@ -174,13 +174,15 @@ class FaultPlan:
 
     ``calls[op]`` counts calls per op, ``calls_by_rank[(op, rank)]`` per op and rank,
     ``injected['write:ENOSPC']`` faults per kind, ``log`` every injected fault in order.
-    Probabilistic rules draw from ``random.Random(seed)``.
+    Probabilistic rules draw from one seeded stream per (rule, rank), so runs replay
+    even when ranks call concurrently. ``at`` counts matching calls in arrival order:
+    with concurrent ranks, give the rule a rank for a reproducible choice.
     """
 
     def __init__(self, rules: Iterable[FaultRule] = (), seed: int = 0) -> None:
         self.rules: list[FaultRule] = list(rules)
         self.seed = seed
-        self.rng = random.Random(f"{seed}/plan")
+        self._rngs: dict[tuple[int, int | None], random.Random] = {}
         self.calls: Counter[str] = Counter()
         self.calls_by_rank: Counter[tuple[str, int | None]] = Counter()
         self.injected: Counter[str] = Counter()
@@ -236,6 +238,12 @@ class FaultPlan:
         finally:
             self.enabled = was
 
+    def _rng(self, rule_index: int, rank: int | None) -> random.Random:
+        key = (rule_index, rank)
+        if key not in self._rngs:
+            self._rngs[key] = random.Random(f"{self.seed}/rule{rule_index}/rank{rank}")
+        return self._rngs[key]
+
     def check(self, op: str, target: str, rank: int | None) -> FaultRule | None:
         """Count a call; return the rule that fails it, or None.
 
@@ -247,14 +255,14 @@ class FaultPlan:
         if not self.enabled:
             return None
         chosen: FaultRule | None = None
-        for rule in self.rules:
+        for i, rule in enumerate(self.rules):
             if not rule.matches(op, target, rank):
                 continue
             rule.seen += 1
             fire = rule.at is not None and (
                 rule.seen == rule.at or (rule.persistent and rule.seen >= rule.at)
             )
-            if rule.probability > 0.0 and self.rng.random() < rule.probability:
+            if rule.probability > 0.0 and self._rng(i, rank).random() < rule.probability:
                 fire = True
             if fire and chosen is None:
                 chosen = rule
@@ -364,7 +372,8 @@ class FaultFS:
     """A ``FileSystem`` on the real disk that tracks durability and injects faults.
 
     ``plan`` decides which calls fail (an empty plan: none). ``seed`` drives short-write
-    lengths and garbled bytes. ``real_sync`` also issues the real fsyncs (off by
+    lengths (one stream per rank), garbled bytes (drawn in name order) and random bit
+    flips, so a run replays even with ranks writing concurrently. ``real_sync`` also issues the real fsyncs (off by
     default: durability is simulated, so tests stay fast). Thread-safe.
     """
 
@@ -374,7 +383,7 @@ class FaultFS:
         self.plan = plan if plan is not None else FaultPlan(seed=seed)
         self.seed = seed
         self.real_sync = real_sync
-        self.rng = random.Random(f"{seed}/faultfs")
+        self._rngs: dict[str, random.Random] = {}
         self.crashes = 0
         self._os = OsFS()
         self._lock = threading.RLock()
@@ -402,7 +411,8 @@ class FaultFS:
                 view = memoryview(data).cast("B")
                 if rule.partial:
                     # a short write: the file exists and holds a prefix of the data
-                    keep = self.rng.randrange(len(view)) if len(view) else 0
+                    rng = self._rng(f"short/rank{rank_of(path)}")
+                    keep = rng.randrange(len(view)) if len(view) else 0
                     self._os.write_new(path, view[:keep])
                     self._track_create(path, keep)
                 raise self._error(rule, path)
@@ -503,9 +513,12 @@ class FaultFS:
             names = set(self._live) | set(self._durable)
             for op in self._pending:
                 names.update(op.names())
+            rng = self._rng(f"crash{self.crashes}")
             contents: dict[int, bytes] = {}
-            for fid in sorted(set(self._durable.values())):  # sorted: same seed, same bytes
-                contents[fid] = self._crash_content(self._files[fid], mode)
+            for name in sorted(self._durable):  # by name, not fid: thread order is not seeded
+                fid = self._durable[name]
+                if fid not in contents:
+                    contents[fid] = self._crash_content(self._files[fid], mode, rng)
             removed: list[str] = []
             restored: list[str] = []
             rewritten: list[str] = []
@@ -582,7 +595,8 @@ class FaultFS:
             n = os.path.getsize(path)
             if n == 0:
                 raise ValueError(f"{path} is empty")
-            offset, bit = self.rng.randrange(n), self.rng.randrange(8)
+            rng = self._rng("damage")
+            offset, bit = rng.randrange(n), rng.randrange(8)
             self.flip_bit(path, offset, bit)
             return offset, bit
 
@@ -621,6 +635,12 @@ class FaultFS:
             self._pending = [op for op in self._pending if op.fid != fid]
 
     # -- internal helpers -------------------------------------------------------------
+
+    def _rng(self, stream: str) -> random.Random:
+        """A seeded stream per purpose (and per rank for short writes)."""
+        if stream not in self._rngs:
+            self._rngs[stream] = random.Random(f"{self.seed}/{stream}")
+        return self._rngs[stream]
 
     @staticmethod
     def _error(rule: FaultRule, path: str) -> OSError:
@@ -695,12 +715,12 @@ class FaultFS:
         for fid in [f for f in self._files if f not in live_fids]:
             del self._files[fid]  # durably unlinked and closed: nothing can bring it back
 
-    def _crash_content(self, f: _File, mode: CrashMode) -> bytes:
+    def _crash_content(self, f: _File, mode: CrashMode, rng: random.Random) -> bytes:
         base = b"" if f.synced is None else f.synced
         if mode == "drop":
             return base
         extra = f.length - len(base)
-        return base + (self.rng.randbytes(extra) if extra > 0 else b"")
+        return base + (rng.randbytes(extra) if extra > 0 else b"")
 
 
 # --------------------------------------------------------------------------------------
