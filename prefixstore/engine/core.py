@@ -19,6 +19,7 @@ import fcntl
 import json
 import os
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -102,7 +103,8 @@ class Engine:
         ``create`` (False refuses to create a new cache), ``fs`` / ``hook`` (effect
         layer for fault injection), ``ranks`` (RankIO objects, e.g. rank processes),
         ``registry`` (a prometheus CollectorRegistry), ``admission`` (callable
-        deciding whether to admit a store; see ``prefixstore.statemachine.admission``).
+        deciding whether to admit a store), ``inflight_wait_s`` (how long a store waits
+        for an overlapping store in flight before it is skipped as 'in_flight').
         """
         return cls(os.fspath(path), layout, capacity_bytes, **opts)
 
@@ -123,6 +125,7 @@ class Engine:
         ranks: Sequence[RankIO] | None = None,
         registry: Any = None,
         admission: Any = None,
+        inflight_wait_s: float = 30.0,
     ) -> None:
         if not isinstance(layout, Layout):
             raise InvalidInputError("layout must be a prefixstore Layout")
@@ -137,10 +140,12 @@ class Engine:
         self.cost = cost
         self.policy_name = policy
         self.admission = admission
+        self.inflight_wait_s = inflight_wait_s
         self.hook = hook or FaultHook()
         self.fs = fs or OsFS()
         self.counters = Counters(registry)
         self._lock = threading.RLock()
+        self._settled = threading.Condition(self._lock)  # notified when a store finishes
         self._closed = False
         self._lock_fd: int | None = None
         self._pins: Counter[int] = Counter()
@@ -548,6 +553,14 @@ class Engine:
         n = len(prefix)
         with self._lock:
             plan = self._plan(prefix)
+            deadline = time.monotonic() + self.inflight_wait_s
+            while isinstance(plan, StoreResult) and plan.reason == "in_flight":
+                # An overlapping store is in flight: wait for it to settle, then re-plan.
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._settled.wait(left)
+                plan = self._plan(prefix)
             if isinstance(plan, StoreResult):
                 self._count_store(plan)
                 return plan
@@ -624,6 +637,7 @@ class Engine:
                     self._fences[x] -= 1
                     if not self._fences[x]:
                         del self._fences[x]
+                self._settled.notify_all()
 
     def _count_store(self, res: StoreResult) -> None:
         if res.status in (SKIPPED, DUPLICATE, REFUSED):
