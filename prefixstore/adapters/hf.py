@@ -273,7 +273,9 @@ def cache_map(
 ) -> CacheMap:
     """Derive the cache map (and engine layout) of a transformers model config.
 
-    ``dtype`` is the KV dtype; ``state_dtype`` (default ``dtype``) that of recurrent states.
+    ``dtype`` is the KV dtype. Snapshot dtypes default to what transformers keeps:
+    conv windows in ``dtype``, recurrent (SSM / delta-rule) states in float32 whatever
+    the model dtype; ``state_dtype`` overrides both.
     """
     text = config.get_text_config(decoder=True)
     model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
@@ -298,7 +300,12 @@ def cache_map(
                     "add one with register_state_rule()"
                 )
             states.extend(rule(cfg, i))
-    sdtype = dtype if state_dtype is None else state_dtype
+
+    def sdtype(s: StateSpec) -> torch.dtype | str:
+        if state_dtype is not None:
+            return state_dtype
+        return dtype if s.kind == "conv" else torch.float32
+
     segments = [TensorSpec(TOKENS, TOKEN_DTYPE, (1,))]
     for a in attention:
         per_rank = (a.kv_heads // ranks, a.head_dim)
@@ -306,7 +313,7 @@ def cache_map(
             TensorSpec(a.key_name, dtype, per_rank),
             TensorSpec(a.value_name, dtype, per_rank),
         ]
-    snapshots = [TensorSpec(s.name, sdtype, s.rank_shape(ranks)) for s in states]
+    snapshots = [TensorSpec(s.name, sdtype(s), s.rank_shape(ranks)) for s in states]
     layout = Layout(segments=segments, block_tokens=block_tokens, snapshots=snapshots, ranks=ranks)
     return CacheMap(
         layout=layout,
@@ -339,6 +346,8 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _token_tensor(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    if not isinstance(tokens, torch.Tensor) and len(tokens) == 0:
+        return torch.empty(0, dtype=torch.int64)
     t = torch.as_tensor(tokens).reshape(-1)
     if t.dtype.is_floating_point or t.dtype == torch.bool:
         raise InvalidInputError(f"token ids must be integers, got {t.dtype}")
@@ -441,11 +450,12 @@ def from_engine(
     segments = layout.per_rank(segments)
     if cmap.has_snapshot and snapshot is None:
         raise InvalidInputError("this layout needs a snapshot")
+    snaps = layout.per_rank(snapshot) if cmap.has_snapshot else []
     n = int(segments[0][TOKENS].shape[0]) if TOKENS in segments[0] else -1
     for r in range(cmap.ranks):
         layout.check_segments(r, segments[r], n)
         if cmap.has_snapshot:
-            layout.check_snapshot(r, layout.per_rank(snapshot)[r])
+            layout.check_snapshot(r, snaps[r])
     if tokens is not None:
         want = _token_tensor(tokens)[start_tok : start_tok + n]
         for r in range(cmap.ranks):
@@ -475,7 +485,6 @@ def from_engine(
             pair.append(t.to(device).contiguous() if device is not None else t.contiguous())
         cache.layers[a.layer].update(pair[0], pair[1])
     if cmap.has_snapshot:
-        snaps = layout.per_rank(snapshot)
         for s in cmap.states:
             t = s.join([snaps[r][s.name] for r in range(cmap.ranks)]).unsqueeze(0)
             t = t.to(device) if device is not None else t
@@ -604,11 +613,14 @@ class HFPrefixCache:
         end_tok: int | None = None,
         *,
         tokens_from: int = 0,
+        valid: Callable[[], bool] | None = None,
     ) -> Any:
         """Store the checkpoint of ``cache`` at ``end_tok`` (default: deepest block boundary).
 
-        ``tokens`` are all the tokens ``cache`` consumed. Returns the engine's
-        StoreResult, or None when ``end_tok`` is 0 (nothing to store).
+        ``tokens`` are all the tokens ``cache`` consumed (with recurrent layers
+        ``end_tok`` must be ``len(tokens)``: see :func:`to_engine`). ``valid`` is passed
+        to the engine (a store refused for space is retried while it returns True).
+        Returns the engine's StoreResult, or None when there is no full block to store.
         """
         ids = _token_tensor(tokens)
         bt = self.cmap.block_tokens
@@ -617,17 +629,46 @@ class HFPrefixCache:
             return None
         t = to_engine(self.cmap, cache, ids, tokens_from, end)
         prefix = Prefix.from_tokens(ids[:end], bt)
-        return self.engine.store(prefix, t.segments, t.snapshot, tokens_from=tokens_from)
+        opts = {} if valid is None else {"valid": valid}
+        return self.engine.store(prefix, t.segments, t.snapshot, tokens_from=tokens_from, **opts)
+
+    def prefill(
+        self,
+        model: Any,
+        tokens: Sequence[int] | torch.Tensor,
+        resumed: Resumed | None = None,
+    ) -> tuple[Cache, torch.Tensor]:
+        """Feed ``tokens`` after what ``resumed`` covers, storing a checkpoint at their
+        last block boundary on the way (the run stops there, so recurrent states can be
+        taken). Returns the cache and the logits after the last token."""
+        ids = _token_tensor(tokens)
+        start, cache = (resumed.tokens, resumed.cache) if resumed is not None else (0, None)
+        if not 0 <= start < len(ids):
+            raise InvalidInputError(f"nothing to prefill: {start} of {len(ids)} tokens covered")
+        boundary = len(ids) // self.cmap.block_tokens * self.cmap.block_tokens
+        stepwise = self.cmap.stepwise
+        if boundary > start:
+            cache, logits = feed(model, ids[start:boundary], cache, stepwise=stepwise)
+            self.store(cache, ids[:boundary])
+            start = boundary
+        if start < len(ids):
+            cache, logits = feed(model, ids[start:], cache, stepwise=stepwise)
+        return cache, logits
 
     def resume(self, tokens: Sequence[int] | torch.Tensor) -> Resumed:
         """Restore the deepest stored checkpoint of ``tokens``, falling back to shallower
         ones when a restore fails (the engine marks that node damaged).
 
         The last token is never covered, so the caller always has one token to feed to
-        get next-token logits.
+        get next-token logits: attention-only models restore a checkpoint ending at the
+        last token and drop its last row; models with recurrent state (which cannot be
+        rewound) look up the checkpoints before the last token only.
         """
         ids = _token_tensor(tokens)
-        prefix = Prefix.from_tokens(ids[: max(len(ids) - 1, 0)], self.cmap.block_tokens)
+        if len(ids) == 0:
+            return Resumed(None, 0)
+        cut = len(ids) - 1 if self.cmap.has_snapshot else len(ids)
+        prefix = Prefix.from_tokens(ids[: max(cut, 0)], self.cmap.block_tokens)
         failed = 0
         match = None
         for _ in range(len(prefix) + 2):
@@ -646,5 +687,9 @@ class HFPrefixCache:
                 tokens=ids,
                 device=self.device,
             )
-            return Resumed(cache, match.tokens, match, failed)
+            covered = match.tokens
+            if covered >= len(ids):  # attention only: rewind to leave one token to feed
+                cache.crop(len(ids) - 1 - covered)
+                covered = len(ids) - 1
+            return Resumed(cache, covered, match, failed)
         return Resumed(None, 0, match, failed)

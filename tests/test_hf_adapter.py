@@ -1,0 +1,379 @@
+"""The transformers adapter: layouts from configs, cache <-> engine round trips, and
+restores through the engine that continue generation exactly like a full prefill."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+
+from prefixstore.adapters import hf  # noqa: E402
+from prefixstore.engine.errors import InvalidInputError, LayoutError, RankError  # noqa: E402
+from prefixstore.engine.keys import Prefix  # noqa: E402
+
+BT = 16  # block_tokens
+PROMPT = 96  # tokens of the request
+CHECKPOINTS = (32, 64)  # stored checkpoint positions
+STEPS = 32  # greedy continuation length
+TOL = 1e-5
+CAPACITY = 64 << 20
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+
+
+def mamba_config() -> MambaConfig:
+    return MambaConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4, expand=2
+    )
+
+
+def qwen3_next_config() -> Qwen3NextConfig:
+    return Qwen3NextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        full_attention_interval=2,  # layer 0: gated delta-net, layer 1: full attention
+        max_position_embeddings=256,
+    )
+
+
+BUILDERS: dict[str, tuple[Callable[[], Any], type]] = {
+    "llama": (llama_config, LlamaForCausalLM),
+    "mamba": (mamba_config, MambaForCausalLM),
+    "qwen3_next": (qwen3_next_config, Qwen3NextForCausalLM),
+}
+
+
+@attrs.frozen
+class Case:
+    """A tiny model, a request, and the reference: full prefill + greedy decode."""
+
+    name: str
+    model: Any
+    ids: list[int]
+    logits: torch.Tensor
+    continuation: list[int]
+
+    def cmap(self, ranks: int) -> hf.CacheMap:
+        return hf.cache_map(self.model.config, block_tokens=BT, ranks=ranks)
+
+    def finish(self, cache: Any, start: int, stepwise: bool) -> tuple[torch.Tensor, list[int]]:
+        """Feed ``ids[start:]`` after ``cache``; the last logits and greedy continuation."""
+        cache, logits = hf.feed(self.model, self.ids[start:], cache, stepwise=stepwise)
+        return logits, hf.greedy(self.model, cache, logits, STEPS)
+
+    def check(self, cache: Any, start: int, stepwise: bool) -> None:
+        logits, cont = self.finish(cache, start, stepwise)
+        assert (logits - self.logits).abs().max().item() < TOL
+        assert cont == self.continuation
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread (and do not fight parallel test workers)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def case(request: pytest.FixtureRequest) -> Case:
+    make_config, model_cls = BUILDERS[request.param]
+    torch.manual_seed(0)
+    model = model_cls(make_config()).eval()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (PROMPT,), generator=gen).tolist()
+    cache, logits = hf.feed(model, ids)  # one full prefill
+    return Case(request.param, model, ids, logits, hf.greedy(model, cache, logits, STEPS))
+
+
+def shard_files(root: Path) -> set[str]:
+    return set(glob.glob(os.path.join(root, "**", "*.st"), recursive=True))
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def store_checkpoints(pc: hf.HFPrefixCache, case: Case) -> list[set[str]]:
+    """Prefill in chunks ending at each checkpoint and store it there.
+
+    Returns the shard files each store created (checkpoint order)."""
+    created = []
+    cache, pos = None, 0
+    root = Path(pc.engine.root)
+    for end in CHECKPOINTS:
+        before = shard_files(root)
+        cache, _ = hf.feed(case.model, case.ids[pos:end], cache, stepwise=pc.cmap.stepwise)
+        pos = end
+        res = pc.store(cache, case.ids[:end])
+        assert res.status == "stored", res
+        created.append(shard_files(root) - before)
+    return created
+
+
+def open_cache(path: Path, case: Case, ranks: int) -> hf.HFPrefixCache:
+    return hf.HFPrefixCache.open(
+        path, case.model.config, capacity_bytes=CAPACITY, block_tokens=BT, ranks=ranks
+    )
+
+
+# -- layouts ----------------------------------------------------------------------------
+
+
+def test_layout_attention_only() -> None:
+    layout = hf.layout_for(llama_config(), dtype=torch.bfloat16, block_tokens=BT, ranks=2)
+    segs = {s.name: (s.dtype, s.shape) for s in layout.segments}
+    assert segs == {
+        "tok": ("int32", (1,)),
+        "k.0": ("bfloat16", (1, 16)),
+        "v.0": ("bfloat16", (1, 16)),
+        "k.1": ("bfloat16", (1, 16)),
+        "v.1": ("bfloat16", (1, 16)),
+    }
+    assert layout.snapshots == () and layout.ranks == 2 and layout.block_tokens == BT
+
+
+def test_layout_mamba_is_snapshot_only() -> None:
+    cmap = hf.cache_map(mamba_config(), block_tokens=BT, ranks=2)
+    assert [s.name for s in cmap.layout.segments] == ["tok"]
+    snaps = {s.name: s.shape for s in cmap.layout.snapshots}
+    assert snaps == {"conv.0": (32, 4), "ssm.0": (32, 8), "conv.1": (32, 4), "ssm.1": (32, 8)}
+    assert cmap.stepwise
+
+
+def test_bf16_model_keeps_fp32_recurrent_state() -> None:
+    torch.manual_seed(0)
+    model = MambaForCausalLM(mamba_config()).to(torch.bfloat16).eval()
+    cmap = hf.cache_map(model.config, dtype=torch.bfloat16, block_tokens=BT, ranks=2)
+    dtypes = {s.name: s.dtype for s in cmap.layout.snapshots}
+    assert dtypes["conv.0"] == "bfloat16" and dtypes["ssm.0"] == "float32"
+    ids = list(range(32))
+    cache, _ = hf.feed(model, ids)
+    t = hf.to_engine(cmap, cache, ids)
+    back = hf.from_engine(cmap, model.config, t.segments, t.snapshot, tokens=ids)
+    for i in range(2):
+        for states in ("conv_states", "recurrent_states"):
+            got = getattr(back.layers[i], states)[0]
+            assert torch.equal(got, getattr(cache.layers[i], states)[0])
+
+
+def test_layout_hybrid_has_both() -> None:
+    layout = hf.layout_for(qwen3_next_config(), block_tokens=BT, ranks=1)
+    assert [s.name for s in layout.segments] == ["tok", "k.1", "v.1"]
+    snaps = {s.name: s.shape for s in layout.snapshots}
+    # conv channels: q (2 heads x 16) + k (2 x 16) + v (4 x 16); ssm: (v heads, dk, dv)
+    assert snaps == {"conv.0": (128, 4), "ssm.0": (4, 16, 16)}
+
+
+def test_layout_refuses_what_it_cannot_map() -> None:
+    with pytest.raises(RankError):
+        hf.cache_map(llama_config(), ranks=3)  # 2 KV heads on 3 ranks
+    sliding = llama_config()
+    sliding.layer_types = ["sliding_attention", "full_attention"]
+    sliding.sliding_window = 8
+    with pytest.raises(LayoutError):
+        hf.cache_map(sliding)
+    unknown = mamba_config()
+    unknown.model_type = "not_a_model"
+    with pytest.raises(LayoutError, match="register_state_rule"):
+        hf.cache_map(unknown)
+
+
+def test_state_split_follows_heads_and_joins_back() -> None:
+    # Qwen3-Next-like conv window: [q (2 heads x 2) | k (2 x 2) | v (4 x 1)] channels.
+    spec = hf.StateSpec("conv.0", 0, "conv", (12, 3), groups=[(2, 2), (2, 2), (4, 1)])
+    full = torch.arange(36.0).reshape(12, 3)
+    parts = spec.split(full, 2)
+    assert spec.rank_shape(2) == (6, 3)
+    # rank 0: q head 0, k head 0, v heads 0-1
+    assert torch.equal(parts[0], full[[0, 1, 4, 5, 8, 9]])
+    assert torch.equal(parts[1], full[[2, 3, 6, 7, 10, 11]])
+    assert torch.equal(spec.join(parts), full)
+    # 3 ranks do not divide 2 heads: every rank holds the whole state
+    assert spec.rank_shape(3) == (12, 3)
+    reps = spec.split(full, 3)
+    assert all(torch.equal(p, full) for p in reps) and torch.equal(spec.join(reps), full)
+    reps[2] = reps[2] + 1
+    with pytest.raises(InvalidInputError):
+        spec.join(reps)
+
+
+# -- conversions without the engine -----------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_round_trip_without_engine(case: Case, ranks: int) -> None:
+    cmap = case.cmap(ranks)
+    cache, _ = hf.feed(case.model, case.ids[:64])
+    t = hf.to_engine(cmap, cache, case.ids[:64])
+    assert len(t.segments) == ranks and all(s["tok"].shape == (64, 1) for s in t.segments)
+    assert (t.snapshot is not None) == cmap.has_snapshot
+    restored = hf.from_engine(cmap, case.model.config, t.segments, t.snapshot, tokens=case.ids)
+    case.check(restored, 64, cmap.stepwise)
+
+
+def test_rank_shards_hold_their_heads() -> None:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config()).eval()
+    ids = list(range(40))
+    cache, _ = hf.feed(model, ids)
+    t = hf.to_engine(hf.cache_map(model.config, block_tokens=BT, ranks=2), cache, ids)
+    keys = cache.layers[1].keys[0]  # (heads, tokens, dim)
+    for r in range(2):
+        assert torch.equal(t.segments[r]["k.1"], keys[r, :32].unsqueeze(1))
+
+
+def test_checks_on_bad_input() -> None:
+    torch.manual_seed(0)
+    model = MambaForCausalLM(mamba_config()).eval()
+    cmap = hf.cache_map(model.config, block_tokens=BT)
+    ids = list(range(48))
+    cache, _ = hf.feed(model, ids)
+    with pytest.raises(InvalidInputError):  # a recurrent state exists only at token 48
+        hf.to_engine(cmap, cache, ids, 0, 32)
+    t = hf.to_engine(cmap, cache, ids)
+    with pytest.raises(hf.TokenMismatchError):
+        hf.from_engine(cmap, model.config, t.segments, t.snapshot, tokens=[1, *ids[1:]])
+    with pytest.raises(InvalidInputError):
+        hf.from_engine(cmap, model.config, t.segments, None)
+
+
+# -- through the engine -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_restore_through_engine_matches_full_prefill(
+    case: Case, ranks: int, tmp_path: Path
+) -> None:
+    with open_cache(tmp_path, case, ranks) as pc:
+        store_checkpoints(pc, case)
+        again = pc.store(*_prefill(case, 64), end_tok=64)  # same checkpoint again
+        assert again.status == "duplicate"
+        r = pc.resume(case.ids)
+        assert (r.tokens, r.failed_restores) == (64, 0)
+        case.check(r.cache, r.tokens, pc.cmap.stepwise)
+    with open_cache(tmp_path, case, ranks) as pc:  # after close and reopen
+        r = pc.resume(case.ids)
+        assert (r.tokens, r.failed_restores) == (64, 0)
+        case.check(r.cache, r.tokens, pc.cmap.stepwise)
+        # a request diverging inside block 3 matches the 32-token checkpoint only
+        other = case.ids[:40] + [(t + 1) % 256 for t in case.ids[40:]]
+        assert pc.resume(other).tokens == 32
+
+
+def _prefill(case: Case, n: int) -> tuple[Any, list[int]]:
+    cache, _ = hf.feed(case.model, case.ids[:n])
+    return cache, case.ids[:n]
+
+
+def test_prefill_stores_at_last_block_boundary(case: Case, tmp_path: Path) -> None:
+    with open_cache(tmp_path, case, 2) as pc:
+        first = case.ids[:72]
+        _, logits = pc.prefill(case.model, first, pc.resume(first))
+        _, want = hf.feed(case.model, first)
+        assert (logits - want).abs().max().item() < TOL
+        r = pc.resume(case.ids)
+        assert r.tokens == 64
+        case.check(r.cache, r.tokens, pc.cmap.stepwise)
+
+
+def test_block_aligned_request(case: Case, tmp_path: Path) -> None:
+    """A request ending exactly at a checkpoint: attention-only models restore it and
+    rewind one token; recurrent ones fall back to the checkpoint before."""
+    with open_cache(tmp_path, case, 1) as pc:
+        store_checkpoints(pc, case)
+        r = pc.resume(case.ids[:64])
+        expect = 63 if not pc.cmap.has_snapshot else 32
+        assert r.tokens == expect
+        _, logits = hf.feed(case.model, case.ids[r.tokens : 64], r.cache, stepwise=pc.cmap.stepwise)
+        _, want = hf.feed(case.model, case.ids[:64])
+        assert (logits - want).abs().max().item() < TOL
+        assert pc.resume([]).cache is None
+
+
+def test_gpu_resident_prefix_is_not_restored(case: Case, tmp_path: Path) -> None:
+    with open_cache(tmp_path, case, 2) as pc:
+        store_checkpoints(pc, case)
+        base, _ = hf.feed(case.model, case.ids[:32])  # blocks 0-1 still on the "GPU"
+        match = pc.engine.lookup(Prefix.from_tokens(case.ids[: PROMPT - 1], BT), gpu_blocks=2)
+        assert match.hit and match.tokens == 64
+        restored = pc.engine.restore(match)
+        assert restored is not None and restored.segments[0]["tok"].shape[0] == 32
+        cache = hf.from_engine(
+            pc.cmap,
+            case.model.config,
+            restored.segments,
+            restored.snapshot if pc.cmap.has_snapshot else None,
+            tokens=case.ids,
+            start_tok=32,
+            base=base,
+        )
+        case.check(cache, 64, pc.cmap.stepwise)
+
+
+def test_damaged_shard_falls_back_to_shallower_match_then_prefill(
+    case: Case, tmp_path: Path
+) -> None:
+    with open_cache(tmp_path, case, 2) as pc:
+        shallow, deep = store_checkpoints(pc, case)
+    assert deep and shallow and not deep & shallow
+    flip_byte(sorted(deep)[-1])  # one rank's shard of the 64-token checkpoint
+    with open_cache(tmp_path, case, 2) as pc:
+        r = pc.resume(case.ids)
+        assert (r.tokens, r.failed_restores) == (32, 1)
+        case.check(r.cache, r.tokens, pc.cmap.stepwise)
+        flip_byte(sorted(shallow)[0])
+        r = pc.resume(case.ids)
+        assert (r.cache, r.tokens, r.failed_restores) == (None, 0, 1)
+        case.check(None, 0, pc.cmap.stepwise)  # full prefill
+        # the damaged checkpoint is refilled by storing it again
+        assert pc.store(*_prefill(case, 32)).status in ("refilled", "stored")
+        r = pc.resume(case.ids)
+        assert (r.tokens, r.failed_restores) == (32, 0)
+        case.check(r.cache, r.tokens, pc.cmap.stepwise)
