@@ -27,16 +27,22 @@ use is never earlier than its ancestors': the farthest cached node can always be
 the incoming block's ancestors are nearer than it (so are never the victim), and when a
 block is skipped every deeper block of the request is skipped too. So MIN's schedule
 keeps the cache whole, and meets the relaxed optimum: it is optimal for the tree.
+The argument needs uniform block sizes (with sizes, offline caching is NP-hard).
 ``exact_optimum`` (a search over every whole cache state, for small inputs) and the
-brute-force enumeration in the tests confirm this on hand-made and random traces.
+step-by-step brute force in the tests agree with it on 1,000 random small traces
+(18,000 more checked once, offline); the leaf assertion below guards the proof.
 
 What it is not. Tokens and prefill seconds are reported for this block-optimal
-schedule but are not themselves maximized: token hits are ``512 * hits`` except that a
-request fully hit counts its partial last block's tokens only, so no policy can beat
-``block_tokens * optimal block hits`` tokens, but a schedule favouring full hits could
-exceed Belady's token count by less than one block per fully hit request. The prefill
-curve is superlinear, so a schedule favouring long contexts can save more seconds than
-this one: for seconds, Belady's figure is a reference, not a bound.
+schedule but are not themselves maximized. Token hits are ``block_tokens * hits``,
+except that a fully hit request counts only its ``input_length`` (its last block is
+partial), so no schedule exceeds ``block_tokens * optimal hits`` tokens, yet one with
+fewer full hits could count more tokens than Belady's, by less than one block per
+request Belady hits fully. The prefill curve is superlinear, so a schedule favouring
+long contexts can save more seconds: for seconds, Belady's figure is a reference, not
+a bound.
+
+On the Mooncake conversation trace the optimum reaches the unbounded cache's hit
+count (36.6% of block references) from 8,138 blocks (4.45% of unique bytes) up.
 """
 
 from __future__ import annotations
@@ -57,6 +63,13 @@ from prefixstore.replay.sim import (
     summarize,
 )
 from prefixstore.replay.trace import Request
+
+
+def _check_capacity(capacity_blocks: int) -> None:
+    if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int):
+        raise InvalidInputError(f"capacity_blocks must be an integer, got {capacity_blocks!r}")
+    if capacity_blocks < 0:
+        raise InvalidInputError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
 
 
 def next_uses(trace: CompiledTrace) -> list[list[int]]:
@@ -81,6 +94,7 @@ def next_uses(trace: CompiledTrace) -> list[list[int]]:
 
 def belady_hits(trace: CompiledTrace, capacity_blocks: int) -> tuple[list[int], dict[str, int]]:
     """Per-request block hits of the optimal schedule (see the module docstring)."""
+    _check_capacity(capacity_blocks)
     cap = capacity_blocks
     n_nodes = trace.n_nodes
     parent = trace.parent
@@ -168,6 +182,7 @@ def exact_optimum(
     whole subset of old cache plus path). Exponential: for small inputs only, raises
     :class:`InvalidInputError` past ``max_states`` states.
     """
+    _check_capacity(capacity_blocks)
     ct = as_compiled(trace)
     parent = ct.parent
     best: dict[frozenset[int], int] = {frozenset(): 0}
@@ -182,7 +197,9 @@ def exact_optimum(
                 if nxt.get(succ, -1) < score:
                     nxt[succ] = score
             if len(nxt) > max_states:
-                raise InvalidInputError(f"exact_optimum: more than {max_states} states; input too large")
+                raise InvalidInputError(
+                    f"exact_optimum: more than {max_states} states; input too large"
+                )
         best = nxt
     return max(best.values())
 

@@ -67,14 +67,20 @@ def _int_field(obj: dict, key: str, minimum: int, lineno: int | None, path: str 
     # bool is an int subclass; a float like 3.0 is accepted only if integral.
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TraceFormatError(
-            f"field {key!r} must be an integer, got {type(value).__name__}", lineno=lineno, path=path
+            f"field {key!r} must be an integer, got {type(value).__name__}",
+            lineno=lineno,
+            path=path,
         )
     if isinstance(value, float):
         if not math.isfinite(value) or not value.is_integer():
-            raise TraceFormatError(f"field {key!r} must be an integer, got {value!r}", lineno=lineno, path=path)
+            raise TraceFormatError(
+                f"field {key!r} must be an integer, got {value!r}", lineno=lineno, path=path
+            )
         value = int(value)
     if value < minimum:
-        raise TraceFormatError(f"field {key!r} must be >= {minimum}, got {value}", lineno=lineno, path=path)
+        raise TraceFormatError(
+            f"field {key!r} must be >= {minimum}, got {value}", lineno=lineno, path=path
+        )
     return value
 
 
@@ -96,7 +102,9 @@ def parse_request(
     except (json.JSONDecodeError, RecursionError) as exc:
         raise TraceFormatError(f"not valid JSON ({exc})", lineno=lineno, path=path) from None
     if not isinstance(obj, dict):
-        raise TraceFormatError(f"expected a JSON object, got {type(obj).__name__}", lineno=lineno, path=path)
+        raise TraceFormatError(
+            f"expected a JSON object, got {type(obj).__name__}", lineno=lineno, path=path
+        )
     ts = _int_field(obj, "timestamp", 0, lineno, path)
     inp = _int_field(obj, "input_length", 1, lineno, path)
     out = _int_field(obj, "output_length", 0, lineno, path)
@@ -104,7 +112,9 @@ def parse_request(
         raise TraceFormatError("missing field 'hash_ids'", lineno=lineno, path=path)
     ids = obj["hash_ids"]
     if not isinstance(ids, list) or not ids:
-        raise TraceFormatError("field 'hash_ids' must be a non-empty list", lineno=lineno, path=path)
+        raise TraceFormatError(
+            "field 'hash_ids' must be a non-empty list", lineno=lineno, path=path
+        )
     for i, h in enumerate(ids):
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise TraceFormatError(
@@ -133,24 +143,32 @@ def iter_trace(
         raise InvalidInputError(f"limit must be a non-negative integer or None, got {limit!r}")
     if block_tokens <= 0:
         raise InvalidInputError(f"block_tokens must be positive, got {block_tokens}")
+    return _iter_lines(Path(path), limit, block_tokens, check_block_count)
+
+
+def _iter_lines(
+    path: Path, limit: int | None, block_tokens: int, check_block_count: bool
+) -> Iterator[Request]:
     name = str(path)
     if limit == 0:
         return
     count = 0
-    with open(path, encoding="utf-8") as f:
-        lineno = 0
-        while True:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             try:
-                line = f.readline()
+                line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise TraceFormatError(f"not UTF-8 text ({exc.reason})", lineno=lineno + 1, path=name) from None
-            if not line:
-                return
-            lineno += 1
+                raise TraceFormatError(
+                    f"not UTF-8 text ({exc.reason})", lineno=lineno, path=name
+                ) from None
             if not line.strip():
                 continue
             yield parse_request(
-                line, lineno, path=name, block_tokens=block_tokens, check_block_count=check_block_count
+                line,
+                lineno,
+                path=name,
+                block_tokens=block_tokens,
+                check_block_count=check_block_count,
             )
             count += 1
             if limit is not None and count >= limit:
@@ -165,7 +183,9 @@ def load_trace(
     check_block_count: bool = True,
 ) -> list[Request]:
     """Load a JSONL trace (see :func:`iter_trace`)."""
-    return list(iter_trace(path, limit, block_tokens=block_tokens, check_block_count=check_block_count))
+    return list(
+        iter_trace(path, limit, block_tokens=block_tokens, check_block_count=check_block_count)
+    )
 
 
 def unique_blocks(requests: Iterable[Request]) -> int:
@@ -225,7 +245,9 @@ def parse_capacity(spec: str | int, total: int | None = None) -> int:
             raise CapacitySpecError(f"capacity must be non-negative, got {spec}")
         return spec
     if not isinstance(spec, str):
-        raise CapacitySpecError(f"capacity must be a size string or an integer, got {type(spec).__name__}")
+        raise CapacitySpecError(
+            f"capacity must be a size string or an integer, got {type(spec).__name__}"
+        )
     m = _SPEC.match(spec)
     if m is None:
         raise CapacitySpecError(f"cannot parse capacity {spec!r} (try '64GiB', '10%' or '4096')")
