@@ -259,3 +259,16 @@ def test_layout_validation():
         Layout(segments=[TensorSpec("k", "int8", (1,)), TensorSpec("k", "int8", (2,))], block_tokens=4)
     L = make_layout(ranks=4)
     assert Layout.from_json(L.to_json()) == L
+
+
+def test_stale_match_never_restores_another_nodes_bytes(cache_dir, layout):
+    """A Match taken before its node was evicted (and a new node stored) is a miss."""
+    a, b = tokens_for(20, 3), tokens_for(21, 3)
+    with Engine.open(cache_dir, layout, CAP) as eng:
+        store_tokens(eng, a)
+        stale = eng.lookup(Prefix.from_tokens(a, 4))
+        assert stale.hit
+        assert eng.evict(prefix=Prefix.from_tokens(a, 4)) > 0
+        store_tokens(eng, b)  # would reuse the freed row id without AUTOINCREMENT
+        assert eng.restore(stale) is None
+        assert_restores(eng, b, blocks=3)

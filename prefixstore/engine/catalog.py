@@ -22,7 +22,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from prefixstore.engine.errors import CatalogCorruptError, NotACacheError, SchemaVersionError
+from prefixstore.engine.errors import (
+    CatalogCorruptError,
+    CatalogIOError,
+    NotACacheError,
+    SchemaVersionError,
+)
 from prefixstore.gpu.fileio import FaultHook
 
 FORMAT_MARKER = "prefixstore"
@@ -34,7 +39,7 @@ _MIGRATIONS: dict[int, str] = {
     1: """
     CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
     CREATE TABLE nodes(
-        id INTEGER PRIMARY KEY,
+        id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: a stale Match cannot alias
         key BLOB NOT NULL UNIQUE,
         parent INTEGER REFERENCES nodes(id),
         start_block INTEGER NOT NULL,
@@ -93,13 +98,19 @@ class Catalog:
         exists = os.path.exists(self.path)
         if not exists and not create:
             raise NotACacheError(f"{root}: no catalog")
-        self.conn = sqlite3.connect(
-            self.path, isolation_level=None, check_same_thread=False, timeout=30
-        )
+        try:
+            self.conn = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=30
+            )
+        except sqlite3.OperationalError as exc:
+            raise CatalogIOError(f"{root}: cannot open {CATALOG_NAME}: {exc}") from exc
+        self.failed: str | None = None
         try:
             self._setup(fresh=not exists)
         except sqlite3.DatabaseError as exc:
             self.conn.close()
+            if _io_error(exc) and exc.sqlite_errorcode & 0xFF != 11:  # I/O: no verdict on the file
+                raise CatalogIOError(f"{root}: cannot read {CATALOG_NAME}: {exc}") from exc
             raise NotACacheError(f"{root}: {CATALOG_NAME} is not a prefixstore catalog: {exc}") from exc
         except BaseException:
             self.conn.close()
@@ -139,21 +150,41 @@ class Catalog:
 
     @contextmanager
     def txn(self, label: str) -> Iterator[sqlite3.Connection]:
-        """One write transaction; its COMMIT is an effect reported to the fault hook."""
+        """One write transaction; its COMMIT is an effect reported to the fault hook.
+
+        An I/O error (or full disk) from SQLite inside it raises CatalogIOError and
+        makes the catalog refuse every later write (sticky, as SQLite's pager ERROR
+        state): a transaction whose next state could not be committed is left to
+        recovery, which runs when the engine is reopened.
+        """
+        if self.failed is not None:
+            raise CatalogIOError(f"an earlier catalog write failed ({self.failed}); reopen the engine")
         c = self.conn
-        c.execute("BEGIN IMMEDIATE")
         try:
-            yield c
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
-        try:
-            self.hook.before("commit", label, None)
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
-        c.execute("COMMIT")
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                yield c
+            except BaseException:
+                self._rollback()
+                raise
+            try:
+                self.hook.before("commit", label, None)
+            except BaseException:
+                self._rollback()
+                raise
+            c.execute("COMMIT")
+        except (sqlite3.OperationalError, sqlite3.DatabaseError) as exc:
+            if not _io_error(exc):
+                raise
+            self._rollback()
+            self.failed = f"{label}: {exc}"
+            raise CatalogIOError(f"catalog write {label!r} failed: {exc}") from exc
         self.hook.after("commit", label, None)
+
+    def _rollback(self) -> None:
+        if self.conn.in_transaction:
+            with suppress(sqlite3.Error):
+                self.conn.execute("ROLLBACK")
 
     def barrier(self) -> None:
         """Make every earlier commit durable (a no-op cost under FULL).
@@ -173,8 +204,8 @@ class Catalog:
     # -- meta ------------------------------------------------------------------------
 
     def meta(self, key: str) -> str | None:
-        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return row[0] if row else None
+        rows = self.query("SELECT value FROM meta WHERE key=?", (key,))
+        return rows[0][0] if rows else None
 
     def set_meta(self, c: sqlite3.Connection, key: str, value: str) -> None:
         c.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)", (key, value))
@@ -182,13 +213,18 @@ class Catalog:
     # -- reads -----------------------------------------------------------------------
 
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
-        return self.conn.execute(sql, args).fetchall()
+        try:
+            return self.conn.execute(sql, args).fetchall()
+        except sqlite3.DatabaseError as exc:
+            if not _io_error(exc):
+                raise
+            raise CatalogIOError(f"catalog read failed: {exc}") from exc
 
     def charged(self) -> int:
-        return self.conn.execute("SELECT coalesce(sum(size), 0) FROM files").fetchone()[0]
+        return self.query("SELECT coalesce(sum(size), 0) FROM files")[0][0]
 
     def journal(self) -> list[tuple[int, str, str, dict]]:
-        rows = self.conn.execute("SELECT id, kind, state, payload FROM journal ORDER BY id")
+        rows = self.query("SELECT id, kind, state, payload FROM journal ORDER BY id")
         out = []
         for tid, kind, state, payload in rows:
             try:
@@ -200,6 +236,18 @@ class Catalog:
     def close(self) -> None:
         with suppress(sqlite3.Error):
             self.conn.close()
+
+
+# SQLite primary result codes of the catalog's I/O: READONLY (the file could only be
+# opened read-only), IOERR, CORRUPT (what a failed read of a page can look like), FULL,
+# CANTOPEN, PROTOCOL.
+_IO_CODES = frozenset({8, 10, 11, 13, 14, 15})
+
+
+def _io_error(exc: sqlite3.DatabaseError) -> bool:
+    """An error of the catalog's I/O, not of a statement (a bad query stays as it is)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and (code & 0xFF) in _IO_CODES
 
 
 def _split_sql(script: str) -> list[str]:

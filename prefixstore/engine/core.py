@@ -27,9 +27,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
-import torch
 
-from prefixstore.engine import recovery
+from prefixstore.engine import pipeline, recovery
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
@@ -38,6 +37,7 @@ from prefixstore.engine.errors import (
     LayoutMismatchError,
     LockedError,
     NotACacheError,
+    RankUnavailableError,
     ShapeError,
     ShardError,
     SimulatedCrash,
@@ -57,7 +57,8 @@ from prefixstore.engine.results import (
     Restored,
     StoreResult,
 )
-from prefixstore.gpu import shards
+from prefixstore.gpu import backings, calibrate, shards
+from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, FileSystem, OsFS
 from prefixstore.gpu.ranks import LocalRank, RankIO, rank_dir_name, shard_name
 from prefixstore.statemachine import policy as pol
@@ -90,6 +91,10 @@ class _Plan:
 class Engine:
     """A prefix-cache host tier over a SQLite WAL catalog and per-rank shard files."""
 
+    MAX_PENDING = 256
+    """Refused stores kept for retry at most; the oldest is dropped (and counted) beyond."""
+    _garbage_hint = True  # loose garbage may exist (set at open and by a failed unlink)
+
     # ------------------------------------------------------------------ public
 
     @classmethod
@@ -104,7 +109,14 @@ class Engine:
         layer for fault injection), ``ranks`` (RankIO objects, e.g. rank processes),
         ``registry`` (a prometheus CollectorRegistry), ``admission`` (callable
         deciding whether to admit a store), ``inflight_wait_s`` (how long a store waits
-        for an overlapping store in flight before it is skipped as 'in_flight').
+        for an overlapping store in flight before it is skipped as 'in_flight'),
+        ``compaction`` (True or a ``statemachine.compaction.CompactionPolicy``: run the
+        background compaction worker; see ``engine/compaction.py``), ``backing``
+        ('disk' default, 'memory', 'composite'; see ``gpu/backings.py``) with
+        ``ram_bytes`` (the RAM tier's budget), ``executor`` ('cpu' default, 'cuda',
+        'cuda:N' or an executor object; see ``gpu/executor.py``), ``bandwidth`` (None,
+        bytes/s, 'measure' or 'remeasure': the cost rule's restore bandwidth; see
+        ``gpu/calibrate.py``).
         """
         return cls(os.fspath(path), layout, capacity_bytes, **opts)
 
@@ -126,6 +138,11 @@ class Engine:
         registry: Any = None,
         admission: Any = None,
         inflight_wait_s: float = 30.0,
+        compaction: Any = None,
+        backing: str = "disk",
+        ram_bytes: int | None = None,
+        executor: Any = None,
+        bandwidth: Any = None,
     ) -> None:
         if not isinstance(layout, Layout):
             raise InvalidInputError("layout must be a prefixstore Layout")
@@ -144,6 +161,7 @@ class Engine:
         self.hook = hook or FaultHook()
         self.fs = fs or OsFS()
         self.counters = Counters(registry)
+        self.executor = make_executor(executor)
         self._lock = threading.RLock()
         self._settled = threading.Condition(self._lock)  # notified when a store finishes
         self._closed = False
@@ -154,23 +172,33 @@ class Engine:
         self._pending: deque[_Pending] = deque()
         self._retrying = False
         self._dirty_recency: set[int] = set()
+        self.compaction_policy = None  # set by compaction.start_worker; compact() default
+        self.compactor = None  # the background compaction worker, when enabled
         self.index = Index()
         self.heap = pol.VictimHeap(policy, layout.has_snapshot)
+        self._watch_counters()
         self._check_root(create)
         self._take_lock()
         try:
             self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create)
             try:
                 self._check_layout()
+                self.backing = backings.open_backing(self, backing, ram_bytes)
                 self.ranks: list[RankIO] = list(ranks) if ranks is not None else [
                     LocalRank(r, os.path.join(root, rank_dir_name(r)), self.fs, self.hook)
                     for r in range(layout.ranks)
                 ]
+                self.ranks = self.backing.bind(self.ranks, given=ranks is not None)
                 if len(self.ranks) != layout.ranks:
                     raise InvalidInputError(f"{len(self.ranks)} rank executors for {layout.ranks} ranks")
                 self._pool = ThreadPoolExecutor(max_workers=max(1, layout.ranks), thread_name_prefix="rank")
                 self.recovery_report = recovery.recover(self)
                 self._load()
+                self.calibration = calibrate.resolve(self, bandwidth)
+                self.transfers = pipeline.Transfers(layout.ranks)
+                from prefixstore.engine.compaction import start_worker
+
+                self.compactor = start_worker(self, compaction)
             except BaseException:
                 self.catalog.close()
                 raise
@@ -208,13 +236,29 @@ class Engine:
         with self._guard():
             result = self._store(prefix, segs, snaps, tokens_from)
             if result.status == REFUSED and valid is not None:
-                with self._lock:
-                    self._pending.append(_Pending(prefix, segs, snaps, tokens_from, valid))
-                self.counters.inc("retries", "queued")
+                self._enqueue(_Pending(prefix, segs, snaps, tokens_from, valid))
                 result = attrs.evolve(result, status=QUEUED)
             if result.ok:
                 self.retry_pending()
             return result
+
+    def store_async(
+        self,
+        prefix: Prefix,
+        segments: RankTensors | Sequence[RankTensors],
+        snapshot: RankTensors | Sequence[RankTensors] | None = None,
+        *,
+        tokens_from: int = 0,
+        valid: Callable[[], bool] | None = None,
+    ) -> pipeline.StoreTicket:
+        """Store like ``store``, returning as soon as the device-to-host copies are queued.
+
+        The ticket's ``released`` (``is_set()`` / ``wait()``) says when the device
+        tensors may be released or overwritten (before the durable commit);
+        ``result()`` gives the ``StoreResult`` once the commit worker has stored the
+        staged bytes (journaled exactly as ``store``). Bad input raises here.
+        """
+        return pipeline.store_async(self, prefix, segments, snapshot, tokens_from, valid)
 
     def lookup(self, prefix: Prefix, *, gpu_blocks: int = 0, total_tokens: int | None = None) -> Match:
         """The deepest checkpoint of ``prefix`` worth restoring.
@@ -293,49 +337,102 @@ class Engine:
                     if self._blocked(node.id, pol.EVICT) or not node.is_leaf:
                         return 0
                     self._evict_nodes([node])
+                    self.counters.evicted(pol.EVICT, before - self._charged)
                 elif nbytes is not None:
-                    self._free(min(self._charged, int(nbytes)), 0, set())
+                    self._free(min(self._charged, int(nbytes)))
                 freed = before - self._charged
             self.retry_pending()
             return freed
 
     def reclaim(self) -> int:
         """Unlink garbage left by failed cleanups; returns bytes reclaimed."""
-        with self._guard(), self._lock:
-            before = self._charged
-            rows = self.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage' AND txn IS NULL")
-            self._reclaim_rows(None, rows)
-            return before - self._charged
+        with self._guard():
+            with self._lock:
+                before = self._charged
+                self._reclaim_loose()
+                freed = before - self._charged
+            self.retry_pending()
+            return freed
+
+    def compact(self, policy: Any = None):
+        """Run one compaction pass now: merge single-child chains where ``policy`` (a
+        ``CompactionPolicy``; default the engine's) says it pays. Reads and writes run
+        outside the engine lock. Returns a ``compaction.CompactionReport``."""
+        from prefixstore.engine import compaction
+
+        return compaction.compact(self, policy)
 
     def retry_pending(self) -> None:
-        """Retry queued stores: drop those no longer valid, store those that now fit."""
-        with self._lock:
-            if self._retrying or not self._pending:
-                return
-            self._retrying = True
-            todo = list(self._pending)
-            self._pending.clear()
-        keep = []
-        try:
-            for p in todo:
-                try:
-                    still_valid = bool(p.valid())
-                except Exception:
-                    still_valid = False
-                if not still_valid:
-                    self.counters.inc("retries", "dropped")
-                    continue
-                r = self._store(p.prefix, p.segments, p.snapshot, p.tokens_from)
-                if r.status == REFUSED:
-                    keep.append(p)
-                elif r.ok:
-                    self.counters.inc("retries", "succeeded")
-                else:
-                    self.counters.inc("retries", "dropped")
-        finally:
+        """Retry queued stores: drop those no longer valid, store those that now fit.
+
+        Runs after every call that frees space or settles a store (a successful
+        store, ``unpin``, ``evict``, ``reclaim``). Counted as ``retries.*``:
+        ``succeeded``, ``dropped`` (``valid()`` false or raising), ``superseded``
+        (stored meanwhile, or queued again), ``abandoned`` (failed, or no longer
+        storable from the rows held, e.g. its parent went), ``overflow``.
+        """
+        with self._guard():
             with self._lock:
-                self._pending.extendleft(reversed(keep))
-                self._retrying = False
+                if self._retrying or not self._pending:
+                    return
+                self._retrying = True
+                todo = list(self._pending)
+                self._pending.clear()
+            keep: list[_Pending] = []
+            i = 0
+            try:
+                while i < len(todo):
+                    p = todo[i]
+                    i += 1
+                    event, reason = self._retry_one(p)
+                    if event == "kept":
+                        keep.append(p)
+                        continue
+                    self.counters.inc("retries", event)
+                    log.info("store_retry", outcome=event, reason=reason, blocks=len(p.prefix),
+                             key=p.prefix.keys[-1].hex()[:12])
+            finally:
+                with self._lock:
+                    self._pending.extendleft(reversed(keep + todo[i:]))
+                    self._retrying = False
+
+    def _retry_one(self, p: _Pending) -> tuple[str, str | None]:
+        """Retry one queued store: ('kept' | 'succeeded' | 'dropped' | 'superseded' |
+        'abandoned', reason)."""
+        try:
+            still_valid = bool(p.valid())
+        except Exception as exc:  # the caller's check failing means the checkpoint is gone
+            return "dropped", f"valid() raised {type(exc).__name__}"
+        if not still_valid:
+            return "dropped", "invalid"
+        try:
+            r = self._store(p.prefix, p.segments, p.snapshot, p.tokens_from)
+        except InvalidInputError as exc:  # e.g. its parent went: the rows held start too late
+            return "abandoned", str(exc)
+        if r.status == REFUSED:
+            return "kept", None
+        if r.status in (STORED, REFILLED):
+            return "succeeded", None
+        if r.status == DUPLICATE:
+            return "superseded", None
+        return "abandoned", r.reason or r.status
+
+    def _enqueue(self, p: _Pending) -> None:
+        """Queue a refused store; a queued store of the same checkpoint is superseded."""
+        key = p.prefix.keys[-1]
+        events: list[str] = []
+        with self._lock:
+            for old in list(self._pending):
+                if old.prefix.keys[-1] == key:
+                    self._pending.remove(old)
+                    events.append("superseded")
+            self._pending.append(p)
+            while len(self._pending) > self.MAX_PENDING:
+                self._pending.popleft()
+                events.append("overflow")
+        self.counters.inc("retries", "queued")
+        for event in events:
+            self.counters.inc("retries", event)
 
     def stats(self) -> dict[str, Any]:
         """Counters, capacity and node counts as one dict."""
@@ -363,6 +460,9 @@ class Engine:
                 "pending_retries": len(self._pending),
                 "counters": self.counters.snapshot(),
                 "last_decision": self.counters.last_decision,
+                "backing": self.backing.stats(self),
+                "transfers": {**self.transfers.stats(), "copies": self.executor.stats.snapshot(),
+                              "staging_pool": self.executor.pool.stats(), "calibration": self.calibration},
             }
         self.counters.set_bytes(
             capacity=self.capacity, charged=out["charged_bytes"], damaged=damaged,
@@ -381,6 +481,9 @@ class Engine:
         """Flush recency, close the catalog and release the directory lock."""
         if self._closed:
             return
+        self.transfers.drain()  # outside the lock: queued async stores commit first
+        if self.compactor is not None:
+            self.compactor.stop()  # outside the lock: the worker may be waiting for it
         with self._lock:
             try:
                 self._flush_recency()
@@ -471,6 +574,9 @@ class Engine:
 
     def _shutdown(self) -> None:
         self._closed = True
+        transfers = getattr(self, "transfers", None)
+        if transfers is not None:
+            transfers.stop(wait=False)
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -534,7 +640,8 @@ class Engine:
         p = self.index.deepest_block(keys, n)
         owner = self.index.owner(keys, p)
         if owner is not None and owner.end != p:
-            # The checkpoint lands inside an existing node's span (split needed).
+            # Inside an existing node's span: spans.on_store splits ready nodes first;
+            # this is left for a damaged one (or one changed since).
             return StoreResult(SKIPPED, n, "inside_span")
         existing = owner if (owner is not None and p == n) else None
         parent = owner if existing is None else self.index.get(existing.parent) if existing.parent is not None else None
@@ -548,9 +655,15 @@ class Engine:
             return StoreResult(SKIPPED, n, "in_flight")
         return _Plan(parent, existing, start)
 
-    def _store(self, prefix: Prefix, segs, snaps, tokens_from: int) -> StoreResult:
+    def _store(self, prefix: Prefix, segs, snaps, tokens_from: int, staged=None) -> StoreResult:
+        """``staged``: shards already staged by ``store_async`` for the plan it saw (the
+        caller releases them); used when the plan still matches, else staged again."""
         L = self.layout
         n = len(prefix)
+        from prefixstore.engine import spans  # split / republish / row refill (compact-replace)
+
+        if (res := spans.on_store(self, prefix, segs, snaps, tokens_from)) is not None:
+            return res
         with self._lock:
             plan = self._plan(prefix)
             deadline = time.monotonic() + self.inflight_wait_s
@@ -574,23 +687,24 @@ class Engine:
                     f"the new node needs tokens from {start * L.block_tokens}, "
                     f"but segments start at tokens_from={tokens_from}"
                 )
+            down = self._ranks_down()
+            if down:  # fail fast: no eviction or intent for a store that cannot be durable
+                res = StoreResult(FAILED, n, f"rank(s) {down} unavailable")
+                self.counters.inc("stores", FAILED)
+                return res
             key = prefix.keys[-1]
-            gen = (plan.existing.generation + 1) if plan.existing else 1
+            gen = self._next_generation(key, plan.existing.generation if plan.existing else 0)
             name = shard_name(key, gen)
             lo = start * L.block_tokens - tokens_from
             hi = n * L.block_tokens - tokens_from
             meta = self._shard_meta(key, gen, start, n, L.has_snapshot)
-            datas = [
-                shards.encode(
-                    {k: v[lo:hi] for k, v in segs[r].items()},
-                    snaps[r] if snaps is not None else {},
-                    {**meta, "rank": str(r)},
-                )
-                for r in range(L.ranks)
-            ]
-            needed = sum(len(d) for d in datas)
+            # Zero-copy: each rank's tensors go straight into a buffer laid out as its file.
+            datas = pipeline.stage_store(self, staged, meta, segs, snaps, lo, hi)
+            owned = [] if datas is staged else datas  # released below; the caller's are its own
+            needed = sum(d.size for d in datas)
             protect = {x.id for x in (plan.parent, plan.existing) if x is not None}
             if not self._make_space(needed, protect):
+                pipeline.release(owned)
                 res = StoreResult(REFUSED, n, "no_space", needed)
                 self._count_store(res)
                 return res
@@ -604,7 +718,7 @@ class Engine:
                 c.executemany(
                     "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
                     "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
-                    [(r, name, gen, len(d), shards.checksum(d), tid) for r, d in enumerate(datas)],
+                    [(r, name, gen, d.size, d.checksum(), tid) for r, d in enumerate(datas)],
                 )
             self._charged += needed
             for k in prefix.keys[start:n]:
@@ -613,12 +727,13 @@ class Engine:
                 self._fences[x] += 1
         try:
             errors = self._write_all(name, datas)
-            with self._lock:
-                if errors:
+            if errors:
+                with self._lock:
                     self._rollback(tid, "store", "INTENT", "failed")
-                    self._check_prior(plan)
-                    self.counters.inc("stores", FAILED)
-                    return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), needed)
+                self._check_prior(plan, {r for r, _ in errors})
+                self.counters.inc("stores", FAILED)
+                return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), needed)
+            with self._lock:
                 digests = b"".join(prefix.digests[start:n])
                 was_damaged = plan.existing is not None and plan.existing.state == "damaged"
                 node = self._publish_store(tid, plan, key, digests, start, n, gen, needed)
@@ -628,7 +743,11 @@ class Engine:
                 self.counters.inc("stores", status)
                 log.debug("stored", key=key.hex()[:12], blocks=n, node=node.id, bytes=needed)
                 return StoreResult(status, n, None, needed)
+        except BaseException as exc:  # not a failed write (those roll back above): end the txn
+            pipeline.fail_txn(self, tid, exc)
+            raise
         finally:
+            pipeline.release(owned)
             with self._lock:
                 for k in prefix.keys[start:n]:
                     if self._inflight_blocks.get(k) == tid:
@@ -651,12 +770,12 @@ class Engine:
         """Write ``name`` on every rank (in parallel); return the ranks that failed."""
         if len(datas) == 1:
             try:
-                self.ranks[0].write_shard(name, datas[0])
+                pipeline.write_shard(self, 0, name, datas[0])
                 return []
             except OSError as exc:
                 self.counters.inc("faults", "write")
                 return [(0, exc)]
-        futures = [self._pool.submit(self.ranks[r].write_shard, name, d) for r, d in enumerate(datas)]
+        futures = [self._pool.submit(pipeline.write_shard, self, r, name, d) for r, d in enumerate(datas)]
         errors: list[tuple[int, OSError]] = []
         crash: BaseException | None = None
         for r, f in enumerate(futures):
@@ -750,6 +869,7 @@ class Engine:
             except OSError:
                 self.counters.inc("faults", "unlink")
                 failed.add((r, name))
+                self._garbage_hint = True
         for r in sorted(touched):
             try:
                 self.ranks[r].sync_dir()
@@ -774,63 +894,230 @@ class Engine:
             self._advance(c, tid, kind, state, "cleanup_failed" if left else "cleaned")
         self._charged -= sum(size for r, name, size in rows if (r, name) not in left)
 
-    def _check_prior(self, plan: _Plan) -> None:
-        """After a failed store, invalidate a prior record found damaged on some rank."""
+    def _check_prior(self, plan: _Plan, failed: set[int]) -> None:
+        """After a store failed on ranks ``failed``, verify the prior record: the node
+        it would have replaced and its parent (both still fenced by the caller).
+
+        Every rank's shard is stat'ed (missing, short); on the failing ranks, whose
+        disks the failure puts in doubt, it is re-read and checksummed (altered). A
+        node found damaged is invalidated: descendants keep their links, its files
+        stay charged until it is refilled or evicted. A rank that cannot answer (an
+        I/O error, a rank process down) proves nothing and is skipped. Runs outside
+        the engine lock.
+        """
         for node in (plan.existing, plan.parent):
-            if node is None or node.state != "ready":
+            if node is None:
                 continue
-            rows = self.catalog.query(
-                "SELECT rank, name, size FROM files WHERE node=? AND status='live'", (node.id,)
-            )
-            for r, name, size in rows:
-                try:
+            with self._lock:
+                if node.state != "ready" or self.index.get(node.id) is not node:
+                    continue
+                gen = node.generation
+                rows = {
+                    r: (name, size, ck)
+                    for r, name, size, ck in self.catalog.query(
+                        "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'",
+                        (node.id,),
+                    )
+                }
+            why = self._verify_shards(rows, failed)
+            if why is None:
+                continue
+            with self._lock:
+                if node.state == "ready" and node.generation == gen and self.index.get(node.id) is node:
+                    self._invalidate(node, why)
+
+    def _verify_shards(self, rows: dict[int, tuple[str, int, str]], deep: set[int]) -> str | None:
+        """What is wrong with a node's shards (None: nothing found). Ranks in ``deep``
+        are read and checksummed, the others stat'ed."""
+        if set(rows) != set(range(self.layout.ranks)):
+            return f"shards recorded on ranks {sorted(rows)}"
+
+        def one(r: int) -> str | None:
+            name, size, ck = rows[r]
+            try:
+                if r not in deep:
                     actual = self.ranks[r].size(name)
-                except OSError:
-                    actual = None
-                if actual != size:
-                    self._invalidate(node, f"rank {r} shard {'missing' if actual is None else 'short'}")
-                    break
+                    if actual is None:
+                        return f"rank {r}: shard {name} missing"
+                    return None if actual == size else f"rank {r}: shard {name} is {actual} bytes, catalog says {size}"
+                data = self.ranks[r].read_shard(name)
+            except FileNotFoundError:
+                return f"rank {r}: shard {name} missing"
+            except OSError:
+                self.counters.inc("faults", "verify")
+                return None
+            if len(data) != size:
+                return f"rank {r}: shard {name} is {len(data)} bytes, catalog says {size}"
+            if shards.checksum(data) != ck:
+                return f"rank {r}: shard {name} altered (checksum mismatch)"
+            return None
+
+        found = [one(0)] if self.layout.ranks == 1 else list(self._pool.map(one, range(self.layout.ranks)))
+        return next((w for w in found if w), None)
+
+    def _ranks_down(self) -> list[int]:
+        """Ranks whose executor says it cannot serve now (a rank process down)."""
+        return [r for r, rk in enumerate(self.ranks) if not getattr(rk, "available", True)]
+
+    def _next_generation(self, key: bytes, floor: int) -> int:
+        """A generation above ``floor`` and above every file row of ``key``: garbage
+        left by a failed cleanup keeps its name until reclaimed."""
+        from prefixstore.engine import replace
+
+        return replace._next_gen(self, key, floor)
 
     # ------------------------------------------------------------------ internal: space
 
     def _make_space(self, needed: int, protect: set[int]) -> bool:
+        """Make room for ``needed`` more charged bytes; False when it cannot fit.
+
+        Below the high watermark nothing is evicted. Above it, victims go until the
+        charged bytes plus ``needed`` plus the retirement headroom reach the low
+        watermark (best effort; success needs only ``needed`` to fit). A checkpoint
+        that could not fit even if every byte not held by a pin, a fence or
+        ``protect`` were freed is refused before anything is evicted. ``protect`` (the
+        store's parent and refilled row) is fenced meanwhile, so nothing reached from
+        the eviction (a retirement's effects, their hooks) can take it either.
+        """
         cap = self.capacity
-        if self._charged + needed <= cap * self.high_watermark:
+        reserve = self._retire_reserve(protect)
+        if self._charged + needed + reserve <= cap * self.high_watermark:
             return True
-        target = max(0, min(cap * self.low_watermark, cap) - needed)
-        self._free(self._charged - target, needed, protect)
-        if self._charged + needed > cap:
-            self._free(self._charged + needed - cap, needed, protect)
+        if needed > cap - self._held_bytes(protect):
+            return False
+        target = max(0.0, min(cap * self.low_watermark, cap) - needed - reserve)
+        for x in protect:
+            self._fences[x] += 1
+        try:
+            self._free(self._charged - target, protect)
+        finally:
+            for x in protect:
+                self._fences[x] -= 1
+                if not self._fences[x]:
+                    del self._fences[x]
         return self._charged + needed <= cap
 
-    def _free(self, amount: float, needed: int, protect: set[int]) -> None:
-        """Reclaim at least ``amount`` bytes by policy (best effort)."""
-        goal = self._charged - amount
-        while self._charged > goal:
-            victim = self.heap.pop(self.index.get, lambda nid, act: self._blocked(nid, act, protect))
-            if victim is None:
-                return
-            nid, action = victim
-            node = self.index.nodes[nid]
-            if action == pol.EVICT:
-                self._evict_nodes([node])
-            elif action == pol.SUBTREE:
-                self._evict_nodes(self._subtree(node))
-            else:
-                self._retire_snapshot(node)
-            self.counters.inc("evictions", action)
-        self.heap.compact_if_stale(len(self.index), lambda: self.index)
+    def _retire_reserve(self, protect: set[int]) -> int:
+        """Headroom kept free so a snapshot retirement (which writes the new
+        segment-only generation before the old one is freed) is not blocked by room.
 
-    def _blocked(self, nid: int, action: str, protect: set[int] = frozenset()) -> bool:
-        if nid in protect or self._pins[nid] or self._fences[nid]:
+        The rewrite of the largest retirement candidate, counting the protected parent
+        of the store in progress (it becomes one), at most an eighth of capacity.
+        """
+        if not self.heap.retires:
+            return 0
+        biggest = self.heap.largest_retire(self.index.get)
+        for nid in protect:
+            node = self.index.get(nid)
+            if node is not None and node.ready and node.has_snapshot:
+                biggest = max(biggest, node.nbytes)
+        snap = self.layout.ranks * self.layout.snapshot_bytes
+        return min(pol.retire_rewrite_bytes(biggest, snap), self.capacity // 8)
+
+    def _held_bytes(self, protect: set[int]) -> int:
+        """Charged bytes no eviction can free now (a lower bound): every pinned, fenced
+        or protected node, and their ancestors' segments (snapshots can retire)."""
+        blocked = set(self._pins) | set(self._fences) | set(protect)
+        snap = self.layout.ranks * self.layout.snapshot_bytes
+        held, seen = 0, set()
+        for nid in blocked:
+            node = self.index.get(nid)
+            while node is not None and node.id not in seen:
+                seen.add(node.id)
+                if node.id not in blocked and self.heap.retires and node.ready and node.has_snapshot:
+                    held += pol.retire_rewrite_bytes(node.nbytes, snap)
+                else:
+                    held += node.nbytes
+                node = self.index.get(node.parent) if node.parent is not None else None
+        return held
+
+    def _free(self, amount: float, protect: set[int] = frozenset()) -> int:
+        """Free at least ``amount`` charged bytes (best effort); returns bytes freed.
+
+        Loose garbage goes first (it frees bytes and loses nothing), then victims in
+        policy order, one transaction each, until the actual charged bytes reach the
+        goal; each victim is credited with what it really freed (a retirement: its
+        old generation once, minus the new one). Candidates that are pinned, fenced or
+        protected are set aside for this call; a retirement lacking room for its
+        rewrite waits until later victims made the room.
+        """
+        start = self._charged
+        goal = start - amount
+        if self._charged > goal and self._garbage_hint:
+            self._reclaim_loose()
+        held: list[pol.Entry] = []
+        waiting: list[pol.Entry] = []  # retirements lacking room, oldest first
+        failed: list[Node] = []
+        try:
+            while self._charged > goal:
+                if waiting and not self.heap.is_current(waiting[0], self.index.get):
+                    waiting.pop(0)  # its node changed meanwhile (e.g. became a leaf and went)
+                    continue
+                if waiting and self._retire_fits(self.index.nodes[waiting[0][2]]):
+                    entry = waiting.pop(0)
+                else:
+                    entry = self.heap.pop_valid(self.index.get)
+                    if entry is None:
+                        break
+                nid, action = entry[2], entry[3]
+                node = self.index.nodes[nid]
+                if node in failed:
+                    continue  # its retirement failed in this call (it is offered again below)
+                if self._untouchable(node, action, protect):
+                    held.append(entry)
+                    continue
+                if action == pol.RETIRE and not self._retire_fits(node):
+                    waiting.append(entry)
+                    continue
+                before = self._charged
+                if action == pol.EVICT:
+                    self._evict_nodes([node])
+                elif action == pol.SUBTREE:
+                    self._evict_nodes(self._subtree(node))
+                elif not self._retire_snapshot(node):
+                    failed.append(node)
+                    continue
+                self.counters.evicted(action, before - self._charged)
+        finally:
+            for entry in held + waiting:
+                self.heap.push(entry)
+            for node in failed:
+                if node.id in self.index.nodes:
+                    self.heap.offer(node)
+            self.heap.compact_if_stale(len(self.index), lambda: self.index)
+        return start - self._charged
+
+    def _reclaim_loose(self) -> None:
+        """Unlink loose garbage (files no transaction owns any more, left by a failed
+        unlink or found at open)."""
+        self._garbage_hint = False
+        rows = self.catalog.query(
+            "SELECT rank, name, size FROM files WHERE status='garbage' AND txn IS NULL"
+        )
+        before = self._charged
+        self._reclaim_rows(None, rows)
+        if before > self._charged:
+            self.counters.evicted("garbage", before - self._charged)
+
+    def _untouchable(self, node: Node, action: str, protect: set[int] = frozenset()) -> bool:
+        """Pinned, fenced or protected (for a subtree action: anywhere in it)."""
+        if node.id in protect or self._pins[node.id] or self._fences[node.id]:
             return True
-        node = self.index.nodes[nid]
         if action == pol.SUBTREE:
             return any(self._pins[x.id] or self._fences[x.id] or x.id in protect for x in self._subtree(node))
-        if action == pol.RETIRE:
-            seg = node.blocks * self.layout.block_tokens * self.layout.token_bytes * self.layout.ranks
-            return self._charged + seg > self.capacity
         return False
+
+    def _retire_fits(self, node: Node) -> bool:
+        """Whether the new generation of a retirement of ``node`` fits under capacity."""
+        snap = self.layout.ranks * self.layout.snapshot_bytes
+        return self._charged + pol.retire_rewrite_bytes(node.nbytes, snap) <= self.capacity
+
+    def _blocked(self, nid: int, action: str, protect: set[int] = frozenset()) -> bool:
+        """Whether ``action`` on node ``nid`` may not run now."""
+        node = self.index.nodes[nid]
+        if self._untouchable(node, action, protect):
+            return True
+        return action == pol.RETIRE and not self._retire_fits(node)
 
     def _subtree(self, node: Node) -> list[Node]:
         """``node`` and its descendants, leaves first."""
@@ -862,11 +1149,22 @@ class Engine:
             self.heap.offer(parent)
         self._finish_retire(tid, "evict", rows)
 
-    def _retire_snapshot(self, node: Node) -> None:
-        """Compact-replace ``node`` with a generation that has no snapshot."""
+    def _watch_counters(self) -> None:
+        """Live gauges read at scrape time (``prefixstore_state{kind=...}``)."""
+        self.counters.watch(
+            capacity_bytes=lambda: self.capacity,
+            charged_bytes=lambda: getattr(self, "_charged", 0),
+            nodes=lambda: len(self.index),
+            pinned=lambda: len(self._pins),
+            fenced=lambda: len(self._fences),
+            pending_retries=lambda: len(self._pending),
+        )
+
+    def _retire_snapshot(self, node: Node) -> bool:
+        """Compact-replace ``node`` with a generation that has no snapshot; True if done."""
         from prefixstore.engine import replace
 
-        replace.retire_snapshot(self, node)
+        return bool(replace.retire_snapshot(self, node))
 
     def _invalidate(self, node: Node, why: str) -> None:
         """Mark ``node`` damaged (one commit); descendants keep their links."""
@@ -907,47 +1205,54 @@ class Engine:
                 damaged_below = True
                 break
             usable.append(x)
-        ends = [x for x in usable if x.has_snapshot or not L.has_snapshot]
-        if not ends:
+        # Candidates, deepest first: (node, bytes to transfer, nodes to read). The bytes
+        # are the segment rows above the GPU-resident part plus one snapshot, all ranks.
+        cands: list[tuple[Node, int, int]] = []
+        tokens = 0
+        for i, x in enumerate(usable):
+            tokens += (x.end - max(x.start, gpu_blocks)) * L.block_tokens
+            if x.has_snapshot or not L.has_snapshot:
+                cands.append((x, L.ranks * L.payload_bytes(tokens, L.has_snapshot), i + 1))
+        if not cands:
             return Match("damaged" if damaged_below else "miss", **base)
-        cands = []
-        for x in reversed(ends):
-            nbytes = self._transfer_bytes(path, x, gpu_blocks)
-            cands.append((x, nbytes))
+        cands.reverse()
         total = total_tokens if total_tokens is not None else n * L.block_tokens
-        decision = choose(
-            self.cost, [(x.end * L.block_tokens, b) for x, b in cands], gpu_blocks * L.block_tokens, total
-        )
-        if decision.estimates:
+        gpu_tokens = gpu_blocks * L.block_tokens
+        decision = choose(self.cost, [(x.end * L.block_tokens, b, k) for x, b, k in cands], gpu_tokens, total)
+        est = decision.deciding
+        if est is not None:
             self.counters.decision(
-                key=keys[-1].hex()[:12], gpu_tokens=gpu_blocks * L.block_tokens, total_tokens=total,
-                chosen_tokens=None if decision.chosen is None else cands[decision.chosen][0].end * L.block_tokens,
+                result=decision.result, transfer_s=est[1], prefill_s=est[2],
+                key=keys[-1].hex()[:12], gpu_tokens=gpu_tokens, total_tokens=total,
+                deepest_tokens=cands[0][0].end * L.block_tokens,
+                chosen_tokens=None if decision.chosen is None else est[0],
                 estimates=[list(e) for e in decision.estimates],
             )
         if decision.chosen is None:
-            return Match("rejected_cost", **base,
-                         transfer_s=decision.estimates[0][1], prefill_s=decision.estimates[0][2])
-        chosen, nbytes = cands[decision.chosen]
-        est = decision.estimates[decision.chosen] if decision.estimates else None
-        chosen_path = tuple((x.id, x.generation) for x in path if x.end > gpu_blocks and x.end <= chosen.end)
+            return Match("rejected_cost", **base, transfer_s=est[1], prefill_s=est[2])
+        chosen, nbytes, _ = cands[decision.chosen]
+        chosen_path = tuple((x.id, x.generation) for x in usable if x.end <= chosen.end)
         return Match(
             "hit", blocks=chosen.end, node_id=chosen.id, path=chosen_path, nbytes=nbytes,
             transfer_s=est[1] if est else None, prefill_s=est[2] if est else None, **base,
         )
 
-    def _transfer_bytes(self, path: list[Node], end: Node, gpu_blocks: int) -> int:
-        L = self.layout
-        tokens = sum(
-            (x.end - max(x.start, gpu_blocks)) for x in path if x.end > gpu_blocks and x.end <= end.end
-        ) * L.block_tokens
-        return L.ranks * L.payload_bytes(tokens, L.has_snapshot)
-
     def _path_current(self, match: Match) -> bool:
+        """True when ``match``'s nodes are unchanged and still tile its span exactly."""
+        if not match.path:
+            return False
+        prev_end = None
         for nid, gen in match.path:
             node = self.index.get(nid)
             if node is None or node.generation != gen or not node.ready:
                 return False
-        return bool(match.path)
+            if prev_end is None:
+                if not node.start <= match.gpu_blocks < node.end:
+                    return False
+            elif node.start != prev_end:
+                return False
+            prev_end = node.end
+        return prev_end == match.blocks
 
     def _restore(self, match: Match) -> Restored | None:
         L = self.layout
@@ -959,40 +1264,28 @@ class Engine:
             end = nodes[-1]
             if L.has_snapshot and not end.has_snapshot:
                 return None
-            rows = {}
+            rows: dict[int, dict[int, tuple[str, int, str]]] = {x.id: {} for x in nodes}
+            ids = list(rows)
+            for i in range(0, len(ids), 500):  # one query per 500 nodes (SQLite's variable limit)
+                part = ids[i : i + 500]
+                for nid, r, name, size, ck in self.catalog.query(
+                    "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IN "
+                    f"({','.join('?' * len(part))})", tuple(part)
+                ):
+                    rows[nid][r] = (name, size, ck)
             for x in nodes:
-                rows[x.id] = {
-                    r: (name, size, ck)
-                    for r, name, size, ck in self.catalog.query(
-                        "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (x.id,)
-                    )
-                }
                 self._pins[x.id] += 1
         try:
-            parts: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(L.ranks)]
-            snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
-            files = 0
-            for x in nodes:
-                with_snap = x is end and L.has_snapshot
-                results = self._read_node(x, rows[x.id], with_snap)
-                if isinstance(results, str):
-                    with self._lock:
-                        self._invalidate(x, results)
-                    self.counters.inc("lookups", "damaged_on_restore")
-                    return None
-                if results is None:
-                    return None
-                cut = max(0, match.gpu_blocks - x.start) * L.block_tokens
-                for r, (segs, sn) in enumerate(results):
-                    parts[r].append({k: v[cut:] for k, v in segs.items()})
-                    if with_snap:
-                        snaps[r] = sn
-                files += len(results)
-            segments = [
-                {s.name: torch.cat([p[s.name] for p in parts[r]]) if len(parts[r]) > 1 else parts[r][0][s.name]
-                 for s in L.segments}
-                for r in range(L.ranks)
-            ]
+            # Reads overlap uploads; each shard lands in its slice of the output (no cat).
+            got = pipeline.restore_nodes(self, nodes, rows, match)
+            if isinstance(got, pipeline.Damage):
+                with self._lock:
+                    self._invalidate(got.node, got.why)
+                self.counters.inc("lookups", "damaged_on_restore")
+                return None
+            if got is None:
+                return None
+            segments, snaps, files = got
         finally:
             with self._lock:
                 for x in nodes:
@@ -1025,10 +1318,10 @@ class Engine:
             name, size, ck = rows[r]
             try:
                 data = self.ranks[r].read_shard(name)
-            except FileNotFoundError:
+            except FileNotFoundError:  # the rank answered: the file is not there
                 return f"rank {r}: shard missing"
-            except OSError:
-                self.counters.inc("faults", "read")
+            except OSError as exc:  # an I/O error or a rank process down: a miss, not damage
+                self.counters.inc("faults", "rank_unavailable" if isinstance(exc, RankUnavailableError) else "read")
                 return None
             if len(data) != size:
                 return f"rank {r}: shard is {len(data)} bytes, catalog says {size}"
