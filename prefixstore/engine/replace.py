@@ -1,86 +1,426 @@
-"""Compact-replace: swap a node's backing for a new generation in one commit.
+"""Compact-replace: a chain of rows replaced by another chain covering the same span.
 
-The REPLACE transaction (see ``statemachine.transactions``): new-generation files are
-written and made durable on every rank, then the row is swapped to them in a single
-catalog commit, then the old generation's files are retired. Descendants keep their
-parent id throughout. Used here to retire a compactable ancestor's snapshot.
+One COMPACT transaction (``statemachine.transactions.COMPACT``), in five steps::
+
+    plan    (lock)     check the old rows (not pinned, not fenced, current), fence them,
+                       choose the new generations
+    read    (no lock)  the old rows' shards the new rows need, verified
+    intent  (lock)     commit: journal row + the new files' rows ('writing', charged)
+    write   (no lock)  every new row's shard, durable on every rank (tmp, fsync,
+                       rename, directory fsync)
+    swap    (lock)     wait for pins to drop, re-check the old rows, then ONE commit:
+                       old files -> garbage, new rows in place, ancestry re-linked
+                       (PUBLISHED); then the old generation is unlinked (DONE)
+
+A crash before the swap commit leaves exactly the old rows (recovery rolls the new
+files back); after it, exactly the new ones (recovery unlinks the old files). Any
+failure before the swap (a rank failing its write, a damaged old shard, the old rows
+changing or staying pinned) rolls back and leaves the old rows serving.
+
+Node ids follow keys: a new row whose key is an old row's key keeps that row's id
+(its row is updated in place, its generation bumped); new keys get new ids; old rows
+whose key disappears are deleted. A row with children outside the replaced chain
+must keep its key, so descendants' ``parent`` stays valid at every instant (the FK
+is enforced) and no descendant row is rewritten. Generations always grow, so a Match
+taken before the swap is stale after it (``restore`` returns None; look up again).
+
+Uses: ``retire_snapshot`` (here), merge (``engine.compaction``), split, republish and
+row refill (``engine.spans``).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import attrs
+import torch
+
 from prefixstore.engine.counters import log
+from prefixstore.engine.index import Node
+from prefixstore.engine.keys import DIGEST_SIZE, ROOT
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
 
 if TYPE_CHECKING:
     from prefixstore.engine.core import Engine
-    from prefixstore.engine.index import Node
+
+KIND = "compact"
+RankPart = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # (segments, snapshot)
+Assemble = Callable[[dict[int, list[RankPart]]], list[list[RankPart]]]
+
+
+@attrs.define(eq=False)
+class NewRow:
+    """One replacement row. ``keep`` is the id of the old row with the same key."""
+
+    key: bytes
+    start: int
+    end: int
+    digests: bytes
+    has_snapshot: bool
+    last_used: int
+    snap_used: int
+    keep: int | None = None
+    gen: int = 0
+    name: str = ""
+    blobs: list[bytes] = attrs.field(factory=list)
+
+
+@attrs.define(eq=False)
+class Job:
+    """Old rows (root-first chain) -> new rows (root-first chain over the same span).
+
+    ``reads`` names the old rows whose shards are read (id -> with snapshot);
+    ``assemble`` turns them into each new row's per-rank (segments, snapshot).
+    ``state`` is the state every old row must be in ('ready', or 'damaged' for a
+    refill, whose bytes come from elsewhere).
+    """
+
+    use: str
+    old: list[Node]
+    new: list[NewRow]
+    reads: dict[int, bool]
+    assemble: Assemble
+    state: str = "ready"
+    parent: int | None = None
+    gens: dict[int, int] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        old, new = self.old, self.new
+        assert old and new, "a compact-replace needs old and new rows"
+        for a, b in zip(old, old[1:], strict=False):
+            assert b.parent == a.id and b.start == a.end, f"old rows {a.id}, {b.id} are not a chain"
+        for a, b in zip(new, new[1:], strict=False):
+            assert b.start == a.end, "new rows are not contiguous"
+        assert (new[0].start, new[-1].end) == (old[0].start, old[-1].end), "new rows cover another span"
+        assert b"".join(r.digests for r in new) == b"".join(n.digests for n in old), "blocks differ"
+        for r in new:
+            assert len(r.digests) == DIGEST_SIZE * (r.end - r.start) and r.end > r.start
+        by_key = {n.key: n.id for n in old}
+        for r in new:
+            if r.keep is None and r.key in by_key:
+                r.keep = by_key[r.key]
+            assert r.keep is None or by_key.get(r.key) == r.keep, "keep must name the old row with that key"
+        self.parent = old[0].parent
+
+    @property
+    def old_ids(self) -> set[int]:
+        return {n.id for n in self.old}
+
+    @property
+    def dropped(self) -> list[Node]:
+        """Old rows whose key disappears (deleted by the swap), deepest first."""
+        kept = {r.keep for r in self.new}
+        return [n for n in reversed(self.old) if n.id not in kept]
+
+
+@attrs.frozen
+class Outcome:
+    """How a compact-replace ended: ``ok`` when swapped; else why not."""
+
+    ok: bool
+    reason: str | None = None
+    nbytes: int = 0
+    status: str = "done"  # done | refused (no space) | failed (I/O) | skipped
+
+
+# ------------------------------------------------------------------ uses
 
 
 def retire_snapshot(eng: Engine, node: Node) -> bool:
-    """Rewrite ``node`` without its snapshot; True when it was replaced.
+    """Rewrite ``node`` without its snapshot (eviction of a compactable ancestor).
 
-    Runs under the engine lock. The node is fenced while its new generation is
-    written; a failure on any rank rolls back and leaves the old rows serving.
+    Runs under the engine lock, I/O included (eviction runs inside a store's space
+    check). True when it was replaced.
     """
-    rows = {
+    row = NewRow(node.key, node.start, node.end, node.digests, False, node.last_used, node.snap_used)
+    job = Job("retire_snapshot", [node], [row], {node.id: False},
+              lambda got: [[(segs, {}) for segs, _ in got[node.id]]])
+    out = run(eng, job, locked=True, space="capacity")
+    if out.ok:
+        log.debug("snapshot_retired", node=node.id)
+    return out.ok
+
+
+def concat_parts(parts: list[list[RankPart]], ranks: int) -> list[dict[str, torch.Tensor]]:
+    """Per rank, each segment tensor of ``parts`` (root first) concatenated on tokens."""
+    out = []
+    for r in range(ranks):
+        names = parts[0][r][0].keys()
+        out.append({k: torch.cat([p[r][0][k] for p in parts]) if len(parts) > 1 else parts[0][r][0][k]
+                    for k in names})
+    return out
+
+
+# ------------------------------------------------------------------ the transaction
+
+
+def run(
+    eng: Engine,
+    job: Job,
+    *,
+    locked: bool = False,
+    space: str = "watermark",
+    protect: frozenset[int] = frozenset(),
+    pin_wait_s: float = 2.0,
+) -> Outcome:
+    """Run ``job`` as one COMPACT transaction.
+
+    ``locked``: the caller holds the engine lock and everything runs under it (eviction);
+    otherwise the caller must not hold it, and reads and writes run outside it.
+    ``space``: 'make' (evict by policy to fit, as a store does), 'capacity' (fit under
+    capacity), 'watermark' (fit under the high watermark: background work never
+    causes eviction). A row pinned at the swap is waited for up to ``pin_wait_s``.
+    """
+    use = job.use
+    assert locked or not eng._lock._is_owned(), "run(locked=False) needs the engine lock released"
+    with eng._lock:
+        why = _check(eng, job, fences=0)
+        if why:
+            return _abort(eng, job, why, "skipped")
+        rows = {nid: _live_rows(eng, nid) for nid in job.reads}
+        for r in job.new:
+            r.gen = _next_gen(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
+            r.name = shard_name(r.key, r.gen)
+        for n in job.old:
+            eng._fences[n.id] += 1
+    tid = None
+    published = False
+    try:
+        got = _read(eng, job, rows)
+        if isinstance(got, Outcome):
+            return got
+        _encode(eng, job, job.assemble(got))
+        needed = sum(len(b) for r in job.new for b in r.blobs)
+        with eng._lock:
+            if not _room(eng, needed, space, protect | job.old_ids):
+                return _abort(eng, job, "no_space", "refused")
+            tid = _intent(eng, job)
+            eng._charged += needed
+        for r in job.new:
+            errors = eng._write_all(r.name, r.blobs)
+            if errors:
+                with eng._lock:
+                    eng._rollback(tid, KIND, "INTENT", "failed")
+                msg = "; ".join(f"rank {rk}: {e}" for rk, e in errors)
+                return _abort(eng, job, msg, "failed")
+        deadline = time.monotonic() + (0 if locked else pin_wait_s)
+        while True:
+            with eng._lock:
+                why = _check(eng, job, fences=1, pins=False)
+                pinned = any(eng._pins[n.id] for n in job.old)
+                if why or (pinned and time.monotonic() >= deadline):
+                    eng._rollback(tid, KIND, "INTENT", "stale")
+                    return _abort(eng, job, why or "pinned", "skipped")
+                if not pinned:
+                    old_files = _swap(eng, job, tid)
+                    published = True
+                    eng._finish_retire(tid, KIND, old_files)
+                    eng.counters.inc("replaces", use)
+                    if job.state == "damaged":
+                        eng.counters.inc("refills")
+                    return Outcome(True, None, needed)
+            time.sleep(0.002)
+    except Exception:
+        if not published:
+            if tid is not None:
+                with eng._lock:
+                    eng._rollback(tid, KIND, "INTENT", "failed")
+            eng.counters.inc("replaces", f"{use}_aborted")
+        raise
+    finally:
+        with eng._lock:
+            for n in job.old:
+                eng._fences[n.id] -= 1
+                if not eng._fences[n.id]:
+                    del eng._fences[n.id]
+            for n in job.old:
+                if eng.index.get(n.id) is n:
+                    eng.heap.offer(n)
+            eng._settled.notify_all()  # stores waiting for these rows re-plan
+
+
+def _abort(eng: Engine, job: Job, why: str, status: str) -> Outcome:
+    eng.counters.inc("replaces", f"{job.use}_aborted")
+    log.info("compact_aborted", use=job.use, old=[n.id for n in job.old], why=why)
+    return Outcome(False, why, 0, status)
+
+
+def _check(eng: Engine, job: Job, fences: int, pins: bool = True) -> str | None:
+    """Why the old rows cannot be replaced now (None: they can). Caller holds the lock."""
+    for n in job.old:
+        if eng.index.get(n.id) is not n:
+            return "stale"
+        if pins and eng._pins[n.id]:
+            return "pinned"
+        if eng._fences[n.id] != fences:
+            return "fenced"
+        if n.state != job.state:
+            return "damaged" if n.state == "damaged" else "stale"
+        if job.gens.setdefault(n.id, n.generation) != n.generation:
+            return "stale"
+    if job.old[0].parent != job.parent:
+        return "stale"
+    ids = job.old_ids
+    for n in job.dropped:
+        if n.children - ids:
+            return "stale"  # a row that disappears gained a child outside the chain
+    return None
+
+
+def _live_rows(eng: Engine, nid: int) -> dict[int, tuple[str, int, str]]:
+    return {
         r: (name, size, ck)
         for r, name, size, ck in eng.catalog.query(
-            "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (node.id,)
+            "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (nid,)
         )
     }
-    got = eng._read_node(node, rows, with_snap=False)
-    if isinstance(got, str):
-        eng._invalidate(node, got)
-        return False
-    if got is None:
-        return False
-    gen = node.generation + 1
-    name = shard_name(node.key, gen)
-    meta = eng._shard_meta(node.key, gen, node.start, node.end, False)
-    datas = [shards.encode(segs, {}, {**meta, "rank": str(r)}) for r, (segs, _) in enumerate(got)]
-    needed = sum(len(d) for d in datas)
-    if eng._charged + needed > eng.capacity:
-        return False
-    with eng.catalog.txn("replace.intent") as c:
-        tid = eng._journal_begin(
-            c, "replace", {"use": "retire_snapshot", "node": node.id, "name": name, "generation": gen}
-        )
+
+
+def _next_gen(eng: Engine, key: bytes, floor: int) -> int:
+    """A generation above ``floor`` and above every file (even garbage) of ``key``."""
+    h = key.hex()
+    ranks = ",".join(str(r) for r in range(eng.layout.ranks))
+    (top,) = eng.catalog.query(
+        f"SELECT coalesce(max(generation), 0) FROM files WHERE rank IN ({ranks}) AND name >= ? AND name < ?",
+        (f"{h}-g", f"{h}-h"),
+    )[0]
+    return max(floor, int(top)) + 1
+
+
+def _read(eng: Engine, job: Job, rows) -> dict[int, list[RankPart]] | Outcome:
+    """Verified tensors of the old rows in ``job.reads``; an Outcome when one fails."""
+    got: dict[int, list[RankPart]] = {}
+    for n in job.old:
+        if n.id not in job.reads:
+            continue
+        res = eng._read_node(n, rows[n.id], job.reads[n.id])
+        if isinstance(res, str):
+            with eng._lock:
+                eng._invalidate(n, res)
+            return _abort(eng, job, f"damaged: {res}", "skipped")
+        if res is None:
+            return _abort(eng, job, "read_error", "failed")
+        got[n.id] = res
+    return got
+
+
+def _encode(eng: Engine, job: Job, data: list[list[RankPart]]) -> None:
+    assert len(data) == len(job.new)
+    for r, parts in zip(job.new, data, strict=True):
+        assert len(parts) == eng.layout.ranks
+        meta = eng._shard_meta(r.key, r.gen, r.start, r.end, r.has_snapshot)
+        r.blobs = []
+        for rank, (segs, snap) in enumerate(parts):
+            assert bool(snap) == (r.has_snapshot and eng.layout.has_snapshot), "snapshot mismatch"
+            eng.layout.check_segments(rank, segs, (r.end - r.start) * eng.layout.block_tokens)
+            if snap:
+                eng.layout.check_snapshot(rank, snap)
+            r.blobs.append(shards.encode(segs, snap, {**meta, "rank": str(rank)}))
+
+
+def _room(eng: Engine, needed: int, space: str, protect: set[int]) -> bool:
+    if space == "make":
+        return eng._make_space(needed, protect)
+    limit = eng.capacity if space == "capacity" else eng.capacity * eng.high_watermark
+    return eng._charged + needed <= limit
+
+
+def _intent(eng: Engine, job: Job) -> int:
+    payload = {
+        "use": job.use,
+        "old": [n.id for n in job.old],
+        "parent": job.parent,
+        "new": [{"key": r.key.hex(), "start": r.start, "end": r.end, "generation": r.gen,
+                 "name": r.name, "keep": r.keep} for r in job.new],
+    }
+    with eng.catalog.txn("compact.intent") as c:
+        tid = eng._journal_begin(c, KIND, payload)
         c.executemany(
             "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
             "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
-            [(r, name, gen, len(d), shards.checksum(d), tid) for r, d in enumerate(datas)],
+            [(rk, r.name, r.gen, len(b), shards.checksum(b), tid)
+             for r in job.new for rk, b in enumerate(r.blobs)],
         )
-    eng._charged += needed
-    eng._fences[node.id] += 1
-    try:
-        errors = eng._write_all(name, datas)
-        if errors:
-            eng._rollback(tid, "replace", "INTENT", "failed")
-            return False
-        with eng.catalog.txn("replace.publish") as c:
-            old = c.execute(
-                "SELECT rank, name, size FROM files WHERE node=? AND status='live'", (node.id,)
-            ).fetchall()
+    return tid
+
+
+def _swap(eng: Engine, job: Job, tid: int) -> list[tuple[int, str, int]]:
+    """The single commit that replaces the rows, then the in-memory index. Lock held."""
+    old_ids = [n.id for n in job.old]
+    marks = ",".join("?" * len(old_ids))
+    ids: list[int] = []
+    with eng.catalog.txn("compact.publish") as c:
+        old_files = c.execute(
+            f"SELECT rank, name, size FROM files WHERE node IN ({marks})", old_ids
+        ).fetchall()
+        c.execute(
+            f"UPDATE files SET status='garbage', node=NULL, txn=? WHERE node IN ({marks})", (tid, *old_ids)
+        )
+        parent = job.parent
+        for r in job.new:
+            vals = (parent, r.start, r.end, r.digests, int(r.has_snapshot), r.gen, r.last_used, r.snap_used)
+            if r.keep is not None:
+                c.execute(
+                    "UPDATE nodes SET parent=?, start_block=?, end_block=?, digests=?, has_snapshot=?, "
+                    "state='ready', generation=?, last_used=?, snap_used=? WHERE id=?", (*vals, r.keep)
+                )
+                nid = r.keep
+            else:
+                cur = c.execute(
+                    "INSERT INTO nodes(parent, start_block, end_block, digests, has_snapshot, state, "
+                    "generation, last_used, snap_used, key) VALUES(?, ?, ?, ?, ?, 'ready', ?, ?, ?, ?)",
+                    (*vals, r.key),
+                )
+                nid = int(cur.lastrowid)
             c.execute(
-                "UPDATE files SET status='garbage', node=NULL, txn=? WHERE node=? AND status='live'",
-                (tid, node.id),
+                "UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing' AND name=?",
+                (nid, tid, r.name),
             )
-            c.execute(
-                "UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing'",
-                (node.id, tid),
-            )
-            c.execute("UPDATE nodes SET has_snapshot=0, generation=? WHERE id=?", (gen, node.id))
-            eng._advance(c, tid, "replace", "INTENT", "durable")
-        node.has_snapshot, node.generation, node.nbytes = False, gen, needed
-        eng._finish_retire(tid, "replace", old)
-        eng.counters.inc("replaces", "retire_snapshot")
-        log.debug("snapshot_retired", node=node.id, freed=sum(s for _, _, s in old) - needed)
-        return True
-    finally:
-        eng._fences[node.id] -= 1
-        if not eng._fences[node.id]:
-            del eng._fences[node.id]
+            ids.append(nid)
+            parent = nid
+        for n in job.dropped:
+            c.execute("DELETE FROM nodes WHERE id=?", (n.id,))
+        eng._advance(c, tid, KIND, "INTENT", "durable")
+    _apply_index(eng, job, ids)
+    return [tuple(f) for f in old_files]
+
+
+def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
+    """Mirror the swap in the index: nodes, by_key, blocks, children; offer to the heap."""
+    idx = eng.index
+    old_ids = job.old_ids
+    external = {n.id: n.children - old_ids for n in job.old}
+    parent = idx.get(job.parent) if job.parent is not None else None
+    for n in job.dropped:
+        del idx.nodes[n.id]
+        if idx.by_key.get(n.key) == n.id:
+            del idx.by_key[n.key]
+        eng._dirty_recency.discard(n.id)
+    if parent is not None:
+        parent.children.discard(job.old[0].id)
+    prev, pkey = parent, (parent.key if parent is not None else ROOT)
+    for r, nid in zip(job.new, ids, strict=True):
+        nbytes = sum(len(b) for b in r.blobs)
+        fields = dict(parent=prev.id if prev is not None else None, start=r.start, end=r.end,
+                      digests=r.digests, has_snapshot=r.has_snapshot, state="ready", generation=r.gen,
+                      last_used=r.last_used, snap_used=r.snap_used, nbytes=nbytes)
+        node = idx.nodes.get(nid) if r.keep is not None else None
+        if node is None:
+            node = Node(id=nid, key=r.key, **fields)
+            idx.nodes[nid] = node
+            idx.by_key[r.key] = nid
+        else:
+            for k, v in fields.items():
+                setattr(node, k, v)
+        node.children = set(external.get(nid, ())) if r.keep is not None else set()
+        if prev is not None:
+            prev.children.add(nid)
+        for k in node.block_keys(pkey):
+            idx.blocks[k] = nid
         eng.heap.offer(node)
+        prev, pkey = node, node.key
+    if parent is not None:
+        eng.heap.offer(parent)

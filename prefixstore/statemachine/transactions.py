@@ -88,3 +88,39 @@ RECOVERY_EVENT: dict[str, dict[str, str]] = {
 def recovery_direction(kind: str, state: str) -> str:
     """'forward' when the transaction had published (or removed), else 'back'."""
     return "forward" if state in ("PUBLISHED", "REMOVED") else "back"
+
+
+# ---------------------------------------------------------------------------- COMPACT
+# (issue 5) compact-replace: a chain of old rows replaced by a chain of new rows covering
+# the same span (merge, split, republish, snapshot retirement). Driven by
+# ``prefixstore.engine.replace``::
+#
+#     INTENT --durable--> PUBLISHED --retired--> DONE
+#       |                     \--retire_failed--> DONE   (old files stay as garbage)
+#       +--failed / stale / recover--> ROLLING_BACK --cleaned--> ROLLED_BACK
+#                                            \--cleanup_failed--> ROLLED_BACK
+#
+#     INTENT     the journal row (use, old row ids, new rows) and the new generation's
+#                file rows ('writing', charged) are committed; the old rows serve, fenced.
+#     PUBLISHED  one commit swapped the rows: the new rows are in the catalog (a row
+#                whose key survives keeps its id, so descendants keep their parent) and
+#                every file of the old rows is garbage owned by this transaction.
+#     'stale'    the old rows changed (or stayed pinned) while the new files were written.
+
+COMPACT = Machine(
+    "compact",
+    initial="INTENT",
+    finals={"DONE", "ROLLED_BACK"},
+    edges=[
+        ("INTENT", "durable", "PUBLISHED"),
+        ("INTENT", "failed", "ROLLING_BACK"),
+        ("INTENT", "stale", "ROLLING_BACK"),
+        ("INTENT", "recover", "ROLLING_BACK"),
+        ("PUBLISHED", "retired", "DONE"),
+        ("PUBLISHED", "retire_failed", "DONE"),
+        ("ROLLING_BACK", "cleaned", "ROLLED_BACK"),
+        ("ROLLING_BACK", "cleanup_failed", "ROLLED_BACK"),
+    ],
+)
+MACHINES[COMPACT.name] = COMPACT
+RECOVERY_EVENT[COMPACT.name] = {"INTENT": "recover", "PUBLISHED": "retired", "ROLLING_BACK": "cleaned"}

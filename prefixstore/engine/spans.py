@@ -1,0 +1,179 @@
+"""Stores that meet existing rows' spans, done as compact-replace transactions.
+
+``Engine._store`` calls ``on_store`` before its ordinary plan. Three cases:
+
+- **split**: the checkpoint lands inside a ready node N's span ``(s, e]``, at ``m``.
+  N is replaced by ``(s, m]`` (a new row, the new checkpoint, with the store's
+  snapshot) and ``(m, e]`` (N's key, id, snapshot and children). Both rows' segment
+  bytes are N's own (read and verified), so every restore through N returns the same
+  bytes before and after. When the prefix diverges inside N's span (the store's
+  parent would sit at ``m < len(prefix)``), N is split at ``m`` without a snapshot and
+  the ordinary store then adds the new node under ``(s, m]``.
+- **republish with a snapshot**: the checkpoint is a ready node's end, the node has no
+  snapshot (retired, or a merge endpoint), and the store's segments do not reach back
+  to the node's start (it was merged): the node is rewritten from its own verified
+  rows plus the store's snapshot (status ``refilled``).
+- **row refill**: damaged ancestors on the store's path whose whole span the store's
+  segments cover are republished from those rows (no snapshot: the store has none at
+  their position), so lookups reach past them again (counted in ``refills``).
+
+Everything else returns None and the ordinary store runs (a damaged node with the
+checkpoint inside its span is still skipped as ``inside_span``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prefixstore.engine import replace
+from prefixstore.engine.counters import log
+from prefixstore.engine.keys import DIGEST_SIZE, Prefix
+from prefixstore.engine.layout import RankTensors
+from prefixstore.engine.replace import Job, NewRow
+from prefixstore.engine.results import FAILED, REFILLED, REFUSED, SKIPPED, STORED, StoreResult
+
+if TYPE_CHECKING:
+    from prefixstore.engine.core import Engine
+    from prefixstore.engine.index import Node
+
+
+def on_store(
+    eng: Engine,
+    prefix: Prefix,
+    segs: list[RankTensors],
+    snaps: list[RankTensors] | None,
+    tokens_from: int,
+) -> StoreResult | None:
+    """Handle a store that needs a compact-replace; None lets the ordinary store run."""
+    _refill_rows(eng, prefix, segs, tokens_from)
+    L = eng.layout
+    n = len(prefix)
+    with eng._lock:
+        deadline = time.monotonic() + eng.inflight_wait_s
+        while True:
+            p = eng.index.deepest_block(prefix.keys, n)
+            owner = eng.index.owner(prefix.keys, p)
+            if owner is None or not owner.ready:
+                return None
+            if owner.end != p:
+                action = _split
+            elif (p == n and L.has_snapshot and not owner.has_snapshot
+                    and tokens_from > owner.start * L.block_tokens):
+                action = _republish_snapshot
+            else:
+                return None
+            left = deadline - time.monotonic()
+            if not eng._fences[owner.id] or left <= 0 or eng._closed:
+                break
+            # Another transaction holds the row this store would replace: let it settle.
+            eng._settled.wait(min(left, 0.05))
+        planned = action(eng, prefix, owner, p, snaps)
+        if isinstance(planned, StoreResult):
+            return planned
+    job, ok_status = planned
+    node = job.old[0]
+    out = replace.run(eng, job, space="make", protect=frozenset({node.parent} - {None}))
+    log.debug(job.use, node=node.id, ok=out.ok, reason=out.reason)
+    if out.ok and ok_status is None:
+        return None  # a split made the new checkpoint's parent: the ordinary store goes on
+    return _result(eng, out, n, ok_status or STORED)
+
+
+def _busy(eng: Engine, node: Node, n: int) -> StoreResult | None:
+    for why, table in (("pinned", eng._pins), ("fenced", eng._fences)):
+        if table[node.id]:
+            res = StoreResult(SKIPPED, n, why)
+            eng._count_store(res)
+            return res
+    return None
+
+
+def _result(eng: Engine, out: replace.Outcome, n: int, ok_status: str) -> StoreResult:
+    if out.ok:
+        res = StoreResult(ok_status, n, None, out.nbytes)
+        eng.counters.inc("stores", ok_status)
+        return res
+    status = {"refused": REFUSED, "failed": FAILED}.get(out.status, SKIPPED)
+    res = StoreResult(status, n, out.reason, out.nbytes)
+    if status == FAILED:
+        eng.counters.inc("stores", FAILED)
+    else:
+        eng._count_store(res)
+    return res
+
+
+def _split(eng: Engine, prefix: Prefix, node: Node, at: int, snaps) -> StoreResult | tuple[Job, str | None]:
+    """The job splitting ``node`` at block ``at``, and the store status on success
+    (None: the ordinary store continues). Lock held."""
+    from prefixstore.engine.core import _Plan
+
+    L = eng.layout
+    n = len(prefix)
+    if (busy := _busy(eng, node, n)) is not None:
+        return busy
+    parent = eng.index.get(node.parent) if node.parent is not None else None
+    if eng.admission is not None:
+        plan = _Plan(parent, None, node.start) if at == n else _Plan(node, None, at)
+        if not eng.admission(eng, prefix, plan):
+            res = StoreResult(SKIPPED, n, "admission")
+            eng._count_store(res)
+            return res
+    with_snap = at == n and L.has_snapshot
+    k = at - node.start
+    cut = k * L.block_tokens
+    now = eng._tick()
+    lower = NewRow(prefix.keys[at - 1], node.start, at, node.digests[: k * DIGEST_SIZE], with_snap, now, now)
+    upper = NewRow(node.key, at, node.end, node.digests[k * DIGEST_SIZE :], node.has_snapshot,
+                   node.last_used, node.snap_used, keep=node.id)
+
+    def assemble(got):
+        parts = got[node.id]
+        lo = [({name: t[:cut] for name, t in segs.items()}, snaps[r] if with_snap else {})
+              for r, (segs, _) in enumerate(parts)]
+        hi = [({name: t[cut:] for name, t in segs.items()}, sn) for segs, sn in parts]
+        return [lo, hi]
+
+    job = Job("split", [node], [lower, upper], {node.id: node.has_snapshot}, assemble)
+    return job, (STORED if at == n else None)
+
+
+def _republish_snapshot(eng: Engine, prefix: Prefix, node: Node, _at: int, snaps) -> StoreResult | tuple[Job, str]:
+    """The job rewriting ``node`` from its own rows plus the store's snapshot. Lock held."""
+    n = len(prefix)
+    if (busy := _busy(eng, node, n)) is not None:
+        return busy
+    now = eng._tick()
+    row = NewRow(node.key, node.start, node.end, node.digests, True, now, now, keep=node.id)
+    job = Job("republish", [node], [row], {node.id: False},
+              lambda got: [[(segs, snaps[r]) for r, (segs, _) in enumerate(got[node.id])]])
+    return job, REFILLED
+
+
+def _refill_rows(eng: Engine, prefix: Prefix, segs: list[RankTensors], tokens_from: int) -> None:
+    """Republish damaged ancestors on ``prefix``'s path from the store's rows."""
+    L = eng.layout
+    bt = L.block_tokens
+    n = len(prefix)
+    keys = prefix.keys
+    with eng._lock:
+        # Walk up the store's path over the rows its segments cover (O(those rows)).
+        p = eng.index.deepest_block(keys, n)
+        x = eng.index.owner(keys, p)
+        if x is not None and x.end != p:
+            x = eng.index.get(x.parent) if x.parent is not None else None
+        todo = []
+        while x is not None and x.start * bt >= tokens_from:
+            if x.state == "damaged" and x.end < n and not eng._pins[x.id] and not eng._fences[x.id]:
+                todo.append(x)
+            x = eng.index.get(x.parent) if x.parent is not None else None
+    for x in sorted(todo, key=lambda x: x.end):
+        lo, hi = x.start * bt - tokens_from, x.end * bt - tokens_from
+        row = NewRow(x.key, x.start, x.end, x.digests, False, x.last_used, x.snap_used, keep=x.id)
+
+        def assemble(got, lo=lo, hi=hi):
+            return [[({k: v[lo:hi] for k, v in segs[r].items()}, {}) for r in range(L.ranks)]]
+
+        job = Job("republish", [x], [row], {}, assemble, state="damaged")
+        out = replace.run(eng, job, space="make", protect=frozenset({x.parent} - {None}))
+        log.info("row_refill", node=x.id, ok=out.ok, reason=out.reason)
