@@ -1,41 +1,80 @@
 """The auditor: checks DESIGN.md section 4's invariants without changing a byte.
 
-``audit_dir`` opens the catalog read-only (a running engine is not disturbed) and
-reads every rank directory. ``audit_engine`` adds the checks only a live engine can
-answer (its in-memory accounting and index against the catalog, pins and fences).
+``audit_dir`` reads the catalog and every rank directory and reports, per invariant,
+what it checked and what it found, the journal's unfinished transactions with what
+recovery would do with each, what else recovery would change (garbage, orphans,
+foreign files, nodes it would mark damaged), and the accounting. ``audit_engine``
+adds the checks only a live engine can answer (its in-memory accounting and index
+against the catalog, pins and fences).
 
-Invariants checked here (numbers as in DESIGN.md):
+How the catalog is read (``read_catalog``) so that nothing changes:
 
-1. every ready node has a live shard on every rank whose size, checksum and header
-   match the catalog;
-2. ancestry is whole: parents exist, ``child.start == parent.end``, keys equal the
-   chained hash of their blocks, no block claimed twice;
-3. accounting: charged == sum of owned file sizes; every live file's size on disk is
-   its recorded size; no unknown file in a rank directory; charged <= capacity;
+- an engine holds the directory (its ``LOCK`` is flock'ed): a ``mode=ro`` connection
+  beside it, as any WAL reader (the engine keeps the ``-wal``/``-shm`` files; the
+  reader only takes read marks in the shared-memory index, as every reader does);
+- no engine and no write-ahead log: the catalog is opened ``immutable=1`` (SQLite
+  creates no ``-wal``/``-shm`` file and takes no lock);
+- no engine but a write-ahead log left by a crash: the catalog and its log are copied
+  to a private temporary directory and read there (a read-only connection on the
+  original would create or rewrite its ``-shm`` index).
+
+Shards are read with ``O_NOATIME`` where the OS allows it. Invariants checked here:
+
+1. every ready node has a regular live file on every rank, named after its key and
+   generation, whose size, checksum and safetensors header match the catalog;
+2. ancestry is whole (see ``prefixstore.engine.structure``);
+3. accounting: charged == sum of owned file sizes; no unknown file in a rank
+   directory; no garbage file larger than charged; charged <= capacity;
 4. (with ``expected``) every acknowledged checkpoint is ready or damaged;
-7. the journal holds no unfinished transaction (reported, and a violation when
-   ``quiescent``);
+5. covered by 1: a shard that passes its checksum and its header check (own key,
+   generation, span, rank; the layout's names, dtypes and shapes) can only restore
+   to the bytes stored;
+6. (live engine) every pinned or fenced node is still in the index;
+7. the journal holds no unfinished transaction (a violation when ``quiescent``);
 8. no ready node depends on an evicted segment (every ancestor has its backing).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import json
 import os
+import shutil
+import sqlite3
+import stat
+import tempfile
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import attrs
 
-from prefixstore.engine.catalog import open_readonly
-from prefixstore.engine.errors import LayoutError, ShardError
-from prefixstore.engine.keys import DIGEST_SIZE, ROOT, chain_all
+from prefixstore.engine import structure as S
+from prefixstore.engine.catalog import CATALOG_NAME, FORMAT_MARKER, SCHEMA_VERSION, catalog_path
+from prefixstore.engine.errors import LayoutError, NotACacheError, SchemaVersionError, ShardError
 from prefixstore.engine.layout import Layout
 from prefixstore.gpu import shards
-from prefixstore.gpu.ranks import rank_dir_name
-from prefixstore.statemachine.transactions import recovery_direction
+from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
+from prefixstore.statemachine.transactions import MACHINES, RECOVERY_EVENT, recovery_direction
 
 if TYPE_CHECKING:
     from prefixstore.engine.core import Engine
+
+LOCK_NAME = "LOCK"
+TITLES = {
+    1: "every ready node has a verified shard on every rank",
+    2: "ancestry is whole and keys are chained hashes",
+    3: "accounting is exact and no file is unknown",
+    4: "nothing acknowledged is lost",
+    5: "no wrong data (a verified shard restores to its own bytes)",
+    6: "pinned and fenced nodes are never evicted or replaced",
+    7: "the journal holds no unfinished transaction",
+    8: "no ready node depends on an evicted segment",
+}
+_ROOT_ENTRIES = {CATALOG_NAME, f"{CATALOG_NAME}-wal", f"{CATALOG_NAME}-shm", f"{CATALOG_NAME}-journal",
+                 LOCK_NAME, "lost+found"}
 
 
 @attrs.define
@@ -57,6 +96,15 @@ class AuditReport:
     nodes: int = 0
     files_checked: int = 0
     unknown_files: list[str] = attrs.field(factory=list)
+    checked: dict[int, str] = attrs.field(factory=dict)
+    """Per invariant: what was examined (or why it was not checked)."""
+    ranks: list[dict[str, Any]] = attrs.field(factory=list)
+    recovery: list[str] = attrs.field(factory=list)
+    """What opening an engine on this directory would change, besides the journal."""
+    damaged_nodes: list[int] = attrs.field(factory=list)
+    notes: list[str] = attrs.field(factory=list)
+    source: str = ""
+    """How the catalog was read."""
 
     @property
     def ok(self) -> bool:
@@ -65,16 +113,154 @@ class AuditReport:
     def add(self, invariant: int, detail: str) -> None:
         self.violations.append(Violation(invariant, detail))
 
+    def status(self, invariant: int) -> str:
+        """'ok', 'violated' or 'not checked' for one invariant."""
+        if any(v.invariant == invariant for v in self.violations):
+            return "violated"
+        return "not checked" if self.checked.get(invariant, "").startswith("not checked") else "ok"
+
+    def by_invariant(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {i: [] for i in TITLES}
+        for v in self.violations:
+            out.setdefault(v.invariant, []).append(v.detail)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
+        found = self.by_invariant()
         return {
             "ok": self.ok,
             "violations": [v.to_dict() for v in self.violations],
+            "invariants": [
+                {"invariant": i, "title": TITLES.get(i, ""), "status": self.status(i),
+                 "checked": self.checked.get(i, ""), "violations": len(found.get(i, []))}
+                for i in sorted(set(TITLES) | set(found))
+            ],
             "accounting": self.accounting,
             "journal": self.journal,
+            "recovery": self.recovery,
+            "ranks": self.ranks,
             "nodes": self.nodes,
+            "damaged_nodes": self.damaged_nodes,
             "files_checked": self.files_checked,
             "unknown_files": self.unknown_files,
+            "notes": self.notes,
+            "source": self.source,
         }
+
+
+@attrs.define
+class CatalogRows:
+    """One consistent read of every catalog table."""
+
+    meta: dict[str, str]
+    nodes: dict[int, tuple]
+    files: list[tuple]
+    journal: list[tuple[int, str, str, str]]
+    integrity: str
+    source: str
+
+
+# ---------------------------------------------------------------------- reading
+
+
+def engine_running(root: str) -> bool:
+    """Whether an engine holds ``root`` open (its LOCK is flock'ed); never blocks.
+
+    The probe takes a shared lock for an instant and releases it at once; the lock
+    file is not created when missing.
+    """
+    try:
+        fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases the probe's lock
+    return False
+
+
+def read_catalog(root: str, *, live: bool | None = None) -> CatalogRows:
+    """Read the whole catalog without writing a byte (see the module docstring).
+
+    ``live``: whether an engine holds the directory (probed when None). Raises
+    NotACacheError or SchemaVersionError when the catalog cannot be read.
+    """
+    path = catalog_path(root)
+    if not os.path.isfile(path):
+        raise NotACacheError(f"{root}: no {CATALOG_NAME}")
+    running = engine_running(root) if live is None else live
+    wal = path + "-wal"
+    with contextlib.ExitStack() as stack:
+        if running:
+            uri, source = f"file:{quote(path)}?mode=ro", "read-only connection beside the running engine"
+        elif not os.path.exists(wal) or os.path.getsize(wal) == 0:
+            uri, source = f"file:{quote(path)}?immutable=1", "immutable (no engine, no write-ahead log)"
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="prefixstore-audit-"))
+            copy = os.path.join(tmp, CATALOG_NAME)
+            shutil.copyfile(path, copy)
+            shutil.copyfile(wal, copy + "-wal")
+            uri, source = f"file:{quote(copy)}", "private copy of the catalog and its write-ahead log"
+        try:
+            conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
+        except sqlite3.Error as exc:
+            raise NotACacheError(f"{root}: cannot open {CATALOG_NAME}: {exc}") from exc
+        try:
+            return _read_rows(conn, root, source)
+        except sqlite3.DatabaseError as exc:
+            raise NotACacheError(f"{root}: {CATALOG_NAME} is not a readable prefixstore catalog: {exc}") from exc
+        finally:
+            conn.close()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _read_rows(conn: sqlite3.Connection, root: str, source: str) -> CatalogRows:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{root}: catalog schema version {version} is newer than this prefixstore "
+            f"(supports up to {SCHEMA_VERSION}); upgrade prefixstore"
+        )
+    conn.execute("BEGIN")  # one consistent snapshot of every table
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        if meta.get("format") != FORMAT_MARKER:
+            raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
+        nodes = {r[0]: tuple(r) for r in conn.execute(f"SELECT {S.NODE_COLUMNS} FROM nodes")}
+        files = [tuple(r) for r in conn.execute(f"SELECT {S.FILE_COLUMNS} FROM files ORDER BY rank, name")]
+        journal = [tuple(r) for r in conn.execute("SELECT id, kind, state, payload FROM journal ORDER BY id")]
+        integrity = "; ".join(str(r[0]) for r in conn.execute("PRAGMA quick_check").fetchall())
+    finally:
+        conn.execute("COMMIT")
+    return CatalogRows(meta, nodes, files, journal, integrity, source)
+
+
+def read_shard_bytes(path: str) -> bytes:
+    """Read a file without updating its access time where the OS allows it."""
+    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+    try:
+        fd = os.open(path, flags)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)  # O_NOATIME needs ownership
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- auditing
 
 
 def audit_dir(
@@ -84,23 +270,26 @@ def audit_dir(
     checksums: bool = True,
     expected: Iterable[bytes] = (),
     quiescent: bool = True,
+    live: bool | None = None,
 ) -> AuditReport:
-    """Audit the cache at ``root``. Raises NotACacheError / SchemaVersionError if unreadable."""
-    conn = open_readonly(root)
-    try:
-        conn.execute("BEGIN")  # one consistent snapshot of the catalog
-        return _audit(conn, root, rank_dirs, checksums, set(expected), quiescent)
-    finally:
-        conn.close()
+    """Audit the cache at ``root``. Raises NotACacheError / SchemaVersionError if unreadable.
+
+    ``expected``: keys of acknowledged checkpoints (invariant 4). ``quiescent``:
+    an unfinished transaction is a violation (False while an engine works).
+    """
+    rows = read_catalog(root, live=live)
+    return audit_rows(rows, root, rank_dirs=rank_dirs, checksums=checksums,
+                      expected=set(expected), quiescent=quiescent)
 
 
 def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
     """Audit a live engine's directory plus its in-memory state (caller holds its lock)."""
     rep = audit_dir(
         eng.root,
-        rank_dirs=[getattr(r, "directory", "") for r in eng.ranks],
+        rank_dirs=[r if getattr(r, "volatile", False) else getattr(r, "directory", "") for r in eng.ranks],
         checksums=checksums,
         quiescent=not eng._fences,
+        live=True,
     )
     catalog_charged = rep.accounting.get("charged", 0)
     if eng._charged != catalog_charged:
@@ -110,181 +299,307 @@ def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
     ids = {r[0] for r in eng.catalog.query("SELECT id FROM nodes")}
     if ids != set(eng.index.nodes):
         rep.add(2, f"index holds {len(eng.index.nodes)} nodes, catalog {len(ids)}")
+    held = {n for n, c in eng._pins.items() if c} | {n for n, c in eng._fences.items() if c}
+    gone = sorted(n for n in held if n not in eng.index.nodes)
+    for n in gone:
+        rep.add(6, f"node {n} is pinned or fenced but no longer in the index")
+    rep.checked[6] = f"{len(held)} pinned or fenced nodes, all still indexed" if not gone else f"{len(held)} held"
+    backing = getattr(eng, "backing", None)
+    if backing is not None:
+        backing.audit(eng, rep, checksums)  # the RAM tier's own accounting (invariant 3)
     return rep
 
 
-def _audit(conn, root, rank_dirs, checksums, expected, quiescent) -> AuditReport:
-    rep = AuditReport()
-    meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+def audit_rows(
+    rows: CatalogRows,
+    root: str,
+    *,
+    rank_dirs: Sequence[str] | None = None,
+    checksums: bool = True,
+    expected: set[bytes] | None = None,
+    quiescent: bool = True,
+) -> AuditReport:
+    """Audit catalog ``rows`` against the rank directories (the core of ``audit_dir``)."""
+    rep = AuditReport(source=rows.source)
     try:
-        layout = Layout.from_json(meta.get("layout", ""))
+        layout = Layout.from_json(rows.meta.get("layout", ""))
     except LayoutError as exc:
-        rep.add(2, f"catalog layout unreadable: {exc}")
-        return rep
-    capacity = int(meta.get("capacity", "0") or 0)
+        raise NotACacheError(f"{root}: catalog layout unreadable: {exc}") from exc
+    capacity = int(rows.meta.get("capacity", "0") or 0)
     dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
-    nodes = {
-        r[0]: r
-        for r in conn.execute(
-            "SELECT id, key, parent, start_block, end_block, digests, has_snapshot, state, generation "
-            "FROM nodes"
-        )
-    }
+    if len(dirs) != layout.ranks:
+        raise NotACacheError(f"{len(dirs)} rank directories given, the layout has {layout.ranks} ranks")
+    nodes, files = rows.nodes, rows.files
     rep.nodes = len(nodes)
-    files = conn.execute("SELECT rank, name, node, generation, size, checksum, status, txn FROM files").fetchall()
-    journal = conn.execute("SELECT id, kind, state FROM journal").fetchall()
-    for tid, kind, state in journal:
-        rep.journal.append({"txn": tid, "kind": kind, "state": state,
-                            "recovery": "roll forward" if recovery_direction(kind, state) == "forward" else "roll back"})
+    rep.damaged_nodes = sorted(n for n, r in nodes.items() if r[S.STATE] != "ready")
+    if rows.integrity != "ok":
+        rep.add(2, f"catalog integrity check: {rows.integrity}")
+
+    # Invariant 2 and the file rows' own consistency.
+    problems = S.node_problems(nodes) + S.file_problems(nodes, files, layout.ranks)
+    for p in problems:
+        rep.add(p.invariant, p.detail)
+    blocks = sum(r[S.END] - r[S.START] for r in nodes.values())
+    rep.checked[2] = f"{len(nodes)} nodes, {blocks} chained blocks"
+    if problems:
+        rep.recovery.append("refuse to open: the catalog contradicts itself (`prefixstore audit --repair` fixes it)")
+
+    _journal(rep, rows, files, quiescent)
+    if rows.meta.get("backing") == "memory" and all(isinstance(d, str) for d in dirs):
+        # A volatile cache seen from outside its engine: its shards live (or lived) in that
+        # engine's RAM, never in the rank directories; its next open drops every row.
+        why = "not checked (backing=memory: the shards are in the engine's RAM)"
+        for inv in (1, 3, 5, 8):
+            rep.checked[inv] = why
+        rep.notes.append("backing=memory: only the catalog was checked")
+        if nodes or files:
+            rep.recovery.append(f"drop every row ({len(nodes)} nodes, {len(files)} files): the cache is volatile")
+        return rep
+    disk = _scan_dirs(rep, root, dirs, layout, files)
+    _accounting(rep, files, nodes, disk, capacity)
+    _ready_nodes(rep, layout, nodes, files, dirs, disk, checksums)
+    if expected:
+        present = {bytes(r[S.KEY]) for r in nodes.values()}
+        lost = expected - present
+        for k in sorted(lost):
+            rep.add(4, f"acknowledged checkpoint {k.hex()[:16]} is gone")
+        rep.checked[4] = f"{len(expected)} acknowledged checkpoints, {len(expected) - len(lost)} present"
+    else:
+        rep.checked[4] = "not checked (no list of acknowledged checkpoints given)"
+    rep.checked.setdefault(6, "not checked (needs the running engine's pins and fences)")
+    return rep
+
+
+def _journal(rep: AuditReport, rows: CatalogRows, files, quiescent: bool) -> None:
+    by_txn: dict[int, list[tuple]] = {}
+    for f in files:
+        if f[7] is not None:
+            by_txn.setdefault(f[7], []).append(f)
+    for tid, kind, state, payload in rows.journal:
+        owned = by_txn.get(tid, [])
+        nbytes = sum(f[4] for f in owned)
+        names = sorted({f"rank{f[0]}/{f[1]}" for f in owned})
+        entry: dict[str, Any] = {"txn": tid, "kind": kind, "state": state, "files": names, "bytes": nbytes}
+        try:
+            info = json.loads(payload)
+        except ValueError:
+            info = None
+        if kind not in MACHINES or state not in MACHINES[kind].states or not isinstance(info, dict):
+            entry["recovery"] = "refuse to open (unknown transaction or corrupt payload)"
+            entry["action"] = entry["recovery"]
+            rep.add(7, f"journal row {tid} ({kind}/{state}) cannot be recovered: unknown or corrupt")
+            rep.journal.append(entry)
+            continue
+        forward = recovery_direction(kind, state) == "forward"
+        entry["recovery"] = "roll forward" if forward else "roll back"
+        entry["event"] = RECOVERY_EVENT.get(kind, {}).get(state, "")
+        key = str(info.get("key", ""))[:12]
+        what = f"{kind} of {key}" if key else kind
+        if forward and kind == "evict":
+            action = f"finish the evict of nodes {info.get('nodes')}: unlink {len(owned)} files ({nbytes} bytes)"
+        elif forward:
+            action = f"keep the published {what}; unlink {len(owned)} retired files ({nbytes} bytes)"
+        elif state == "INTENT":
+            action = f"undo {what}: unlink {len(owned)} new files ({nbytes} bytes); the previous record stays"
+        else:
+            action = f"finish rolling back {what}: unlink {len(owned)} files ({nbytes} bytes)"
+        entry["action"] = action
+        rep.journal.append(entry)
         if quiescent:
             rep.add(7, f"journal holds unfinished {kind} transaction {tid} in state {state}")
-    open_txns = {tid for tid, _, _ in journal}
+    rep.checked[7] = f"{len(rows.journal)} unfinished transactions" + ("" if quiescent else " (engine at work)")
 
-    _check_ancestry(rep, nodes, layout)
-    live_by_node: dict[int, dict[int, tuple]] = {}
-    charged = 0
-    acct = {"live": 0, "damaged": 0, "garbage": 0, "writing": 0}
-    for rank, name, node, gen, size, ck, status, txn in files:
-        charged += size
-        if status == "live":
-            if node not in nodes:
-                rep.add(3, f"live file rank{rank}/{name} belongs to missing node {node}")
-                continue
-            live_by_node.setdefault(node, {})[rank] = (name, gen, size, ck)
-            acct["damaged" if nodes[node][7] == "damaged" else "live"] += size
-        else:
-            acct[status] += size
-            if status == "writing" and txn not in open_txns:
-                rep.add(3, f"file rank{rank}/{name} is 'writing' with no open transaction")
-    rep.accounting = {"charged": charged, "capacity": capacity, **acct, "on_disk": 0}
-    if capacity and charged > capacity:
-        rep.add(3, f"charged {charged} exceeds capacity {capacity}")
 
-    known = {(rank, name) for rank, name, *_ in files}
-    in_flight = {(rank, name) for rank, name, _n, _g, _s, _c, status, _t in files if status == "writing"}
-    on_disk = 0
-    sizes: dict[tuple[int, str], int] = {}
+@attrs.define
+class _Disk:
+    """What the rank directories hold: (rank, name) -> (size, is regular file)."""
+
+    entries: dict[tuple[int, str], tuple[int, bool]] = attrs.field(factory=dict)
+    on_disk: int = 0
+
+
+def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, files) -> _Disk:
+    disk = _Disk()
+    known = {(f[0], f[1]) for f in files}
+    # A file in flight owns its temporary; so does garbage (a failed cleanup may have
+    # left a short temporary of a failed write; reclaiming removes both).
+    in_flight = {(f[0], f[1]) for f in files if f[6] in ("writing", "garbage")}
+    orphans, foreign = [], []
     for r, d in enumerate(dirs):
+        # A rank "directory" may be a view of a RAM-only rank (backing='memory'): an
+        # object with listdir(), size(name) and read_shard(name).
+        view = None if isinstance(d, str) else d
+        info: dict[str, Any] = {"rank": r, "dir": d if view is None else f"ram:rank{r}",
+                                "files": 0, "bytes": 0, "unknown": []}
         try:
-            entries = sorted(os.listdir(d))
+            entries = sorted(os.listdir(d) if view is None else view.listdir())
         except FileNotFoundError:
             entries = []
+            info["missing"] = True
+            if any(f[0] == r for f in files):
+                rep.notes.append(f"rank directory {d} is missing")
+        except OSError as exc:
+            raise NotACacheError(f"cannot list rank directory {d}: {exc}") from exc
         for e in entries:
-            p = os.path.join(d, e)
-            try:
-                sz = os.stat(p).st_size
-            except OSError:
-                continue
-            on_disk += sz
-            if (r, e) in known:
-                sizes[(r, e)] = sz
-            elif e.endswith(".tmp") and (r, e[:-4]) in in_flight:
-                continue
+            if view is not None:
+                size, regular = view.size(e) or 0, True
             else:
-                rep.unknown_files.append(f"rank{r}/{e}")
-                rep.add(3, f"file rank{r}/{e} is unknown to the catalog")
-    rep.accounting["on_disk"] = on_disk
+                try:
+                    st = os.lstat(os.path.join(d, e))
+                except OSError:
+                    continue
+                regular = stat.S_ISREG(st.st_mode)
+                size = st.st_size if regular else 0
+            disk.on_disk += size
+            info["files"] += 1
+            info["bytes"] += size
+            if (r, e) in known:
+                disk.entries[(r, e)] = (size, regular)
+                continue
+            if e.endswith(TMP_SUFFIX) and (r, e[: -len(TMP_SUFFIX)]) in in_flight and regular:
+                continue
+            where = f"rank{r}/{e}"
+            info["unknown"].append(e)
+            rep.unknown_files.append(where)
+            base = e[: -len(TMP_SUFFIX)] if e.endswith(TMP_SUFFIX) else e
+            if S.SHARD_RE.match(base) and regular:
+                orphans.append(where)
+                rep.add(3, f"file {where} is unknown to the catalog (an orphan shard)")
+            else:
+                foreign.append(where)
+                rep.add(3, f"entry {where} is unknown to the catalog (foreign)")
+        rep.ranks.append(info)
+    if orphans:
+        rep.recovery.append(f"remove {len(orphans)} orphan shard files: {', '.join(orphans[:5])}"
+                            + (" ..." if len(orphans) > 5 else ""))
+    if foreign:
+        rep.recovery.append(f"move {len(foreign)} foreign entries to lost+found/: {', '.join(foreign[:5])}"
+                            + (" ..." if len(foreign) > 5 else ""))
+    if os.path.isdir(root):
+        rank_names = {rank_dir_name(r) for r in range(layout.ranks)}
+        extra = sorted(set(os.listdir(root)) - _ROOT_ENTRIES - rank_names)
+        if extra:
+            rep.notes.append(f"top-level entries that are not the cache's: {', '.join(extra[:10])}")
+    return disk
 
-    for r, name, _node, _gen, size, _ck, status, _ in files:
-        if status == "garbage" and sizes.get((r, name), 0) > size:
-            rep.add(3, f"garbage file rank{r}/{name} is larger on disk than charged")
 
-    for nid, row in nodes.items():
-        _, key, _parent, start, end, _digests, has_snap, state, gen = row
+def _accounting(rep: AuditReport, files, nodes, disk: _Disk, capacity: int) -> None:
+    acct = {"live": 0, "damaged": 0, "garbage": 0, "writing": 0}
+    charged = 0
+    open_txns = {j["txn"] for j in rep.journal}
+    stray = 0
+    for rank, name, node, _gen, size, _ck, status, txn in files:
+        if not isinstance(size, int) or size < 0:
+            rep.add(3, f"file row rank{rank}/{name} records size {size!r}")
+            continue
+        charged += size
+        if status == "live":
+            damaged = node in nodes and nodes[node][S.STATE] != "ready"
+            acct["damaged" if damaged else "live"] += size
+        else:
+            acct[status] = acct.get(status, 0) + size
+            if status == "writing" and txn not in open_txns:
+                stray += 1
+                rep.add(3, f"file rank{rank}/{name} is 'writing' with no open transaction")
+            on = disk.entries.get((rank, name))
+            if status == "garbage" and on is not None and on[0] > size:
+                rep.add(3, f"garbage file rank{rank}/{name} is {on[0]} bytes on disk, {size} charged")
+    unknown = len(rep.unknown_files)
+    rep.accounting = {"charged": charged, "capacity": capacity, **acct, "on_disk": disk.on_disk,
+                      "unknown_files": unknown}
+    if capacity and charged > capacity:
+        rep.add(3, f"charged {charged} exceeds capacity {capacity}")
+    rep.checked[3] = (f"charged {charged} = live {acct['live']} + damaged {acct['damaged']} + garbage "
+                      f"{acct['garbage']} + writing {acct['writing']}; capacity {capacity}; "
+                      f"{disk.on_disk} bytes on disk; {unknown} unknown entries")
+    garbage = [f for f in files if f[6] == "garbage"]
+    if stray:
+        rep.recovery.append(f"turn {stray} 'writing' rows with no transaction into garbage")
+    if garbage:
+        rep.recovery.append(f"unlink {len(garbage)} garbage files ({sum(f[4] for f in garbage)} bytes)")
+
+
+def _ready_nodes(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Disk, checksums: bool) -> None:
+    live_by_node: dict[int, dict[int, tuple]] = {}
+    for rank, name, node, gen, size, ck, status, _txn in files:
+        if status == "live" and node in nodes:
+            live_by_node.setdefault(node, {})[rank] = (name, gen, size, ck)
+    stat_damaged, read_damaged = [], []
+    for nid, row in sorted(nodes.items()):
+        if row[S.STATE] != "ready":
+            continue
         live = live_by_node.get(nid, {})
-        if state != "ready":
-            continue
         if set(live) != set(range(layout.ranks)):
-            rep.add(1, f"ready node {nid} has shards on ranks {sorted(live)}, needs {layout.ranks}")
+            rep.add(1, f"ready node {nid} has shards on ranks {sorted(live)}, needs 0..{layout.ranks - 1}")
+            stat_damaged.append(nid)
             continue
-        for r, (name, fgen, size, ck) in sorted(live.items()):
+        for r, (name, _gen, size, ck) in sorted(live.items()):
             rep.files_checked += 1
-            if fgen != gen:
-                rep.add(1, f"node {nid} rank {r}: live file generation {fgen} != row generation {gen}")
-            if sizes.get((r, name)) is None:
+            on = disk.entries.get((r, name))
+            if on is None:
                 rep.add(1, f"node {nid} rank {r}: shard {name} missing")
-                continue
-            if sizes[(r, name)] != size:
-                rep.add(1, f"node {nid} rank {r}: shard {name} is {sizes[(r, name)]} bytes, catalog says {size}")
-                continue
+                stat_damaged.append(nid)
+                break
+            if not on[1]:
+                rep.add(1, f"node {nid} rank {r}: shard {name} is not a regular file")
+                stat_damaged.append(nid)
+                break
+            if on[0] != size:
+                rep.add(1, f"node {nid} rank {r}: shard {name} is {on[0]} bytes, catalog says {size}")
+                stat_damaged.append(nid)
+                break
             if checksums:
-                _check_shard(rep, layout, dirs[r], r, nid, row, name, ck)
+                why = (verify_shard(layout, os.path.join(dirs[r], name), r, row, ck) if isinstance(dirs[r], str)
+                       else verify_bytes(layout, dirs[r].read_shard(name), r, row, ck))
+                if why is not None:
+                    rep.add(1, f"node {nid} rank {r}: {why}")
+                    read_damaged.append(nid)
+                    break
+    ready = sum(1 for r in nodes.values() if r[S.STATE] == "ready")
+    how = "size, checksum and header" if checksums else "presence and size only (--quick)"
+    rep.checked[1] = f"{ready} ready nodes, {rep.files_checked} shards checked ({how})"
+    rep.checked[5] = ("each verified shard decoded against the layout with its own key, generation, span "
+                      "and rank" if checksums else "not checked (--quick reads no shard)")
+    if stat_damaged:
+        rep.recovery.append(f"mark {len(stat_damaged)} nodes damaged (a shard missing or of the wrong size): "
+                            f"{sorted(set(stat_damaged))[:10]}")
+    if read_damaged:
+        rep.recovery.append(f"leave {len(read_damaged)} nodes with bad shard contents for the first restore "
+                            f"to mark damaged (`--repair` marks them now): {sorted(set(read_damaged))[:10]}")
 
     # Invariant 8: no ready node depends on an evicted segment.
+    bad8 = 0
     for nid, row in nodes.items():
-        if row[7] != "ready":
+        if row[S.STATE] != "ready":
             continue
-        p = row[2]
-        while p is not None and p in nodes:
-            if not live_by_node.get(p) and nodes[p][7] == "ready":
+        p, hops = row[S.PARENT], 0
+        while p is not None and p in nodes and hops <= len(nodes):
+            if not live_by_node.get(p):
                 rep.add(8, f"ready node {nid} depends on node {p}, which has no backing")
+                bad8 += 1
                 break
-            p = nodes[p][2]
-
-    if expected:
-        present = {bytes(r[1]) for r in nodes.values()}
-        for k in expected - present:
-            rep.add(4, f"acknowledged checkpoint {k.hex()[:16]} is gone")
-    return rep
+            p, hops = nodes[p][S.PARENT], hops + 1
+    rep.checked[8] = f"ancestors of {ready} ready nodes have backing" if not bad8 else f"{ready} ready nodes"
 
 
-def _check_ancestry(rep: AuditReport, nodes: dict[int, tuple], layout: Layout) -> None:
-    keys: dict[int, bytes] = {}
-    claimed: dict[bytes, int] = {}
-
-    def key_of(nid: int, seen: set[int]) -> bytes | None:
-        if nid in keys:
-            return keys[nid]
-        row = nodes[nid]
-        parent = row[2]
-        if nid in seen:
-            rep.add(2, f"node {nid} is in a parent cycle")
-            return None
-        if parent is None:
-            pkey = ROOT
-            if row[3] != 0:
-                rep.add(2, f"root child {nid} starts at block {row[3]}, not 0")
-        elif parent not in nodes:
-            rep.add(2, f"node {nid} has missing parent {parent}")
-            return None
-        else:
-            pkey = key_of(parent, seen | {nid})
-            if pkey is None:
-                return None
-            if row[3] != nodes[parent][4]:
-                rep.add(2, f"node {nid} starts at {row[3]} but parent {parent} ends at {nodes[parent][4]}")
-        digests = bytes(row[5])
-        if len(digests) != DIGEST_SIZE * (row[4] - row[3]):
-            rep.add(2, f"node {nid} holds {len(digests) // DIGEST_SIZE} digests for {row[4] - row[3]} blocks")
-            return None
-        chain = chain_all(pkey, [digests[i : i + DIGEST_SIZE] for i in range(0, len(digests), DIGEST_SIZE)])
-        if chain[-1] != bytes(row[1]):
-            rep.add(2, f"node {nid}'s key is not the chained hash of its blocks")
-        for k in chain:
-            if k in claimed:
-                rep.add(2, f"block {k.hex()[:12]} claimed by nodes {claimed[k]} and {nid}")
-            claimed[k] = nid
-        keys[nid] = bytes(row[1])
-        return keys[nid]
-
-    for nid in sorted(nodes, key=lambda i: nodes[i][4]):
-        key_of(nid, set())
-
-
-def _check_shard(rep, layout, d, r, nid, row, name, ck) -> None:
-    _, key, _, start, end, _, has_snap, _, gen = row
+def verify_shard(layout: Layout, path: str, rank: int, row: Sequence, ck: str | None) -> str | None:
+    """Why the shard at ``path`` fails verification for node ``row`` (None when it passes)."""
     try:
-        with open(os.path.join(d, name), "rb") as f:
-            data = f.read()
+        data = read_shard_bytes(path)
     except OSError as exc:
-        rep.add(1, f"node {nid} rank {r}: cannot read {name}: {exc}")
-        return
+        return f"cannot read {os.path.basename(path)}: {exc}"
+    return verify_bytes(layout, data, rank, row, ck)
+
+
+def verify_bytes(layout: Layout, data: bytes, rank: int, row: Sequence, ck: str | None) -> str | None:
+    """Checksum and header check of one shard's bytes (None when they pass)."""
     if shards.checksum(data) != ck:
-        rep.add(1, f"node {nid} rank {r}: checksum mismatch in {name}")
-        return
-    meta = {"key": bytes(key).hex(), "generation": str(gen), "start": str(start), "end": str(end),
-            "snapshot": "1" if has_snap else "0", "rank": str(r)}
+        return "checksum mismatch"
+    start, end, has_snap = row[S.START], row[S.END], bool(row[S.HAS_SNAP])
+    meta = {"key": bytes(row[S.KEY]).hex(), "generation": str(row[S.GEN]), "start": str(start),
+            "end": str(end), "snapshot": "1" if has_snap else "0", "rank": str(rank)}
     try:
-        shards.decode(data, layout, (end - start) * layout.block_tokens, bool(has_snap), meta)
+        shards.decode(data, layout, (end - start) * layout.block_tokens, has_snap, meta)
     except ShardError as exc:
-        rep.add(1, f"node {nid} rank {r}: {exc}")
+        return str(exc)
+    return None

@@ -13,6 +13,11 @@ import sys
 COMMANDS = [
     "prefixstore.engine.cmd_demo",
     "prefixstore.engine.cmd_audit",
+    "prefixstore.engine.cmd_rank_server",
+    "prefixstore.replay.cmd_replay",
+    "prefixstore.fuzz.cmd_fuzz",
+    "prefixstore.fuzz.soak",
+    "prefixstore.fuzz.fiu",
 ]
 
 

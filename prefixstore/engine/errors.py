@@ -47,6 +47,11 @@ class CatalogCorruptError(PrefixStoreError):
     """The catalog contradicts itself (a tampered or damaged row)."""
 
 
+class CatalogIOError(PrefixStoreError):
+    """The catalog could not be read or written (I/O error, full disk). After a failed
+    write the engine refuses further mutations until it is reopened (recovery)."""
+
+
 class EngineClosedError(PrefixStoreError):
     """The engine was closed (or abandoned after a simulated crash)."""
 
@@ -69,6 +74,11 @@ class NotFoundError(PrefixStoreError, KeyError):
 
 class LockedError(PrefixStoreError):
     """Another engine (process or object) holds this cache directory open."""
+
+
+class RankUnavailableError(PrefixStoreError, OSError):
+    """A rank process died, timed out or is not connected: the effect asked of it did
+    not happen, or its outcome is unknown (an OSError, so stores roll back)."""
 
 
 class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error

@@ -27,7 +27,16 @@ def rank_dir_name(rank: int) -> str:
 
 
 class RankIO(Protocol):
-    """File effects of one rank. Every method is idempotent where the docs say so."""
+    """File effects of one rank. Every method is idempotent where the docs say so.
+
+    ``write_shard`` may be given a ``memoryview`` (a staging buffer) instead of bytes.
+    Optional methods the engine uses when a rank has them (``gpu/backings.py``):
+    ``read_shard_into(name, out) -> file size`` (read in place), ``adopt_shard(name,
+    buffer)`` (keep a staged buffer as the stored copy), ``view_shard(name)`` (a
+    RAM-resident shard's buffer), ``promote(name, buffer)``; ``available`` (a bool
+    property: False while a rank process is down, so a store fails at once instead of
+    evicting for a write that cannot succeed; ``gpu/distributed.py``).
+    """
 
     rank: int
     directory: str
@@ -69,6 +78,16 @@ class LocalRank:
 
     def read_shard(self, name: str) -> bytes:
         return self.fs.read(self.path(name))
+
+    def read_shard_into(self, name: str, out: memoryview) -> int:
+        """Read ``name`` into ``out`` (optional RankIO method, used by restores);
+        returns the file's size."""
+        return self.fs.read_into(self.path(name), out)
+
+    @property
+    def copies_on_read(self) -> bool:
+        """Whether ``read_shard_into`` copies (the file system cannot read in place)."""
+        return self.fs.copies_on_read
 
     def remove(self, name: str) -> bool:
         """Unlink ``name`` and its temporary; a file already missing is success.

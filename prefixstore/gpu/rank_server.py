@@ -1,0 +1,301 @@
+"""A rank process: applies one rank's file effects in its own directory, on request.
+
+The coordinator (the process running the Engine: catalog and journal) sends each
+request over the pair group described in ``prefixstore.gpu.wire``; the rank applies
+it with a ``LocalRank`` on its directory and answers. Requests (JSON header, payload
+only where noted): ``write_shard`` (name; payload: the shard bytes), ``read_shard``
+(name; the reply's payload holds the bytes), ``remove``, ``remove_temp``, ``size``
+(name), ``quarantine`` (entry), ``sync_dir``, ``listdir``, ``info``, ``shutdown``.
+A failed effect is answered with its errno, which the coordinator raises as the same
+OSError. Names are plain entries of the rank directory: anything with a path
+separator, ``.`` or ``..`` is refused (EINVAL), so a request never touches a file
+outside it.
+
+Lifecycle: lock the directory (one server per directory), connect to the
+coordinator's TCPStore, register a new *incarnation* (a counter per rank), wait for
+the coordinator to accept it, form the pair group, serve. If the pair breaks (the
+coordinator timed out on this rank and dropped it, or died) the server registers
+again while the coordinator's store answers, and exits (status 1) once it does not.
+``shutdown`` ends it with status 0.
+
+Fault-testing options (``--kill-at`` / ``--stall-at``) SIGKILL or stall the process
+at the Nth matching effect point, e.g. ``after:write:3``: the rank dies with the
+temporary file of its third shard written.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import signal
+import sys
+import time
+from typing import Any
+
+from prefixstore.engine.errors import LockedError
+from prefixstore.gpu.fileio import FaultHook, FileSystem
+from prefixstore.gpu.ranks import LocalRank
+from prefixstore.gpu.wire import IDLE_TIMEOUT, Link, LinkError, first_line, open_pair, store_client
+
+NAMESPACE = "prefixstore"
+EXIT_SHUTDOWN = 0
+EXIT_LOST = 1
+_BAD_NAME = re.compile(r"[/\x00]")
+POLL_S = 0.05
+
+
+def keys(rank: int, incarnation: int | None = None) -> dict[str, str]:
+    """TCPStore keys of a rank (and of one of its incarnations)."""
+    base = f"{NAMESPACE}/rank{rank}"
+    out = {"counter": f"{base}/incarnations", "latest": f"{base}/latest"}
+    if incarnation is not None:
+        inc = f"{base}/{incarnation}"
+        out.update(info=f"{inc}/info", accept=f"{inc}/accept", pair=f"{inc}/pair/")
+    return out
+
+
+def parse_init_method(init_method: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (host, port)."""
+    m = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/]+):(\d+)/?", init_method.strip())
+    if not m:
+        raise ValueError(f"init method must look like tcp://HOST:PORT, got {init_method!r}")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
+class EffectTrap(FaultHook):
+    """Kills (SIGKILL) or stalls this process at the ``n``-th ``when`` point of ``op``."""
+
+    def __init__(self, spec: str, action: str) -> None:
+        when, op, n = spec.split(":")
+        if when not in ("before", "after") or action not in ("kill", "stall"):
+            raise ValueError(f"bad trap {spec!r} / {action!r}")
+        self.when, self.op, self.n, self.action = when, op, int(n), action
+        self.seen = 0
+
+    def _point(self, when: str, op: str) -> None:
+        if when != self.when or op != self.op:
+            return
+        self.seen += 1
+        if self.seen != self.n:
+            return
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+
+    def before(self, op: str, target: str, rank: int | None) -> None:
+        self._point("before", op)
+
+    def after(self, op: str, target: str, rank: int | None) -> None:
+        self._point("after", op)
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or name in (".", "..") or _BAD_NAME.search(name):
+        raise OSError(errno.EINVAL, f"not a plain entry name: {name!r}")
+    return name
+
+
+def handle(local: LocalRank, req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+    """Apply one request; return the reply header (without id/ok) and payload."""
+    op = req.get("op")
+    if op == "write_shard":
+        local.write_shard(check_name(req.get("name")), payload)
+        return {}, b""
+    if op == "read_shard":
+        data = local.read_shard(check_name(req.get("name")))
+        return {}, data
+    if op == "remove":
+        return {"removed": local.remove(check_name(req.get("name")))}, b""
+    if op == "remove_temp":
+        local.remove_temp(check_name(req.get("name")))
+        return {}, b""
+    if op == "size":
+        return {"size": local.size(check_name(req.get("name")))}, b""
+    if op == "quarantine":
+        return {"dest": local.quarantine(check_name(req.get("entry")))}, b""
+    if op == "sync_dir":
+        local.sync_dir()
+        return {}, b""
+    if op == "listdir":
+        return {"entries": local.listdir()}, b""
+    raise OSError(errno.EOPNOTSUPP, f"unknown request {op!r}")
+
+
+def _error_reply(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return {"ok": False, "errno": exc.errno, "strerror": exc.strerror or str(exc),
+                "filename": os.path.basename(str(exc.filename)) if exc.filename else None}
+    return {"ok": False, "errno": None, "strerror": f"{type(exc).__name__}: {exc}", "filename": None}
+
+
+class RankServer:
+    """Serves one rank directory to a coordinator (see the module docstring)."""
+
+    def __init__(
+        self,
+        rank: int,
+        directory: str,
+        host: str,
+        port: int,
+        *,
+        fs: FileSystem | None = None,
+        hook: FaultHook | None = None,
+        connect_timeout: float = 60.0,
+        gloo_host: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.directory = os.path.abspath(directory)
+        self.host, self.port = host, port
+        self.fs, self.hook = fs, hook
+        self.connect_timeout = connect_timeout
+        self.gloo_host = gloo_host
+        self.incarnation = 0
+        self.served = 0
+
+    def serve(self) -> int:
+        """Run until told to shut down (0) or the coordinator is gone (1)."""
+        os.makedirs(self.directory, exist_ok=True)
+        lock = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LockedError(f"{self.directory} is served by another rank process") from None
+            local = LocalRank(self.rank, self.directory, self.fs, self.hook)
+            store = store_client(self.host, self.port, self.connect_timeout)
+            while True:
+                link = self._register(store)
+                if link is None:
+                    return EXIT_LOST
+                try:
+                    if self._session(link, local):
+                        return EXIT_SHUTDOWN
+                finally:
+                    link.close()
+                if not _answers(store):
+                    return EXIT_LOST
+        finally:
+            os.close(lock)
+
+    def _register(self, store) -> Link | None:
+        """Announce a new incarnation and form its pair once accepted; None: store gone."""
+        while True:
+            try:
+                k = int(store.add(keys(self.rank)["counter"], 1))
+                kk = keys(self.rank, k)
+                info = {"rank": self.rank, "directory": self.directory, "pid": os.getpid(),
+                        "incarnation": k, "host": os.uname().nodename}
+                store.set(kk["info"], json.dumps(info))
+                store.set(kk["latest"], str(k))
+                while not store.check([kk["accept"]]):
+                    time.sleep(POLL_S)
+            except RuntimeError:
+                return None
+            self.incarnation = k
+            try:
+                return open_pair(self.host, self.port, kk["pair"], 1, timeout=self.connect_timeout,
+                                 gloo_host=self.gloo_host, op_timeout=IDLE_TIMEOUT)
+            except LinkError:
+                if not _answers(store):
+                    return None  # else: the coordinator gave up on this incarnation; register again
+
+    def _session(self, link: Link, local: LocalRank) -> bool:
+        """Serve requests on ``link``; True when told to shut down, False if it broke."""
+        while True:
+            try:
+                req, payload = link.recv()
+            except LinkError:
+                return False
+            rid = req.get("id")
+            if req.get("op") == "info":
+                reply, body = {"ok": True, "rank": self.rank, "directory": self.directory,
+                               "pid": os.getpid(), "incarnation": self.incarnation}, b""
+            elif req.get("op") == "shutdown":
+                reply, body = {"ok": True}, b""
+            else:
+                try:
+                    reply, body = handle(local, req, payload)
+                    reply["ok"] = True
+                except Exception as exc:  # every failure goes back to the coordinator
+                    reply, body = _error_reply(exc), b""
+            reply["id"] = rid
+            self.served += 1
+            try:
+                link.send(reply, body)
+            except LinkError:
+                return False
+            if req.get("op") == "shutdown":
+                return True
+
+
+def _answers(store) -> bool:
+    try:
+        store.check([f"{NAMESPACE}/ping"])
+        return True
+    except RuntimeError:
+        return False
+
+
+
+def add_arguments(p) -> None:
+    """The rank server's options (shared by the CLI subcommand and ``python -m``)."""
+    env = os.environ
+    default_init = env.get("PREFIXSTORE_INIT_METHOD") or (
+        f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_ADDR" in env and "MASTER_PORT" in env else None
+    )
+    p.add_argument("--rank", type=int, default=int(env["PREFIXSTORE_RANK"]) if "PREFIXSTORE_RANK" in env else None,
+                   help="tensor-parallel rank this process serves (env PREFIXSTORE_RANK)")
+    p.add_argument("--dir", required=True, help="this rank's data directory (created if missing)")
+    p.add_argument("--init-method", default=default_init,
+                   help="the coordinator's TCPStore, tcp://HOST:PORT (env PREFIXSTORE_INIT_METHOD, "
+                        "else tcp://$MASTER_ADDR:$MASTER_PORT)")
+    p.add_argument("--gloo-host", default=env.get("PREFIXSTORE_GLOO_HOST"),
+                   help="address this process's gloo device listens on (env PREFIXSTORE_GLOO_HOST; "
+                        "default: gloo's choice, see GLOO_SOCKET_IFNAME)")
+    p.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="seconds to wait for the coordinator (default 60)")
+    p.add_argument("--kill-at", metavar="WHEN:OP:N", help="fault testing: SIGKILL this process at "
+                   "the Nth WHEN (before|after) point of OP (write, fsync, rename, fsync_dir, unlink, read)")
+    p.add_argument("--stall-at", metavar="WHEN:OP:N", help="fault testing: hang there instead")
+
+
+def exit_now(code: int) -> None:
+    """End a rank process at once: its work is durable and its replies sent, and
+    tearing down torch's distributed objects at interpreter exit can take seconds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(args) -> int:
+    """Run a rank server from parsed options; its exit status."""
+    if args.rank is None or args.rank < 0:
+        print("rank-server: --rank (or PREFIXSTORE_RANK) is required", flush=True)
+        return 2
+    if not args.init_method:
+        print("rank-server: --init-method (or MASTER_ADDR/MASTER_PORT) is required", flush=True)
+        return 2
+    try:
+        host, port = parse_init_method(args.init_method)
+    except ValueError as exc:
+        print(f"rank-server: {exc}", flush=True)
+        return 2
+    hook = None
+    if args.kill_at:
+        hook = EffectTrap(args.kill_at, "kill")
+    elif args.stall_at:
+        hook = EffectTrap(args.stall_at, "stall")
+    server = RankServer(args.rank, args.dir, host, port, hook=hook,
+                        connect_timeout=args.connect_timeout, gloo_host=args.gloo_host)
+    try:
+        code = server.serve()
+    except (LinkError, LockedError) as exc:
+        print(f"rank-server: rank {args.rank}: {first_line(exc)}", flush=True)
+        return EXIT_LOST
+    print(f"rank-server: rank {args.rank}: "
+          f"{'shut down' if code == EXIT_SHUTDOWN else 'coordinator gone'} after {server.served} requests",
+          flush=True)
+    return code
