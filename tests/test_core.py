@@ -5,10 +5,18 @@ from __future__ import annotations
 import glob
 import os
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_restores, make_layout, seg_tensors, snap_tensors, store_tokens, tokens_for
+from conftest import (
+    assert_restores,
+    make_layout,
+    seg_tensors,
+    snap_tensors,
+    store_tokens,
+    tokens_for,
+)
 
 from prefixstore.engine import errors as E
 from prefixstore.engine.core import Engine
@@ -120,17 +128,17 @@ def test_damaged_shard_is_a_miss_never_other_bytes(cache_dir, layout, damage):
         store_tokens(eng, toks)
         deep = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(toks, 4).keys[-1]]]
         path = os.path.join(cache_dir, "rank0", f"{deep.key.hex()}-g{deep.generation}.st")
-        data = open(path, "rb").read()
+        data = Path(path).read_bytes()
         if damage == "truncate":
-            open(path, "wb").write(data[:-7])
+            Path(path).write_bytes(data[:-7])
         elif damage == "bitflip":
             b = bytearray(data)
             b[-3] ^= 0x10
-            open(path, "wb").write(bytes(b))
+            Path(path).write_bytes(bytes(b))
         elif damage == "delete":
             os.unlink(path)
         else:
-            open(path, "wb").close()
+            Path(path).write_bytes(b"")
         m = eng.lookup(Prefix.from_tokens(toks, 4))
         assert m.hit and m.blocks == 6
         assert eng.restore(m) is None
@@ -152,7 +160,7 @@ def _snapshot_state(cache_dir):
     rows = (conn.execute("SELECT * FROM nodes ORDER BY id").fetchall(),
             conn.execute("SELECT * FROM files ORDER BY rank, name").fetchall())
     conn.close()
-    files = {p: open(p, "rb").read() for p in glob.glob(os.path.join(cache_dir, "rank*", "*"))}
+    files = {p: Path(p).read_bytes() for p in glob.glob(os.path.join(cache_dir, "rank*", "*"))}
     return rows, files
 
 
@@ -227,9 +235,8 @@ def test_newer_schema_and_layout_mismatch_are_refused(cache_dir, layout):
 
 
 def test_second_engine_on_same_directory_is_locked_out(cache_dir, layout):
-    with Engine.open(cache_dir, layout, CAP):
-        with pytest.raises(E.LockedError):
-            Engine.open(cache_dir, layout, CAP)
+    with Engine.open(cache_dir, layout, CAP), pytest.raises(E.LockedError):
+        Engine.open(cache_dir, layout, CAP)
 
 
 def test_closed_engine_refuses_calls(cache_dir, layout):

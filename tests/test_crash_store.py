@@ -9,6 +9,7 @@ absent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -42,10 +43,8 @@ def _scenario(root: str, ranks: int, hook, kind: str):
         target = tokens_for(12, 5)  # a new root child
     gate.arm(hook)
     result = None
-    try:
+    with contextlib.suppress(SimulatedCrash):
         result = store_tokens(eng, target)
-    except SimulatedCrash:
-        pass
     gate.disarm()
     if not eng._closed:
         eng.close()
@@ -98,10 +97,8 @@ def test_crash_during_recovery_is_recovered(tmp_path, ranks):
             root2 = str(tmp_path / f"r{first}-{n}")
             _scenario(root2, ranks, CrashAt(first), "new")
             hook = CrashAt(n)
-            try:
+            with contextlib.suppress(SimulatedCrash):
                 Engine.open(root2, L, CAP, hook=hook).close()
-            except SimulatedCrash:
-                pass
             _check_after_crash(root2, L, acked, target, None)
             if hook.fired is None:
                 break

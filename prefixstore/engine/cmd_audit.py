@@ -1,8 +1,24 @@
-"""Check every invariant of a cache directory without changing a byte.
+"""Check every invariant of a cache directory (DESIGN.md section 4), or repair it.
 
-Exit status: 0 when every invariant holds, 1 when any is violated, 2 when the
-directory cannot be read as a cache (not a cache, newer schema, unreadable).
-The catalog is opened read-only, so a running engine is not disturbed.
+Without --repair nothing is written: the catalog is read beside a running engine
+with a read-only connection, or (no engine) opened immutable, or (no engine, a
+write-ahead log left by a crash) copied with its log to a private temporary
+directory; shards are read without updating access times.
+
+The report gives, per invariant, what was checked and every violation; each
+unfinished transaction with what recovery would do with it; what else opening an
+engine would change (garbage, orphans, foreign files, nodes it would mark damaged);
+each rank directory's files; and the accounting (charged, live, damaged, garbage, on
+disk).
+
+--repair (no engine may hold the directory): fixes contradictory catalog rows, runs
+recovery, verifies every ready node's shards and marks those that fail damaged,
+reclaims garbage and orphans, prints every change, then audits again. Intact nodes
+are never removed.
+
+Exit status: 0 when every invariant holds (after repair, with --repair), 1 when any
+is violated, 2 when the directory cannot be read as a cache (not a cache, newer
+schema, unreadable, or locked by an engine for --repair).
 """
 
 from __future__ import annotations
@@ -11,59 +27,94 @@ import argparse
 import json
 import sys
 
-from prefixstore.engine.audit import audit_dir
+from prefixstore.engine.audit import TITLES, AuditReport, audit_dir
 from prefixstore.engine.errors import PrefixStoreError
 
 NAME = "audit"
-HELP = "check a cache directory's invariants (read-only by default)"
+HELP = "check a cache directory's invariants (read-only), or --repair it"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="the cache directory")
-    p.add_argument("--json", action="store_true", help="print one JSON object (ok, violations, ...)")
-    p.add_argument("--quick", action="store_true", help="skip reading shards for checksums")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (ok, violations [{invariant, detail}], invariants, "
+                        "journal, recovery, ranks, accounting; with --repair also repair)")
+    p.add_argument("--quick", action="store_true", help="skip reading shards for checksums and headers")
     p.add_argument("--rank-dir", action="append", default=None, metavar="PATH",
                    help="rank directory (repeat once per rank, in order); default DIR/rankN")
+    p.add_argument("--repair", action="store_true",
+                   help="recover, invalidate damaged nodes, reclaim garbage and orphans, print the changes")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        rep = audit_dir(args.dir, rank_dirs=args.rank_dir, checksums=not args.quick)
+        if args.repair:
+            from prefixstore.engine.repair import repair
+
+            fixed, rep = repair(args.dir, rank_dirs=args.rank_dir)
+        else:
+            fixed, rep = None, audit_dir(args.dir, rank_dirs=args.rank_dir, checksums=not args.quick)
     except (PrefixStoreError, OSError) as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": str(exc), "violations": []}))
         else:
-            print(f"cannot audit {args.dir}: {exc}", file=sys.stderr)
+            print(f"cannot {'repair' if args.repair else 'audit'} {args.dir}: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(rep.to_dict(), indent=None))
+        out = rep.to_dict()
+        if fixed is not None:
+            out["repair"] = fixed.to_dict()
+        print(json.dumps(out))
     else:
+        if fixed is not None:
+            lines = fixed.lines()
+            print(f"repair of {args.dir}: {len(lines)} change(s)" if lines else f"repair of {args.dir}: nothing to change")
+            for line in lines:
+                print(f"  - {line}")
         print_report(rep, args.dir)
     return 0 if rep.ok else 1
 
 
-def print_report(rep, where: str) -> None:
+def print_report(rep: AuditReport, where: str) -> None:
     a = rep.accounting
-    print(f"audit of {where}: {'CLEAN' if rep.ok else 'VIOLATIONS FOUND'}")
-    print(f"  nodes: {rep.nodes}   shards verified: {rep.files_checked}")
+    n = len(rep.violations)
+    print(f"audit of {where}: {'CLEAN' if rep.ok else f'{n} VIOLATION(S)'}")
+    print(f"  catalog: {rep.source}; {rep.nodes} nodes ({len(rep.damaged_nodes)} damaged), "
+          f"{rep.files_checked} shards checked")
+    for r in rep.ranks:
+        extra = " (missing)" if r.get("missing") else ""
+        unknown = f", unknown: {', '.join(r['unknown'][:5])}" if r["unknown"] else ""
+        print(f"  rank {r['rank']} {r['dir']}{extra}: {r['files']} entries, {r['bytes']} bytes{unknown}")
+    found = rep.by_invariant()
+    for inv in sorted(found):
+        got = found[inv]
+        status = f"{len(got)} VIOLATION(S)" if got else rep.status(inv)
+        checked = rep.checked.get(inv, "")
+        if status == "not checked":
+            status, checked = checked, ""
+        print(f"  invariant {inv} ({TITLES.get(inv, '?')}): {status}")
+        if checked:
+            print(f"      checked: {checked}")
+        for d in got[:20]:
+            print(f"      - {d}")
+        if len(got) > 20:
+            print(f"      ... and {len(got) - 20} more")
+    if rep.journal:
+        print(f"  journal: {len(rep.journal)} unfinished transaction(s)")
+        for j in rep.journal:
+            print(f"    txn {j['txn']}: {j['kind']} in {j['state']} -> {j['recovery']}: {j.get('action', '')}")
+    else:
+        print("  journal: no unfinished transaction")
     print(
         f"  accounting: charged {a.get('charged', 0)} of capacity {a.get('capacity', 0)} "
         f"(live {a.get('live', 0)}, damaged {a.get('damaged', 0)}, garbage {a.get('garbage', 0)}, "
         f"writing {a.get('writing', 0)}); on disk {a.get('on_disk', 0)}"
     )
-    if rep.journal:
-        print(f"  unfinished transactions: {len(rep.journal)}")
-        for j in rep.journal:
-            print(f"    txn {j['txn']}: {j['kind']} in {j['state']} -> recovery would {j['recovery']}")
+    if rep.recovery:
+        print("  opening an engine would:")
+        for line in rep.recovery:
+            print(f"    - {line}")
     else:
-        print("  journal: no unfinished transaction")
-    by_inv: dict[int, list[str]] = {}
-    for v in rep.violations:
-        by_inv.setdefault(v.invariant, []).append(v.detail)
-    for inv in (1, 2, 3, 4, 5, 6, 7, 8):
-        found = by_inv.get(inv, [])
-        print(f"  invariant {inv}: {'ok' if not found else f'{len(found)} violation(s)'}")
-        for d in found[:20]:
-            print(f"    - {d}")
-        if len(found) > 20:
-            print(f"    ... and {len(found) - 20} more")
+        print("  opening an engine would change nothing beyond the journal")
+    for note in rep.notes:
+        print(f"  note: {note}")

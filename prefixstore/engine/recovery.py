@@ -1,7 +1,13 @@
 """Recovery on open: drive every unfinished transaction to an end state.
 
-Forward when it had published (PUBLISHED, REMOVED), back otherwise (INTENT,
-ROLLING_BACK). Then reclaim garbage, remove orphan shard files (a store whose intent
+First, before changing anything, the catalog's rows are checked against each other
+(``prefixstore.engine.structure``): a catalog that contradicts itself (a tampered
+parent, key or digests, a file row naming a path or an unknown rank, a live file of
+a missing node) is refused with CatalogCorruptError, so no such row is ever indexed,
+served or used to unlink a file; ``prefixstore audit --repair`` fixes it.
+
+Then every unfinished transaction is driven forward when it had published
+(PUBLISHED, REMOVED), back otherwise (INTENT, ROLLING_BACK). Then reclaim garbage, remove orphan shard files (a store whose intent
 commit was lost), quarantine foreign files into ``lost+found/``, and invalidate
 ready nodes whose shards are missing or short. Every step is idempotent, so a crash
 during recovery is recovered by the next open.
@@ -14,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from prefixstore.engine import structure
 from prefixstore.engine.errors import CatalogCorruptError
 from prefixstore.statemachine.transactions import MACHINES, recovery_direction
 
@@ -21,6 +28,8 @@ if TYPE_CHECKING:
     from prefixstore.engine.core import Engine
 
 SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st(\.tmp)?$")
+# File-row problems recovery refuses (the rest are found by verification as damage).
+REFUSED_FILE_PROBLEMS = frozenset({"bad_name", "bad_rank", "live_orphan"})
 
 
 @attrs.define
@@ -41,6 +50,7 @@ class RecoveryReport:
 
 def recover(eng: Engine) -> RecoveryReport:
     rep = RecoveryReport()
+    check_structure(eng)
     eng._charged = eng.catalog.charged()
     eng._clock = 0
     for tid, kind, state, _payload in eng.catalog.journal():
@@ -63,6 +73,31 @@ def recover(eng: Engine) -> RecoveryReport:
     _orphans(eng, rep)
     _verify_live(eng, rep)
     return rep
+
+
+def check_structure(eng: Engine) -> None:
+    """Raise CatalogCorruptError if the catalog's rows contradict each other (or the journal is unreadable)."""
+    nodes = {r[0]: tuple(r) for r in eng.catalog.query(f"SELECT {structure.NODE_COLUMNS} FROM nodes")}
+    files = eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")
+    problems = structure.node_problems(nodes) + [
+        p for p in structure.file_problems(nodes, files, eng.layout.ranks) if p.kind in REFUSED_FILE_PROBLEMS
+    ]
+    details = [p.detail for p in problems]
+    try:
+        journal = eng.catalog.journal()
+    except CatalogCorruptError as exc:
+        details.append(str(exc))
+        journal = []
+    for tid, kind, state, _payload in journal:
+        if kind not in MACHINES or state not in MACHINES[kind].states:
+            details.append(f"journal row {tid}: unknown transaction {kind}/{state}")
+    if details:
+        shown = "; ".join(details[:5])
+        more = f" (and {len(details) - 5} more)" if len(details) > 5 else ""
+        raise CatalogCorruptError(
+            f"{eng.root}: the catalog contradicts itself: {shown}{more}; nothing was changed. "
+            f"Run `prefixstore audit --repair {eng.root}` to fix it."
+        )
 
 
 def _orphans(eng: Engine, rep: RecoveryReport) -> None:

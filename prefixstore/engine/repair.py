@@ -1,0 +1,337 @@
+"""Repair a cache directory: make the audit clean without losing an intact node.
+
+Steps (each idempotent; a crash anywhere is repaired by running it again):
+
+1. Catalog rows that contradict each other (``prefixstore.engine.structure``), in one
+   catalog commit taken under the directory lock: a node whose parent link is wrong
+   is relinked to the one node its blocks chain from, when exactly one does; a node
+   that cannot be placed (wrong key or digests, a block claimed twice, no matching
+   parent) is removed with everything below it (their shards cannot be proven to
+   belong to any prefix), its files becoming garbage; file rows naming a path or an
+   unknown rank are forgotten (never unlinked: their names are not trusted); a live
+   file of a missing node, or not its node's current generation, becomes garbage
+   (its node, if any, damaged).
+2. Engine.open, with the layout and capacity the catalog records: recovery rolls
+   unfinished transactions back or forward, reclaims garbage, removes orphan shards,
+   moves foreign files to ``lost+found/`` and marks nodes with missing or short
+   shards damaged.
+3. Every ready node's shards are read and verified (checksum, header, layout); a
+   node that fails is invalidated (marked damaged, descendants keep their links).
+4. Garbage left by failed unlinks is reclaimed; if charged bytes exceed the
+   capacity (a lowered capacity), the policy evicts the excess.
+
+Then the engine's own audit is the result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from prefixstore.engine import structure as S
+from prefixstore.engine.audit import (
+    LOCK_NAME,
+    AuditReport,
+    engine_running,
+    read_catalog,
+    verify_bytes,
+)
+from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.errors import LockedError, NotACacheError, SimulatedCrash
+from prefixstore.engine.keys import ROOT
+from prefixstore.engine.layout import Layout
+from prefixstore.gpu.ranks import LocalRank
+from prefixstore.statemachine.transactions import MACHINES
+
+if TYPE_CHECKING:
+    from prefixstore.engine.recovery import RecoveryReport
+    from prefixstore.gpu.fileio import FaultHook, FileSystem
+
+
+@attrs.define
+class CatalogFix:
+    """What step 1 changes (pure plan over the rows)."""
+
+    relink: dict[int, int | None] = attrs.field(factory=dict)
+    drop_nodes: list[int] = attrs.field(factory=list)
+    forget_files: list[tuple[int, str]] = attrs.field(factory=list)
+    garbage_files: list[tuple[int, str]] = attrs.field(factory=list)
+    damage_nodes: list[int] = attrs.field(factory=list)
+    drop_journal: list[int] = attrs.field(factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not any(attrs.astuple(self))
+
+
+@attrs.define
+class RepairReport:
+    """What repair changed."""
+
+    catalog: CatalogFix = attrs.field(factory=CatalogFix)
+    recovery: RecoveryReport | None = None
+    invalidated: list[tuple[int, str]] = attrs.field(factory=list)
+    unreadable: list[str] = attrs.field(factory=list)
+    reclaimed: int = 0
+    evicted: int = 0
+
+    @property
+    def changed(self) -> bool:
+        rec = self.recovery is not None and (
+            self.recovery.rolled_back or self.recovery.rolled_forward or self.recovery.garbage_reclaimed
+            or self.recovery.orphans_removed or self.recovery.quarantined or self.recovery.damaged
+        )
+        return bool(not self.catalog.empty or rec or self.invalidated or self.reclaimed or self.evicted)
+
+    def lines(self) -> list[str]:
+        """Human-readable list of every change."""
+        out = []
+        c = self.catalog
+        for nid, parent in sorted(c.relink.items()):
+            out.append(f"relinked node {nid} to parent {'(root)' if parent is None else parent}")
+        if c.drop_nodes:
+            out.append(f"removed {len(c.drop_nodes)} nodes that cannot be placed in a prefix: {c.drop_nodes}")
+        for r, name in c.forget_files:
+            out.append(f"forgot file row rank{r}/{name!r} (not a shard of this layout)")
+        for r, name in c.garbage_files:
+            out.append(f"turned file rank{r}/{name} into garbage (no node owns it)")
+        for nid in c.damage_nodes:
+            out.append(f"marked node {nid} damaged (its file rows were wrong)")
+        for tid in c.drop_journal:
+            out.append(f"dropped unreadable journal row {tid} (its 'writing' files became garbage)")
+        rec = self.recovery
+        if rec is not None:
+            if rec.rolled_back:
+                out.append(f"rolled back unfinished transactions {rec.rolled_back}")
+            if rec.rolled_forward:
+                out.append(f"rolled forward unfinished transactions {rec.rolled_forward}")
+            if rec.garbage_reclaimed:
+                out.append(f"reclaimed {rec.garbage_reclaimed} bytes of garbage")
+            for o in rec.orphans_removed:
+                out.append(f"removed orphan shard {o}")
+            for q in rec.quarantined:
+                out.append(f"moved foreign entry {q} to lost+found/")
+            for nid in rec.damaged:
+                out.append(f"marked node {nid} damaged (a shard missing or of the wrong size)")
+        for nid, why in self.invalidated:
+            out.append(f"marked node {nid} damaged ({why})")
+        for u in self.unreadable:
+            out.append(f"could not read {u} (left as it is)")
+        if self.reclaimed:
+            out.append(f"reclaimed {self.reclaimed} bytes of garbage left by failed unlinks")
+        if self.evicted:
+            out.append(f"evicted {self.evicted} bytes to get back under capacity")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"changed": self.changed, "changes": self.lines()}
+
+
+def plan_catalog_fix(
+    nodes: dict[int, tuple], files: Sequence[tuple], journal: Sequence[tuple], ranks: int
+) -> CatalogFix:
+    """Decide step 1 from the rows (pure).
+
+    A journal row recovery cannot read (unknown kind or state, corrupt payload) is
+    dropped and its files released: a store publishes in one commit (its files turn
+    'live'), so the files' own status tells what happened whatever the journal said:
+    'writing' files become garbage (rolled back), retired ones are garbage already.
+    """
+    fix = CatalogFix()
+    nodes = dict(nodes)
+    dropped: set[int] = set()
+    for _ in range(len(nodes) + 1):
+        problems = S.node_problems(nodes)
+        if not problems:
+            break
+        progressed = False
+        for p in problems:
+            if p.node is None or p.node not in nodes:
+                continue
+            parent = _relink_target(nodes, p.node, len(problems))
+            if parent is not _NONE:
+                row = list(nodes[p.node])
+                row[S.PARENT] = parent
+                nodes[p.node] = tuple(row)
+                fix.relink[p.node] = parent
+                progressed = True
+                break
+        if not progressed:
+            for nid in S.subtree(nodes, [p.node for p in problems if p.node in nodes]):
+                dropped.add(nid)
+                fix.relink.pop(nid, None)
+            nodes = {k: v for k, v in nodes.items() if k not in dropped}
+    fix.drop_nodes = sorted(dropped)
+    owner = {(f[0], f[1]): f[2] for f in files}
+    for tid, kind, state, payload in journal:
+        if kind not in MACHINES or state not in MACHINES[kind].states or not _is_json_object(payload):
+            fix.drop_journal.append(tid)
+    for p in S.file_problems(nodes, files, ranks):
+        if p.kind in ("bad_name", "bad_rank"):
+            fix.forget_files.append(p.file)
+        elif p.kind == "live_orphan" and owner.get(p.file) in dropped:
+            continue  # becomes garbage with its node
+        else:
+            fix.garbage_files.append(p.file)
+            if p.node is not None and p.node not in fix.damage_nodes:
+                fix.damage_nodes.append(p.node)
+    return fix
+
+
+_NONE = object()
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (TypeError, ValueError):
+        return False
+
+
+def _relink_target(nodes: dict[int, tuple], nid: int, before: int) -> Any:
+    """The one parent (id, or None for the root) that makes ``nid`` consistent, else _NONE."""
+    row = nodes[nid]
+    below = set(S.subtree(nodes, [nid]))
+    cands: list[int | None] = [None] if row[S.START] == 0 else []
+    cands += [k for k, r in nodes.items() if r[S.END] == row[S.START] and k not in below]
+    fits = []
+    for c in cands:
+        if c == row[S.PARENT]:
+            continue
+        pkey = ROOT if c is None else bytes(nodes[c][S.KEY])
+        chain = S.node_chain(row, pkey)
+        if chain is None or chain[-1] != bytes(row[S.KEY]):
+            continue
+        trial = dict(nodes)
+        r2 = list(row)
+        r2[S.PARENT] = c
+        trial[nid] = tuple(r2)
+        if len(S.node_problems(trial)) < before and all(p.node != nid for p in S.node_problems(trial)):
+            fits.append(c)
+    return fits[0] if len(fits) == 1 else _NONE
+
+
+def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None) -> None:
+    """Commit ``fix`` in one catalog transaction (the caller holds the directory lock)."""
+    cat = Catalog(root, hook=hook, create=False)
+    try:
+        with cat.txn("repair.catalog") as c:
+            for nid, parent in fix.relink.items():
+                c.execute("UPDATE nodes SET parent=? WHERE id=?", (parent, nid))
+            for r, name in fix.forget_files:
+                c.execute("DELETE FROM files WHERE rank IS ? AND name IS ?", (r, name))
+            for r, name in fix.garbage_files:
+                c.execute("UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE rank=? AND name=?",
+                          (r, name))
+            if fix.drop_nodes:
+                marks = ",".join("?" * len(fix.drop_nodes))
+                c.execute(f"UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE node IN ({marks})",
+                          fix.drop_nodes)
+                c.execute(f"UPDATE nodes SET parent=NULL WHERE id IN ({marks})", fix.drop_nodes)
+                c.execute(f"DELETE FROM nodes WHERE id IN ({marks})", fix.drop_nodes)
+            for nid in fix.damage_nodes:
+                c.execute("UPDATE nodes SET state='damaged' WHERE id=?", (nid,))
+            for tid in fix.drop_journal:
+                c.execute("UPDATE files SET status='garbage' WHERE txn=? AND status='writing'", (tid,))
+                c.execute("UPDATE files SET txn=NULL WHERE txn=?", (tid,))
+                c.execute("DELETE FROM journal WHERE id=?", (tid,))
+    finally:
+        cat.close()
+
+
+def repair(
+    root: str,
+    *,
+    rank_dirs: Sequence[str] | None = None,
+    hook: FaultHook | None = None,
+    fs: FileSystem | None = None,
+) -> tuple[RepairReport, AuditReport]:
+    """Repair the cache at ``root`` (no engine may hold it); return what changed and the audit.
+
+    Raises LockedError while an engine holds the directory, NotACacheError /
+    SchemaVersionError when it cannot be read (nothing is changed then).
+    """
+    from prefixstore.engine.core import Engine
+
+    if engine_running(root):
+        raise LockedError(f"{root} is open in an engine; stop it before repairing")
+    rows = read_catalog(root, live=False)
+    try:
+        layout = Layout.from_json(rows.meta.get("layout", ""))
+        capacity = int(rows.meta["capacity"])
+    except (KeyError, ValueError) as exc:
+        raise NotACacheError(f"{root}: catalog records no usable layout or capacity: {exc}") from exc
+    rep = RepairReport()
+    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LockedError(f"{root} is open in an engine; stop it before repairing") from None
+        rows = read_catalog(root, live=True)  # again, now that no engine can start
+        rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks)
+        if not rep.catalog.empty:
+            apply_catalog_fix(root, rep.catalog, hook)
+    finally:
+        os.close(fd)
+    ranks = None
+    if rank_dirs:
+        ranks = [LocalRank(r, d, fs, hook) for r, d in enumerate(rank_dirs)]
+    opts: dict[str, Any] = {"create": False, "ranks": ranks}
+    if hook is not None:
+        opts["hook"] = hook
+    if fs is not None:
+        opts["fs"] = fs
+    eng = Engine.open(root, layout, capacity, **opts)
+    try:
+        rep.recovery = eng.recovery_report
+        _invalidate_bad_shards(eng, rep)
+        rep.reclaimed = eng.reclaim()
+        with eng._lock:
+            over = eng._charged - eng.capacity
+        if over > 0:
+            rep.evicted = eng.evict(over)
+        final = eng.audit()
+    except SimulatedCrash:
+        eng._abandon()  # model process death: nothing more is committed
+        raise
+    finally:
+        eng.close()
+    return rep, final
+
+
+def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
+    with eng._lock:
+        nodes = [n for n in eng.index if n.ready]
+        files: dict[int, list[tuple[int, str, str]]] = {}
+        for nid, r, name, ck in eng.catalog.query(
+            "SELECT node, rank, name, checksum FROM files WHERE status='live'"
+        ):
+            files.setdefault(nid, []).append((r, name, ck))
+    for node in sorted(nodes, key=lambda n: n.id):
+        row = (node.id, node.key, node.parent, node.start, node.end, node.digests, node.has_snapshot,
+               node.state, node.generation)
+        why = None
+        for r, name, ck in sorted(files.get(node.id, [])):
+            try:
+                data = eng.ranks[r].read_shard(name)
+            except FileNotFoundError:
+                why = f"rank {r}: shard missing"
+            except OSError as exc:
+                rep.unreadable.append(f"node {node.id} rank {r} ({name}): {exc}")
+                break
+            else:
+                why = verify_bytes(eng.layout, data, r, row, ck)
+                if why is not None:
+                    why = f"rank {r}: {why}"
+            if why is not None:
+                break
+        if why is not None:
+            with eng._lock:
+                eng._invalidate(node, why)
+            rep.invalidated.append((node.id, why))

@@ -1,0 +1,368 @@
+"""SIGKILL soak: kill a working engine process at random moments, many times.
+
+Each round forks a child (the soak process has imported everything already, so a
+child starts in a millisecond) that opens the cache (running recovery itself) and
+drives a single-threaded workload forever: stores of prefixes of a few
+conversations, lookups whose restores it verifies bit for bit, and evictions of
+single checkpoints. After a uniformly random delay the parent kills it with SIGKILL,
+then checks the directory:
+
+- always, read-only (``audit_dir``, nothing written): the only violation allowed is
+  invariant 7 (the kill may leave an unfinished transaction); every acknowledged
+  checkpoint is in the catalog and ready;
+- every other round, it also opens an engine (recovery), audits it (clean, journal
+  empty) and restores every acknowledged checkpoint bit-identically. On the other
+  rounds the next child's own open recovers, so kills also land inside recovery.
+
+Acknowledgements: the child appends ``S <conv> <blocks>`` to an fsynced log after
+``store`` returned a durable status (stored, refilled, duplicate), and
+``E <conv> <blocks>`` *before* it calls ``evict`` for that checkpoint. A checkpoint
+whose last line is ``S`` must survive; one whose last line is ``E`` may be gone.
+The capacity is sized so that the eviction policy never runs (the data set is
+bounded: a few conversations of a few blocks), so no eviction happens that the log
+does not announce. The driver is single-threaded so the log's order is the order of
+the calls.
+
+Run: ``prefixstore soak [--kills N] [--ranks 1 4] [--seed S] [--json]`` or
+``python -m prefixstore.fuzz.soak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter
+from typing import Any
+
+import attrs
+import torch
+
+from prefixstore.engine.audit import audit_dir, read_catalog
+from prefixstore.engine.core import Engine
+from prefixstore.engine.errors import NotACacheError
+from prefixstore.engine.keys import Prefix
+from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.gpu.ranks import LocalRank
+
+NAME = "soak"
+HELP = "SIGKILL a working engine many times; audit and check acknowledged stores after each"
+
+BT = 4
+CONVERSATIONS = 6
+MAX_BLOCKS = 8
+CAPACITY = 1 << 30  # far above the bounded data set: the policy never evicts
+
+
+def soak_layout(ranks: int) -> Layout:
+    return Layout(
+        segments=[TensorSpec("k", "bfloat16", (2, 4)), TensorSpec("v", "bfloat16", (2, 4))],
+        snapshots=[TensorSpec("state", "float32", (2, 2))],
+        block_tokens=BT,
+        ranks=ranks,
+    )
+
+
+def conv_tokens(conv: int) -> list[int]:
+    """Conversation ``conv``'s tokens; conversations 1, 3, 5 share 2 blocks with 0, 2, 4."""
+    g = torch.Generator().manual_seed(1000 + conv)
+    toks = torch.randint(0, 50_000, (MAX_BLOCKS * BT,), generator=g).tolist()
+    if conv % 2:
+        toks[: 2 * BT] = conv_tokens(conv - 1)[: 2 * BT]
+    return toks
+
+
+def tensors(layout: Layout, toks: list[int]) -> tuple[list[dict], list[dict]]:
+    """Deterministic segment rows (per token: its id and position) and snapshot."""
+    t = torch.tensor(toks, dtype=torch.float64)[:, None, None]
+    pos = torch.arange(len(toks), dtype=torch.float64)[:, None, None]
+    grid = torch.arange(8, dtype=torch.float64).reshape(1, 2, 4)
+    segs = [{"k": (t * 1e-3 + pos * 0.01 + r + grid).to(torch.bfloat16),
+             "v": (t * 2e-3 - pos * 0.01 + r - grid).to(torch.bfloat16)} for r in range(layout.ranks)]
+    snap = [{"state": torch.full((2, 2), float(sum(toks) % 9973 + len(toks) + r))} for r in range(layout.ranks)]
+    return segs, snap
+
+
+def key_of(conv: int, blocks: int) -> bytes:
+    return Prefix.from_tokens(conv_tokens(conv)[: blocks * BT], BT).keys[-1]
+
+
+def verify_restore(eng: Engine, layout: Layout, toks: list[int]) -> tuple[int, str | None]:
+    """Lookup + restore ``toks``: (blocks restored, a mismatch description or None)."""
+    m = eng.lookup(Prefix.from_tokens(toks, BT))
+    if not m.hit:
+        return 0, None
+    r = eng.restore(m)
+    if r is None:
+        return 0, None
+    segs, snap = tensors(layout, toks[: m.tokens])
+    for rank in range(layout.ranks):
+        for name, t in r.segments[rank].items():
+            if not torch.equal(t, segs[rank][name]):
+                return m.blocks, f"rank {rank} segment {name} differs at {m.blocks} blocks"
+        for name, t in r.snapshot[rank].items():
+            if not torch.equal(t, snap[rank][name]):
+                return m.blocks, f"rank {rank} snapshot {name} differs at {m.blocks} blocks"
+    return m.blocks, None
+
+
+# ---------------------------------------------------------------------- the child
+
+
+def _plant_lazy_write() -> None:
+    """A planted bug: a rank acknowledges a shard write before doing it (50 ms later)."""
+    orig = LocalRank.write_shard
+
+    def lazy(self: LocalRank, name: str, data: bytes) -> None:
+        threading.Timer(0.05, orig, (self, name, data)).start()
+
+    LocalRank.write_shard = lazy  # type: ignore[method-assign]
+
+
+PLANTS = {"lazy-write": _plant_lazy_write}
+
+
+def _log(fd: int, line: str) -> None:
+    os.write(fd, line.encode() + b"\n")
+    os.fsync(fd)
+
+
+def child_main(root: str, ranks: int, seed: int, log_path: str, synchronous: str,
+               plant: str | None = None) -> None:
+    """The workload; runs until killed. Exits 3 on wrong bytes, 4 on any exception."""
+    if plant is not None:
+        PLANTS[plant]()
+    layout = soak_layout(ranks)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    rng = random.Random(seed)
+    try:
+        eng = Engine.open(root, layout, CAPACITY, synchronous=synchronous)
+        while True:
+            conv, blocks = rng.randrange(CONVERSATIONS), rng.randint(1, MAX_BLOCKS)
+            toks = conv_tokens(conv)[: blocks * BT]
+            roll = rng.random()
+            if roll < 0.55:
+                segs, snap = tensors(layout, toks)
+                res = eng.store(Prefix.from_tokens(toks, BT), segs, snap)
+                if res.ok:
+                    _log(fd, f"S {conv} {blocks}")
+            elif roll < 0.9:
+                _, bad = verify_restore(eng, layout, toks)
+                if bad is not None:
+                    _log(fd, f"V wrong bytes restoring conversation {conv} at {blocks} blocks: {bad}")
+                    os._exit(3)
+            else:
+                _log(fd, f"E {conv} {blocks}")
+                eng.evict(prefix=Prefix.from_tokens(toks, BT))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _log(fd, "X " + traceback.format_exc().replace("\n", " | "))
+        os._exit(4)
+
+
+# ---------------------------------------------------------------------- the parent
+
+
+@attrs.define
+class SoakStats:
+    """Figures of one soak."""
+
+    kills: int = 0
+    kills_by_ranks: dict[int, int] = attrs.field(factory=dict)
+    unfinished_at_kill: int = 0
+    unfinished_kinds: dict[str, int] = attrs.field(factory=dict)
+    recoveries: int = 0
+    rolled_back: int = 0
+    rolled_forward: int = 0
+    acked_stores: int = 0
+    acked_checks: int = 0
+    evictions_announced: int = 0
+    restores_verified: int = 0
+    lost: int = 0
+    violations: list[str] = attrs.field(factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def parse_log(path: str) -> tuple[dict[tuple[int, int], str], int, int, list[str]]:
+    """Last event per checkpoint, S lines, E lines, and V/X lines (complete lines only)."""
+    last: dict[tuple[int, int], str] = {}
+    s = e = 0
+    bad = []
+    with open(path, "rb") as f:
+        data = f.read()
+    for raw in data.split(b"\n")[:-1]:  # a torn last line (no newline) is ignored
+        line = raw.decode(errors="replace")
+        kind, _, rest = line.partition(" ")
+        if kind in ("S", "E"):
+            conv, blocks = (int(x) for x in rest.split())
+            last[(conv, blocks)] = kind
+            s += kind == "S"
+            e += kind == "E"
+        elif kind in ("V", "X"):
+            bad.append(line)
+    return last, s, e, bad
+
+
+def _kill_round(root: str, ranks: int, seed: int, log_path: str, delay: float, synchronous: str,
+                plant: str | None) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            child_main(root, ranks, seed, log_path, synchronous, plant)
+        finally:
+            os._exit(5)
+    time.sleep(delay)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def _check(root: str, ranks: int, log_path: str, recover: bool, st: SoakStats, where: str) -> None:
+    layout = soak_layout(ranks)
+    last, _, _, bad = parse_log(log_path)
+    st.violations += [f"{where}: child reported {b[:300]}" for b in bad]
+    acked = {key_of(c, b): (c, b) for (c, b), ev in last.items() if ev == "S"}
+    st.acked_checks += len(acked)
+    # read-only, as the operator's audit after an incident
+    try:
+        rep = audit_dir(root, expected=acked, quiescent=False)
+    except NotACacheError:
+        if acked or recover:
+            st.violations.append(f"{where}: the cache cannot be read after the kill")
+        return  # killed before the first child created its catalog
+    if rep.journal:
+        st.unfinished_at_kill += 1
+        for j in rep.journal:
+            k = f"{j['kind']}/{j['state']}"
+            st.unfinished_kinds[k] = st.unfinished_kinds.get(k, 0) + 1
+    for v in rep.violations:
+        st.violations.append(f"{where}: read-only audit: invariant {v.invariant}: {v.detail}")
+        if v.invariant == 4:
+            st.lost += 1
+    states = {bytes(r[1]): r[7] for r in read_catalog(root).nodes.values()}
+    for k, (c, b) in acked.items():
+        if states.get(k, "ready") != "ready":
+            st.violations.append(f"{where}: acknowledged conversation {c} at {b} blocks is {states[k]}")
+    if not recover:
+        return
+    with Engine.open(root, layout, CAPACITY) as eng:
+        st.recoveries += 1
+        st.rolled_back += len(eng.recovery_report.rolled_back)
+        st.rolled_forward += len(eng.recovery_report.rolled_forward)
+        rep = eng.audit()
+        for v in rep.violations:
+            st.violations.append(f"{where}: audit after recovery: invariant {v.invariant}: {v.detail}")
+        if eng.catalog.journal():
+            st.violations.append(f"{where}: journal not empty after recovery")
+        for c, b in acked.values():
+            got, wrong = verify_restore(eng, layout, conv_tokens(c)[: b * BT])
+            if wrong is not None:
+                st.violations.append(f"{where}: conversation {c}: {wrong}")
+            elif got < b:
+                st.violations.append(f"{where}: acknowledged conversation {c} at {b} blocks restores only {got}")
+                st.lost += 1
+            else:
+                st.restores_verified += 1
+
+
+def soak(
+    root: str,
+    *,
+    kills: int = 200,
+    ranks: tuple[int, ...] = (1, 4),
+    seed: int = 0,
+    min_delay: float = 0.005,
+    max_delay: float = 0.25,
+    progress: bool = False,
+    plant: str | None = None,
+) -> SoakStats:
+    """Run ``kills`` SIGKILL rounds, split evenly over the rank counts; return the figures."""
+    torch.set_num_threads(1)  # no intra-op pool to inherit across fork
+    st = SoakStats()
+    t0 = time.monotonic()
+    rng = random.Random(seed)
+    per = [kills // len(ranks) + (i < kills % len(ranks)) for i in range(len(ranks))]
+    for nranks, n in zip(ranks, per, strict=True):
+        d = os.path.join(root, f"ranks{nranks}")
+        log_path = os.path.join(root, f"ranks{nranks}.acks")
+        os.makedirs(root, exist_ok=True)
+        open(log_path, "ab").close()
+        for i in range(n):
+            where = f"ranks={nranks} kill {i + 1}"
+            sync = "NORMAL" if i % 3 == 2 else "FULL"
+            status = _kill_round(d, nranks, rng.randrange(1 << 30), log_path,
+                                 rng.uniform(min_delay, max_delay), sync, plant)
+            if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+                st.kills += 1
+                st.kills_by_ranks[nranks] = st.kills_by_ranks.get(nranks, 0) + 1
+            else:
+                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
+                st.violations.append(f"{where}: the child ended by itself (status {code})")
+            _check(d, nranks, log_path, recover=i % 2 == 1 and i > 2, st=st, where=where)
+            if progress and (i + 1) % 50 == 0:
+                print(f"  ranks={nranks}: {i + 1}/{n} kills, {len(st.violations)} violations", file=sys.stderr)
+        _, s, e, _ = parse_log(log_path)
+        st.acked_stores += s
+        st.evictions_announced += e
+        _check(d, nranks, log_path, recover=True, st=st, where=f"ranks={nranks} final")
+    st.seconds = round(time.monotonic() - t0, 1)
+    return st
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
+    p.add_argument("--kills", type=int, default=200, help="SIGKILLs in all, split over --ranks (default 200)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="rank counts (default 1 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-delay", type=float, default=0.25, help="longest life of a child, seconds")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--plant", choices=sorted(PLANTS), default=None,
+                   help="run against a deliberately broken engine (the soak must report it)")
+
+
+def run(args: argparse.Namespace) -> int:
+    root = args.dir or tempfile.mkdtemp(prefix="prefixstore-soak-")
+    st = soak(root, kills=args.kills, ranks=tuple(args.ranks), seed=args.seed,
+              max_delay=args.max_delay, progress=not args.json, plant=args.plant)
+    lost_or_bad = st.lost or st.violations
+    if args.json:
+        print(json.dumps(st.to_dict()))
+    else:
+        print(f"soak in {root}: {st.kills} SIGKILLs {dict(st.kills_by_ranks)} in {st.seconds} s")
+        print(f"  kills that left an unfinished transaction: {st.unfinished_at_kill} "
+              f"{dict(Counter(st.unfinished_kinds))}")
+        print(f"  recoveries by the checker: {st.recoveries} (rolled back {st.rolled_back}, "
+              f"forward {st.rolled_forward}); the others by the next child")
+        print(f"  acknowledged stores: {st.acked_stores}; acknowledged checkpoints checked: "
+              f"{st.acked_checks}; evictions announced: {st.evictions_announced}")
+        print(f"  restores verified bit-identical after recovery: {st.restores_verified}")
+        print(f"  lost acknowledged stores: {st.lost}; violations: {len(st.violations)}")
+        for v in st.violations[:20]:
+            print(f"    - {v}")
+    return 1 if lost_or_bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixstore.fuzz.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
