@@ -8,6 +8,7 @@ tensor-parallel rank holds).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 RankTensors = Mapping[str, torch.Tensor]
 
@@ -79,7 +81,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return _ITEMSIZE[self.dtype]  # a dict lookup: sizes are computed on the request path
 
     @property
     def nbytes(self) -> int:
@@ -109,16 +111,17 @@ class Layout:
 
     # -- sizes ------------------------------------------------------------------
 
-    @property
+    # Cached: read on the request path (lookup sizes every candidate); a Layout is frozen.
+    @functools.cached_property
     def has_snapshot(self) -> bool:
         return bool(self.snapshots)
 
-    @property
+    @functools.cached_property
     def token_bytes(self) -> int:
         """Segment bytes per token on one rank."""
         return sum(s.nbytes for s in self.segments)
 
-    @property
+    @functools.cached_property
     def snapshot_bytes(self) -> int:
         """Snapshot bytes on one rank."""
         return sum(s.nbytes for s in self.snapshots)

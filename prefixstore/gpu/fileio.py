@@ -68,6 +68,23 @@ class OsFS:
         with open(path, "rb", buffering=0) as f:
             return f.read()
 
+    def read_into(self, path: str, out: memoryview) -> int:
+        """Read the file into ``out`` (up to its length, no intermediate copy); returns
+        the file's size, which may differ from ``len(out)``."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            got, view = 0, out[: min(size, len(out))]
+            while view:
+                n = os.preadv(fd, [view], got)
+                if n <= 0:
+                    return got  # the file shrank while being read
+                got += n
+                view = view[n:]
+            return size
+        finally:
+            os.close(fd)
+
     def size(self, path: str) -> int | None:
         try:
             return os.stat(path).st_size
@@ -128,6 +145,25 @@ class HookedFS:
 
     def read(self, path: str) -> bytes:
         return self._run("read", path, self.inner.read, path)
+
+    @property
+    def copies_on_read(self) -> bool:
+        """True when ``read_into`` must copy (the inner file system has no ``read_into``)."""
+        return not hasattr(self.inner, "read_into")
+
+    def read_into(self, path: str, out: memoryview) -> int:
+        """``OsFS.read_into`` through the hook (op 'read'); a file system without it is
+        read whole and copied into ``out``."""
+        return self._run("read", path, self._read_into, path, out)
+
+    def _read_into(self, path: str, out: memoryview) -> int:
+        inner = getattr(self.inner, "read_into", None)
+        if inner is not None:
+            return inner(path, out)
+        data = self.inner.read(path)
+        n = min(len(data), len(out))
+        out[:n] = memoryview(data)[:n]
+        return len(data)
 
     def size(self, path: str) -> int | None:
         return self.inner.size(path)

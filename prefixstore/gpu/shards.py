@@ -1,4 +1,17 @@
-"""Shard files: safetensors bytes (never pickle), their checksum and verification."""
+"""Shard files: safetensors bytes (never pickle), their checksum and verification.
+
+Two ways to build and parse the same file format:
+
+- ``encode`` / ``decode``: whole-file ``bytes`` (the safetensors library; one copy each
+  way). Used by compaction and the auditor.
+- the zero-copy path: ``plan_shard`` lays a shard out from the layout alone (header
+  bytes, each tensor's offsets, the exact file size) so the executors copy device
+  tensors straight into their place in a (pinned) staging buffer, and the file is
+  written from that buffer; ``parse`` validates a file read into a buffer and returns
+  tensors that are views of it. Files are ordinary safetensors files either way:
+  ``u64le header length | JSON header (padded with spaces to 8 bytes) | raw data``,
+  tensors ordered by alignment then name, so every tensor is aligned to its dtype.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +19,7 @@ import json
 import struct
 from collections.abc import Mapping
 
+import attrs
 import torch
 import xxhash
 from safetensors.torch import load as st_load
@@ -75,3 +89,171 @@ def decode(
     except Exception as exc:
         raise ShardError(f"shard does not match the layout: {exc}") from exc
     return segs, snaps
+
+
+# ---------------------------------------------------------------------------- zero-copy path
+
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_FROM_ST: dict[str, torch.dtype] = {v: k for k, v in ST_DTYPES.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in ST_DTYPES}
+MAX_HEADER = 1 << 24
+
+
+@attrs.frozen
+class Entry:
+    """One tensor of a shard: its safetensors name, dtype, shape and file offsets."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@attrs.frozen
+class ShardPlan:
+    """Where everything of one shard file goes; ``header`` is its first bytes."""
+
+    header: bytes
+    entries: tuple[Entry, ...]
+    size: int
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.size - len(self.header)
+
+
+def plan_shard(
+    segments: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    snapshot: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    meta: Mapping[str, str],
+) -> ShardPlan:
+    """Lay out one rank's shard from ``name -> (dtype, shape)`` (no tensor needed)."""
+    specs = [(f"seg.{k}", d, tuple(s)) for k, (d, s) in segments.items()]
+    specs += [(f"snap.{k}", d, tuple(s)) for k, (d, s) in snapshot.items()]
+    itemsize = _ITEMSIZE
+    specs.sort(key=lambda e: (-itemsize[e[1]], e[0]))
+    head: dict[str, object] = {"__metadata__": dict(sorted({"format": FORMAT, **meta}.items()))}
+    off = 0
+    rel = []
+    for name, dtype, shape in specs:
+        n = itemsize[dtype]
+        for dim in shape:
+            n *= dim
+        head[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        rel.append((name, dtype, shape, off, off + n))
+        off += n
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    entries = tuple(Entry(nm, d, s, start + b, start + e) for nm, d, s, b, e in rel)
+    return ShardPlan(struct.pack("<Q", len(text)) + text, entries, start + off)
+
+
+def plan_for_layout(layout: Layout, tokens: int, with_snapshot: bool, meta: Mapping[str, str]) -> ShardPlan:
+    """The plan of a shard holding ``tokens`` segment rows (and the snapshot if asked)."""
+    segs = {s.name: (s.torch_dtype, (tokens, *s.shape)) for s in layout.segments}
+    snaps = {s.name: (s.torch_dtype, tuple(s.shape)) for s in layout.snapshots} if with_snapshot else {}
+    return plan_shard(segs, snaps, meta)
+
+
+def views(plan: ShardPlan, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Typed views of each entry inside ``buf`` (a 1-D uint8 tensor of the file)."""
+    return {e.name: buf[e.begin : e.end].view(e.dtype).view(e.shape) for e in plan.entries}
+
+
+def _header_of(buf: torch.Tensor) -> tuple[dict, int]:
+    size = buf.numel()
+    if size < 8:
+        raise ShardError("shard shorter than its header length field")
+    (n,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
+    if n > size - 8 or n > MAX_HEADER:
+        raise ShardError("shard header length exceeds the file")
+    try:
+        head = json.loads(buf[8 : 8 + n].numpy().tobytes())
+    except ValueError as exc:
+        raise ShardError(f"shard header is not JSON: {exc}") from exc
+    if not isinstance(head, dict):
+        raise ShardError("shard header is not a JSON object")
+    return head, 8 + n
+
+
+def parse(
+    buf: torch.Tensor,
+    layout: Layout,
+    tokens: int,
+    with_snapshot: bool,
+    expect_meta: Mapping[str, str],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Validate a whole shard file held in ``buf`` (1-D uint8) and return views of it.
+
+    Checks what the safetensors loader checks (known dtypes, each tensor's byte size,
+    offsets contiguous from the data start to the end of the file) plus the metadata
+    and the layout, as ``decode`` does. No tensor byte is copied.
+    """
+    head, start = _header_of(buf)
+    meta = head.pop("__metadata__", None) or {}
+    for k, v in {"format": FORMAT, **expect_meta}.items():
+        if meta.get(k) != v:
+            raise ShardError(f"shard metadata {k}={meta.get(k)!r}, expected {v!r}")
+    spans = []
+    for name, info in head.items():
+        try:
+            dtype = _FROM_ST[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            b, e = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShardError(f"shard entry {name!r} is malformed: {exc}") from exc
+        n = _ITEMSIZE[dtype]
+        for d in shape:
+            if d < 0:
+                raise ShardError(f"shard entry {name!r} has a negative dimension")
+            n *= d
+        if e - b != n:
+            raise ShardError(f"shard entry {name!r} spans {e - b} bytes, its shape needs {n}")
+        spans.append((b, e, name, dtype, shape))
+    spans.sort()
+    pos = 0
+    for b, e, name, *_ in spans:
+        if b != pos:
+            raise ShardError(f"shard entry {name!r} starts at {b}, expected {pos}")
+        pos = e
+    if start + pos != buf.numel():
+        raise ShardError(f"shard data ends at {start + pos}, the file has {buf.numel()} bytes")
+    out: dict[str, torch.Tensor] = {}
+    for b, e, name, dtype, shape in spans:
+        try:
+            out[name] = buf[start + b : start + e].view(dtype).view(shape)
+        except RuntimeError as exc:  # an unaligned offset: not a file this engine writes
+            raise ShardError(f"shard entry {name!r} is not aligned to its dtype") from exc
+    segs = {k[4:]: v for k, v in out.items() if k.startswith("seg.")}
+    snaps = {k[5:]: v for k, v in out.items() if k.startswith("snap.")}
+    if len(segs) + len(snaps) != len(out):
+        raise ShardError(f"shard holds unexpected tensors {sorted(out)}")
+    if not with_snapshot and snaps:
+        raise ShardError("shard holds a snapshot the catalog does not record")
+    try:
+        layout.check_segments(0, segs, tokens)
+        if with_snapshot:
+            layout.check_snapshot(0, snaps)
+    except Exception as exc:
+        raise ShardError(f"shard does not match the layout: {exc}") from exc
+    return segs, snaps
+
+
+def buffer_view(buf: torch.Tensor) -> memoryview:
+    """The bytes of a 1-D uint8 CPU tensor as a writable memoryview (no copy)."""
+    return memoryview(buf.numpy()).cast("B")

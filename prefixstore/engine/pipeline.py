@@ -1,0 +1,503 @@
+"""Moving checkpoint bytes: zero-copy staging for stores, pipelined restores, async stores.
+
+Store (``stage_store``, used by ``Engine._store``): each rank's tensors are copied by
+the executor straight into a host buffer laid out as the shard file; the checksum is
+taken over that buffer and the file is written from it (``write_shard``), or a RAM
+tier adopts the buffer as its copy. No other host copy is made.
+
+Asynchronous store (``store_async``): the caller's thread validates, peeks at the
+plan, fences the parent (so the plan cannot move earlier) and enqueues the device to
+host copies; the returned ``StoreTicket`` says when they are done (``released``: the
+GPU blocks may be reused) and, later, the store's result (``result()``), which the
+commit worker produces by running the ordinary journaled store (intent, durable
+writes, publish) on the staged bytes. The journal rules are unchanged: a crash after
+the release and before the publish commit leaves an INTENT (or nothing) that
+recovery rolls back: the store is simply absent.
+
+Restore (``restore_nodes``): the output tensors are allocated once on the device;
+shards are fetched in order (a RAM-tier buffer is used in place; a file is read by a
+reader thread into a staging buffer and verified there) with up to ``window`` reads
+in flight, so reading the next shards overlaps uploading the current one; each shard
+is uploaded straight into its slice of the output. A staging buffer returns to the
+pool once its upload completed.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from prefixstore.engine.errors import InvalidInputError, ShardError, SimulatedCrash
+from prefixstore.engine.results import DUPLICATE, QUEUED, REFUSED, StoreResult
+from prefixstore.gpu import shards
+from prefixstore.gpu.executor import Buffer, Copy, Staged
+from prefixstore.gpu.workers import Worker
+from prefixstore.statemachine.transactions import recovery_direction
+
+if TYPE_CHECKING:
+    from prefixstore.engine.core import Engine
+    from prefixstore.engine.index import Node
+    from prefixstore.engine.results import Match
+
+
+# ------------------------------------------------------------------------------ state
+
+
+class Transfers:
+    """The engine's transfer machinery: reader threads, workers, last-restore timings."""
+
+    def __init__(self, ranks: int, *, max_inflight_stores: int = 8) -> None:
+        self.readers = ThreadPoolExecutor(max_workers=max(2, 2 * ranks), thread_name_prefix="reader")
+        self.window = max(2, 2 * ranks)
+        self.commit = Worker("commit")
+        self.retry = Worker("retry")
+        self._slots = threading.BoundedSemaphore(max_inflight_stores)
+        self._retry_queued = False
+        self._lock = threading.Lock()
+        self.last_restore: dict[str, float] = {}
+        self.restaged = 0
+
+    def schedule_retry(self, eng: Engine) -> None:
+        """Run ``retry_pending`` on the retry worker (once, however often asked)."""
+        with self._lock:
+            if self._retry_queued:
+                return
+            self._retry_queued = True
+
+        def run() -> None:
+            with self._lock:
+                self._retry_queued = False
+            if not eng._closed:
+                eng.retry_pending()
+
+        try:
+            self.retry.submit(run)
+        except RuntimeError:  # stopped: the engine is closing
+            with self._lock:
+                self._retry_queued = False
+
+    def drain(self, timeout: float | None = None) -> None:
+        self.commit.drain(timeout)
+        self.retry.drain(timeout)
+
+    def stop(self, wait: bool) -> None:
+        self.commit.stop(wait=wait)
+        self.retry.stop(wait=wait)
+        self.readers.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict[str, Any]:
+        return {"workers": {"commit": self.commit.stats(), "retry": self.retry.stats()},
+                "restaged": self.restaged, "last_restore": dict(self.last_restore)}
+
+
+# ------------------------------------------------------------------------------ store
+
+
+def stage_store(
+    eng: Engine,
+    staged: list[Staged] | None,
+    meta: dict[str, str],
+    segs: Sequence[Any],
+    snaps: Sequence[Any] | None,
+    lo: int,
+    hi: int,
+) -> list[Staged]:
+    """The staged shards of a store (``staged`` itself when it already matches)."""
+    L = eng.layout
+    plans = [shards.plan_for_layout(L, hi - lo, L.has_snapshot, {**meta, "rank": str(r)}) for r in range(L.ranks)]
+    if staged is not None:
+        if all(s.plan.header == p.header for s, p in zip(staged, plans, strict=True)):
+            return staged
+        eng.transfers.restaged += 1  # the plan moved since the peek: stage again from the host copy
+    out: list[Staged] = []
+    try:
+        for r in range(L.ranks):
+            tensors = {f"seg.{k}": v[lo:hi] for k, v in segs[r].items()}
+            if snaps is not None:
+                tensors.update({f"snap.{k}": v for k, v in snaps[r].items()})
+            out.append(eng.executor.stage(plans[r], tensors))
+    except BaseException:
+        release(out)
+        raise
+    return out
+
+
+def release(datas: Sequence[Any]) -> None:
+    """Release staged shards (bytes need nothing)."""
+    for d in datas:
+        if isinstance(d, Staged):
+            d.release()
+
+
+def size_of(d: Any) -> int:
+    return d.size if isinstance(d, Staged) else len(d)
+
+
+def checksum_of(d: Any) -> str:
+    return d.checksum() if isinstance(d, Staged) else shards.checksum(d)
+
+
+def write_shard(eng: Engine, r: int, name: str, d: Any) -> None:
+    """Apply one rank's write of a store: bytes, or a staged buffer (adopted by a RAM
+    tier, or written from in place). Any failure of the effect is an OSError, so it
+    fails the transaction (rolled back), never the thread that ran it."""
+    rank = eng.ranks[r]
+    try:
+        if not isinstance(d, Staged):
+            rank.write_shard(name, d)
+            return
+        adopt = getattr(rank, "adopt_shard", None)
+        if adopt is not None:
+            d.buffer.retain()  # the tier's reference
+            try:
+                adopt(name, d.buffer)
+            except BaseException:
+                d.buffer.release()
+                raise
+        else:
+            rank.write_shard(name, d.buffer.mv())
+    except OSError:
+        raise
+    except Exception as exc:
+        raise OSError(errno.EIO, f"rank {r} write failed: {type(exc).__name__}: {exc}") from exc
+
+
+def fail_txn(eng: Engine, tid: int, exc: BaseException) -> None:
+    """End transaction ``tid`` after an unexpected error in its flow, as recovery would:
+    forward if it had published, back otherwise. A simulated crash is left to recovery."""
+    if isinstance(exc, SimulatedCrash) or eng._closed:
+        return
+    with eng._lock:
+        row = eng.catalog.query("SELECT kind, state FROM journal WHERE id=?", (tid,))
+        if not row:
+            return
+        kind, state = row[0]
+        if recovery_direction(kind, state) == "forward":
+            rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+            eng._finish_retire(tid, kind, rows)
+            eng._load()  # the publish committed; make the index agree with it
+        else:
+            eng._rollback(tid, kind, state, "failed")
+    eng.counters.inc("faults", "txn_error")
+
+
+@attrs.define(eq=False)
+class StoreTicket:
+    """An asynchronous store: ``released`` (device tensors reusable) and its result.
+
+    ``released`` has ``is_set()`` and ``wait(timeout)``. ``result(timeout)`` returns
+    the ``StoreResult`` once the store committed (or failed), re-raising what its job
+    raised (an ``EngineClosedError`` if the engine closed first).
+    """
+
+    released: Any
+    committed: Future
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        return self.released.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> StoreResult:
+        return self.committed.result(timeout)
+
+    def done(self) -> bool:
+        return self.committed.done()
+
+    @classmethod
+    def finished(cls, result: StoreResult) -> StoreTicket:
+        fut: Future = Future()
+        fut.set_result(result)
+        return cls(Copy(), fut)
+
+
+def store_async(
+    eng: Engine,
+    prefix: Any,
+    segments: Any,
+    snapshot: Any,
+    tokens_from: int,
+    valid: Callable[[], bool] | None,
+) -> StoreTicket:
+    """Stage the checkpoint now, commit it on the commit worker (see module doc)."""
+    from prefixstore.engine.core import _Pending, _Plan
+
+    segs, snaps = eng._check_store_input(prefix, segments, snapshot, tokens_from)
+    L = eng.layout
+    bt = L.block_tokens
+    n = len(prefix)
+    tr = eng.transfers
+    with eng._guard():
+        with eng._lock:
+            plan = eng._plan(prefix)
+            if isinstance(plan, StoreResult) and plan.status == DUPLICATE:
+                eng._count_store(plan)
+                return StoreTicket.finished(plan)
+            if isinstance(plan, _Plan):
+                start = plan.start
+                gen = eng._next_generation(prefix.keys[-1], plan.existing.generation if plan.existing else 0)
+                if tokens_from > start * bt:
+                    raise InvalidInputError(
+                        f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
+                    )
+                fenced = [x.id for x in (plan.parent, plan.existing) if x is not None]
+            else:  # in flight or inside a span: the commit re-plans (and may stage again)
+                start, gen, fenced = tokens_from // bt, 1, []
+            for nid in fenced:
+                eng._fences[nid] += 1
+        key = prefix.keys[-1]
+        meta = eng._shard_meta(key, gen, start, n, L.has_snapshot)
+        lo, hi = start * bt - tokens_from, n * bt - tokens_from
+        tr._slots.acquire()
+        try:
+            staged = []
+            for r in range(L.ranks):
+                tensors = {f"seg.{k}": v[lo:hi] for k, v in segs[r].items()}
+                if snaps is not None:
+                    tensors.update({f"snap.{k}": v for k, v in snaps[r].items()})
+                plan_r = shards.plan_for_layout(L, hi - lo, L.has_snapshot, {**meta, "rank": str(r)})
+                staged.append(eng.executor.stage(plan_r, tensors, background=True))
+        except BaseException:
+            release(staged)
+            _unfence(eng, fenced)
+            tr._slots.release()
+            raise
+    released = staged[0].copy
+    for s in staged[1:]:
+        released = released + s.copy
+
+    def job() -> StoreResult:
+        try:
+            with eng._guard():
+                ex = eng.executor
+                for s in staged:
+                    s.checksum(ex.gate, ex.stats)
+                ex.gate.yield_(ex.stats)
+                views = [s.tensors() for s in staged]
+                host_segs = [{k[4:]: v for k, v in vw.items() if k.startswith("seg.")} for vw in views]
+                host_snaps = ([{k[5:]: v for k, v in vw.items() if k.startswith("snap.")} for vw in views]
+                              if snaps is not None else None)
+                res = eng._store(prefix, host_segs, host_snaps, start * bt, staged=staged)
+                if res.status == REFUSED and valid is not None:
+                    for s in staged:
+                        s.detach()  # the queued retry keeps views of these buffers
+                    eng._enqueue(_Pending(prefix, host_segs, host_snaps, start * bt, valid))
+                    res = attrs.evolve(res, status=QUEUED)
+                if res.ok:
+                    tr.schedule_retry(eng)
+                return res
+        finally:
+            release(staged)
+            _unfence(eng, fenced)
+            tr._slots.release()
+
+    try:
+        fut = tr.commit.submit(job)
+    except RuntimeError:
+        release(staged)
+        _unfence(eng, fenced)
+        tr._slots.release()
+        raise
+    return StoreTicket(released, fut)
+
+
+def _unfence(eng: Engine, ids: list[int]) -> None:
+    if not ids:
+        return
+    with eng._lock:
+        for nid in ids:
+            eng._fences[nid] -= 1
+            if not eng._fences[nid]:
+                del eng._fences[nid]
+        eng._settled.notify_all()
+
+
+# ------------------------------------------------------------------------------ restore
+
+
+@attrs.frozen
+class Damage:
+    """A shard of ``node`` failed verification during a restore."""
+
+    node: Node
+    why: str
+
+
+@attrs.define(eq=False, slots=True)
+class _Fetched:
+    offs: dict[str, int]  # segment name -> byte offset of its rows in the buffer
+    snap: dict[str, torch.Tensor]
+    buffer: Buffer
+
+
+def _fetch(eng: Engine, x: Node, r: int, row: tuple[str, int, str], from_ram: bool) -> Any:
+    """One shard as views of a host buffer; a damage string; None on an I/O error.
+
+    ``from_ram``: only look in the rank's RAM tier (the marker ``_NOT_RESIDENT`` when
+    it does not hold the shard); otherwise read the file."""
+    L = eng.layout
+    name, size, ck = row
+    rank = eng.ranks[r]
+    ex = eng.executor
+    buf = None
+    if from_ram:
+        view = getattr(rank, "view_shard", None)
+        buf = view(name) if view is not None else None
+        if buf is None:
+            return _NOT_RESIDENT
+        if buf.nbytes != size:
+            buf.release()
+            return f"rank {r}: RAM copy is {buf.nbytes} bytes, catalog says {size}"
+    else:
+        buf = ex.pool.acquire(size)
+        try:
+            reader = getattr(rank, "read_shard_into", None)
+            if reader is not None:
+                got = reader(name, buf.mv())
+                if getattr(rank, "copies_on_read", False):
+                    ex.stats.host_copy(min(got, size))
+            else:
+                data = rank.read_shard(name)
+                got = len(data)
+                buf.mv()[: min(got, size)] = memoryview(data)[:size]
+                ex.stats.host_copy(min(got, size))
+        except FileNotFoundError:
+            buf.release()
+            return f"rank {r}: shard missing"
+        except OSError:
+            buf.release()
+            eng.counters.inc("faults", "read")
+            return None
+        ex.stats.add(tier_read_bytes=min(got, size))
+        if got != size:
+            buf.release()
+            return f"rank {r}: shard is {got} bytes, catalog says {size}"
+        if shards.checksum(buf.mv()) != ck:
+            buf.release()
+            return f"rank {r}: checksum mismatch"
+    # A RAM-tier buffer is immutable while held: its header is validated once.
+    key = (name, size, ck, x.start, x.end, x.has_snapshot, r)
+    cached = buf.parsed
+    if cached is not None and cached[0] == key:
+        offs, snap = cached[1], cached[2]
+    else:
+        meta = {**eng._shard_meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
+        try:
+            segs, snap = shards.parse(buf.view(), L, x.blocks * L.block_tokens, x.has_snapshot, meta)
+        except ShardError as exc:
+            buf.release()
+            return f"rank {r}: {exc}"
+        base = buf.tensor.data_ptr()
+        offs = {n: v.data_ptr() - base for n, v in segs.items()}
+        buf.parsed = (key, offs, snap)
+    if not from_ram:
+        promote = getattr(rank, "promote", None)
+        if promote is not None:
+            promote(name, buf)
+    return _Fetched(offs, snap, buf)
+
+
+_NOT_RESIDENT = object()
+
+
+def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match) -> Any:
+    """Read, verify and upload the shards of ``nodes`` (root first).
+
+    Returns ``(segments, snapshot, files)`` per rank, a ``Damage``, or None on a
+    transient I/O error. Records the time spent moving bytes (waiting for reads,
+    uploading) in ``eng.transfers.last_restore``.
+    """
+    L = eng.layout
+    ex = eng.executor
+    tr = eng.transfers
+    bt = L.block_tokens
+    end = nodes[-1]
+    t0 = time.perf_counter()
+    all_ranks = set(range(L.ranks))
+    for x in nodes:
+        if rows[x.id].keys() != all_ranks:
+            return Damage(x, f"shards recorded on ranks {sorted(rows[x.id])}")
+    spans, off = [], 0
+    for x in nodes:
+        cut = max(0, match.gpu_blocks - x.start) * bt
+        spans.append((off, cut, x.blocks * bt - cut))  # output row, rows cut, rows copied
+        off += x.blocks * bt - cut
+    chunks = [(k, x, r) for k, x in enumerate(nodes) for r in range(L.ranks)]
+    seg_rows = [(s.name, s.nbytes) for s in L.segments]  # bytes per token row
+    pending: dict[int, Future | _Fetched | Any] = {}
+    move = move_cpu = 0.0  # wall and this thread's CPU seconds spent moving bytes
+    moved = copies = 0
+    clock, cpu = time.perf_counter, time.thread_time
+
+    def start(i: int) -> None:
+        k, x, r = chunks[i]
+        row = rows[x.id][r]
+        got = _fetch(eng, x, r, row, True)  # a RAM hit is used in place, inline
+        if got is _NOT_RESIDENT:
+            pending[i] = tr.readers.submit(_fetch, eng, x, r, row, False)
+        else:
+            pending[i] = got
+
+    with ex.gate.foreground():
+        outs = [{s.name: ex.empty((off, *s.shape), s.torch_dtype) for s in L.segments} for _ in range(L.ranks)]
+        flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
+        snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
+        n_chunks, window = len(chunks), tr.window
+        ex.begin_uploads()
+        try:
+            for i in range(min(window, n_chunks)):
+                start(i)
+            for i, (k, x, r) in enumerate(chunks):
+                item = pending.pop(i)
+                if item.__class__ is Future:
+                    tw = clock()
+                    item = item.result()
+                    move += clock() - tw
+                if i + window < n_chunks:
+                    start(i + window)
+                if item.__class__ is not _Fetched:
+                    return Damage(x, item) if isinstance(item, str) else None
+                o, cut, ntok = spans[k]
+                tu, cu = clock(), cpu()
+                src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
+                for name, rb in seg_rows:  # each node's rows land in their slice of the output
+                    ex.upload_bytes(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb)
+                    moved += ntok * rb
+                    copies += 1
+                if x is end and L.has_snapshot:
+                    for s in L.snapshots:
+                        t = ex.empty(tuple(s.shape), s.torch_dtype)
+                        ex.upload(t, item.snap[s.name])
+                        snaps[r][s.name] = t
+                        moved += t.numel() * t.element_size()
+                item.buffer.release(after=ex.record())
+                move += clock() - tu
+                move_cpu += cpu() - cu
+            tf, cf = clock(), cpu()
+            ex.finish_uploads()
+            move += clock() - tf
+            move_cpu += cpu() - cf
+        finally:
+            for item in pending.values():
+                _discard(item)
+            seg_bytes = moved - sum(t.numel() * t.element_size() for s in snaps for t in s.values())
+            ex.stats.add(h2d_bytes=seg_bytes, h2d_copies=copies)
+    tr.last_restore = {"total_s": time.perf_counter() - t0, "move_s": move, "move_cpu_s": move_cpu,
+                       "bytes": moved, "chunks": len(chunks)}
+    return outs, snaps, len(chunks)
+
+
+def _discard(item: Any) -> None:
+    """Release the buffer of a fetch that will not be used (waiting for a running read)."""
+    if isinstance(item, Future):
+        try:
+            item = item.result()
+        except BaseException:
+            return
+    if isinstance(item, _Fetched):
+        item.buffer.release()

@@ -1,0 +1,131 @@
+"""Bandwidth calibration for the restore cost rule.
+
+``Engine.open(..., bandwidth=...)``:
+
+- ``None`` (default): the ``CostModel``'s own ``bandwidth_bytes_per_s`` (configured).
+- a number: bytes per second, configured here (overrides the cost model's).
+- ``"measure"``: the value cached in the catalog meta (key ``calibration``) when it
+  was measured for the same backing and executor; otherwise a short probe now, cached.
+- ``"remeasure"``: probe now, whatever is cached.
+
+The probe (about ``PROBE_BYTES``, tens of milliseconds) times the two stages of a
+restore: uploading a staging buffer to the device (the executor's host-to-device
+path) and, for backings that read files, reading a freshly written, fsynced file
+whose pages were dropped from the page cache (``posix_fadvise(DONTNEED)``; where the
+OS keeps them anyway the figure is the page cache's). A restore overlaps the two
+(``pipeline.restore_nodes``), so the restore bandwidth is the slower of them. A
+composite backing is calibrated on its disk path: a RAM hit only makes a restore
+cheaper than estimated. The probe file lives in the cache root, never in a rank
+directory, and is removed (a leftover from a crash is removed by the next probe).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from prefixstore.engine.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from prefixstore.engine.core import Engine
+
+META_KEY = "calibration"
+PROBE_NAME = "calibrate.probe"
+PROBE_BYTES = 16 << 20
+
+
+def resolve(eng: Engine, bandwidth: Any) -> dict[str, Any] | None:
+    """Apply the ``bandwidth`` option: returns the calibration used (None: the cost model's)."""
+    if bandwidth is None:
+        return None
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float, str)):
+        raise InvalidInputError(f"bandwidth must be a number, 'measure' or 'remeasure', got {bandwidth!r}")
+    if isinstance(bandwidth, str):
+        if bandwidth not in ("measure", "remeasure"):
+            raise InvalidInputError(f"bandwidth must be a number, 'measure' or 'remeasure', got {bandwidth!r}")
+        key = f"{eng.backing.kind}|{eng.executor.describe()}"
+        cached = _cached(eng)
+        if bandwidth == "measure" and cached is not None and cached.get("key") == key:
+            cal = {**cached, "source": "cached"}
+        else:
+            cal = {"key": key, **probe(eng), "measured_at": time.time()}
+            with eng.catalog.txn("calibration") as c:
+                eng.catalog.set_meta(c, META_KEY, json.dumps(cal, sort_keys=True))
+            cal["source"] = "measured"
+    else:
+        if not math.isfinite(bandwidth) or bandwidth <= 0:
+            raise InvalidInputError(f"bandwidth must be positive, got {bandwidth}")
+        cal = {"source": "configured", "bytes_per_s": float(bandwidth)}
+    if eng.cost is not None:
+        eng.cost = attrs.evolve(eng.cost, bandwidth_bytes_per_s=cal["bytes_per_s"])
+    return cal
+
+
+def _cached(eng: Engine) -> dict[str, Any] | None:
+    raw = eng.catalog.meta(META_KEY)
+    if not raw:
+        return None
+    try:
+        cal = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(cal, dict) or not isinstance(cal.get("bytes_per_s"), (int, float)) or cal["bytes_per_s"] <= 0:
+        return None
+    return cal
+
+
+def probe(eng: Engine, nbytes: int = PROBE_BYTES, reps: int = 3) -> dict[str, Any]:
+    """Measure upload and (for file-backed tiers) read bandwidth; bytes per second."""
+    ex = eng.executor
+    buf = ex.pool.acquire(nbytes)
+    try:
+        buf.view().fill_(0x5A)
+        dst = ex.empty((nbytes,), torch.uint8)
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ex.begin_uploads()
+            ex.upload(dst, buf.view())
+            done = ex.record()
+            ex.finish_uploads()
+            done.wait()
+            best = min(best, time.perf_counter() - t0)
+        h2d = nbytes / max(best, 1e-9)
+        read = None if eng.backing.kind == "memory" else _read_bps(eng.root, buf.mv())
+    finally:
+        buf.release()
+    bps = h2d if read is None else min(h2d, read)
+    return {"bytes_per_s": bps, "h2d_bytes_per_s": h2d, "read_bytes_per_s": read, "probe_bytes": nbytes}
+
+
+def _read_bps(root: str, mv: memoryview) -> float:
+    path = os.path.join(root, PROBE_NAME)
+    if os.path.lexists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = mv
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        got, view = 0, mv
+        while view:
+            n = os.preadv(fd, [view], got)
+            if n <= 0:
+                break
+            got += n
+            view = view[n:]
+        dt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return got / max(dt, 1e-9)
