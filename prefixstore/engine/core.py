@@ -345,7 +345,8 @@ class Engine:
             return freed
 
     def reclaim(self) -> int:
-        """Unlink garbage left by failed cleanups; returns bytes reclaimed."""
+        """Unlink garbage left by failed cleanups (then retry queued stores); returns
+        bytes reclaimed."""
         with self._guard():
             with self._lock:
                 before = self._charged

@@ -1,4 +1,14 @@
-"""Counters (DESIGN.md section 6): Prometheus metrics, a stats() snapshot, log events."""
+"""Counters (DESIGN.md section 6): Prometheus metrics, a stats() snapshot, log events.
+
+Families (``stats()["counters"]`` keys are ``family.label``): ``lookups`` (outcome),
+``stores`` (result), ``skips`` (reason), ``retries`` (queued, succeeded, dropped,
+superseded, abandoned, overflow), ``refills``, ``evictions`` and ``evicted_bytes``
+(action: evict, retire_snapshot, evict_subtree, garbage; bytes actually freed),
+``decisions`` (deepest, shallower, rejected) with the estimated transfer and prefill
+seconds behind each (histograms; sums in ``stats()``), ``faults`` (op), ``replaces``
+(use). Gauges: ``prefixstore_bytes`` (refreshed by ``stats()``) and
+``prefixstore_state`` (live values read at scrape time, see ``watch``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,7 @@ import os
 import sys
 import threading
 from collections import Counter as _Tally
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -25,6 +36,7 @@ log = structlog.wrap_logger(
 )
 
 LOOKUP_OUTCOMES = ("hit", "gpu_resident", "miss", "rejected_cost", "damaged")
+_SECONDS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
 
 
 class Counters:
@@ -39,6 +51,7 @@ class Counters:
         r = self.registry
         self._lock = threading.Lock()
         self.tally: _Tally[str] = _Tally()
+        self.seconds: _Tally[str] = _Tally()  # sums of estimated seconds, for stats()
         self.last_decision: dict[str, Any] | None = None
         self.lookups = Counter("prefixstore_lookups", "Lookup outcomes", ["outcome"], registry=r)
         self.stores = Counter("prefixstore_stores", "Store results", ["result"], registry=r)
@@ -48,14 +61,25 @@ class Counters:
         self.evictions = Counter("prefixstore_evictions", "Eviction victims by action", ["action"], registry=r)
         self.faults = Counter("prefixstore_io_errors", "I/O errors seen by effect", ["op"], registry=r)
         self.replaces = Counter("prefixstore_compactions", "Compact-replace transactions by use", ["use"], registry=r)
+        self.evicted_bytes = Counter(
+            "prefixstore_evicted_bytes", "Backing bytes actually freed by eviction, by action", ["action"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "prefixstore_restore_decisions", "Restore decisions: deepest, shallower or rejected", ["result"],
+            registry=r,
+        )
         self.bytes = Gauge("prefixstore_bytes", "Backing bytes by kind", ["kind"], registry=r)
+        self.state = Gauge("prefixstore_state", "Engine state by kind (live values)", ["kind"], registry=r)
         self.transfer_s = Histogram(
-            "prefixstore_restore_estimated_transfer_seconds", "Estimated restore transfer time",
-            registry=r, buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60),
+            "prefixstore_restore_estimated_transfer_seconds",
+            "Estimated restore transfer time behind each decision (chosen, or deepest rejected)",
+            registry=r, buckets=_SECONDS,
         )
         self.prefill_s = Histogram(
-            "prefixstore_restore_estimated_prefill_seconds", "Estimated prefill time saved",
-            registry=r, buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60),
+            "prefixstore_restore_estimated_prefill_seconds",
+            "Estimated prefill time saved behind each decision (chosen, or deepest rejected)",
+            registry=r, buckets=_SECONDS,
         )
 
     def inc(self, family: str, label: str | None = None, n: int = 1) -> None:
@@ -64,19 +88,37 @@ class Counters:
         with self._lock:
             self.tally[f"{family}.{label}" if label is not None else family] += n
 
-    def decision(self, **fields: Any) -> None:
-        for end_tokens, transfer, saved in fields.get("estimates", ()):
-            del end_tokens
-            self.transfer_s.observe(transfer)
-            self.prefill_s.observe(saved)
+    def evicted(self, action: str, freed: int) -> None:
+        """One eviction victim and the bytes it really freed (a retirement: old - new)."""
+        self.inc("evictions", action)
+        self.inc("evicted_bytes", action, max(0, freed))
+
+    def decision(self, *, result: str, transfer_s: float, prefill_s: float, **fields: Any) -> None:
+        """One restore decision: its result and both estimates behind it.
+
+        ``fields`` (key, tokens, every candidate's estimates) go to ``last_decision``
+        and the ``restore_decision`` log event.
+        """
+        self.inc("decisions", result)
+        self.transfer_s.observe(transfer_s)
+        self.prefill_s.observe(prefill_s)
+        record = {"result": result, "transfer_s": transfer_s, "prefill_s": prefill_s, **fields}
         with self._lock:
-            self.last_decision = fields
-        log.info("restore_decision", **fields)
+            self.last_decision = record
+            self.seconds["decisions.transfer_s"] += transfer_s
+            self.seconds["decisions.prefill_s"] += prefill_s
+        log.info("restore_decision", **record)
 
     def set_bytes(self, **kinds: int) -> None:
         for k, v in kinds.items():
             self.bytes.labels(k).set(v)
 
-    def snapshot(self) -> dict[str, int]:
+    def watch(self, **live: Callable[[], float]) -> None:
+        """Expose live values (read at scrape time) as ``prefixstore_state{kind=...}``."""
+        for k, fn in live.items():
+            self.state.labels(k).set_function(fn)
+
+    def snapshot(self) -> dict[str, float]:
+        """Every counter as ``family.label -> value`` (plus estimated-seconds sums)."""
         with self._lock:
-            return dict(self.tally)
+            return {**self.tally, **self.seconds}

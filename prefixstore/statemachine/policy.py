@@ -1,6 +1,6 @@
 """Eviction policies: which node to reclaim next, and how. Pure: no I/O.
 
-A policy keeps a heap of ``(recency, seq, node_id, action)`` entries with lazy
+A policy keeps a heap of ``(key, seq, node_id, action)`` entries with lazy
 invalidation: an entry is checked against the node's current state when popped, so
 touching a node just pushes a fresh entry. Selection is O(log n) amortised per
 victim; the heap is rebuilt when stale entries outnumber live nodes.
@@ -9,7 +9,10 @@ Actions:
 
 - ``evict``: remove a leaf (its whole backing is freed).
 - ``retire_snapshot``: a compactable ancestor (interior, ready, has a snapshot)
-  keeps its segment for its descendants; its snapshot backing is freed.
+  keeps its segment for its descendants; its snapshot backing is freed. The new
+  segment-only generation is written (and charged) before the old one is freed, so
+  a retirement needs ``retire_rewrite_bytes`` of headroom and frees
+  ``nbytes - rewrite`` (the old generation counted once, the new one charged).
 - ``evict_subtree``: plain LRU's action on an interior node (it and every
   descendant go).
 
@@ -18,8 +21,25 @@ Policies:
 - ``prefixstore`` (the seed's fix): leaves by recency of use, and compactable
   ancestors by recency of their *snapshot's* use, in one order. A long
   conversation's interior snapshots, never restored as endpoints, age out first.
+  Damaged leaves (charged in full, never served) go before every ready candidate.
 - ``leaf-lru`` (the pre-fix behaviour): only leaves, by recency.
 - ``lru``: any node by recency; an interior victim takes its subtree with it.
+
+Pressure and recency. The *order* is recency (within the damaged-first class). The
+*amount* is actual backing pressure: the engine keeps taking victims until the real
+charged bytes (ready + damaged + garbage files) fall below its goal, crediting each
+victim with what it really freed, and it reclaims loose garbage before any victim.
+Bytes deliberately do not reorder victims (no GreedyDual-Size weighting): the most
+valuable checkpoints are the long ones (prefill is superlinear in context), and a
+size-weighted order would evict exactly those first.
+
+Retention (opt-in, ``VictimHeap.set_retention``): an object with ``priority(node)``
+replaces a leaf's recency in its key (e.g. ``statemachine.admission.RetentionAdmission``:
+recency plus a bonus earned by reuse). The priority must stay the same while the
+node's ``last_used`` does (entries are checked by recomputing it); it is asked for
+every node offered, interior ones included, so it is fixed when the node is touched
+(an interior node becoming a leaf keeps the key of its last use). The object is told
+of every leaf popped as a victim (``on_victim``). Without one, keys are as above.
 """
 
 from __future__ import annotations
@@ -34,6 +54,20 @@ RETIRE = "retire_snapshot"
 SUBTREE = "evict_subtree"
 POLICIES = ("prefixstore", "leaf-lru", "lru")
 
+DAMAGED_FIRST = 0
+NORMAL = 1
+
+Key = tuple[int, float]  # (class, recency or retention priority): smaller goes first
+Entry = tuple[Key, int, int, str]  # (key, seq, node_id, action)
+
+
+class Retention(Protocol):
+    """Leaf eviction keys replacing recency (see the module docstring)."""
+
+    def priority(self, node: NodeView) -> float: ...
+    def on_victim(self, node: NodeView) -> None: ...
+    def forget(self, live_ids: set[int]) -> None: ...
+
 
 class NodeView(Protocol):
     id: int
@@ -41,54 +75,119 @@ class NodeView(Protocol):
     has_snapshot: bool
     last_used: int
     snap_used: int
+    nbytes: int
 
     @property
     def is_leaf(self) -> bool: ...
 
 
-def action_for(policy: str, node: NodeView, layout_has_snapshot: bool) -> tuple[str, int] | None:
-    """The action ``policy`` would take on ``node`` and its recency key, or None."""
+def action_for(
+    policy: str, node: NodeView, layout_has_snapshot: bool, retention: Retention | None = None
+) -> tuple[str, Key] | None:
+    """The action ``policy`` would take on ``node`` and its ordering key, or None."""
     if node.is_leaf:
-        return EVICT, node.last_used
+        cls = DAMAGED_FIRST if policy == "prefixstore" and node.state != "ready" else NORMAL
+        return EVICT, (cls, node.last_used if retention is None else retention.priority(node))
     if policy == "lru":
-        return SUBTREE, node.last_used
+        return SUBTREE, (NORMAL, node.last_used)
     if (
         policy == "prefixstore"
         and layout_has_snapshot
         and node.state == "ready"
         and node.has_snapshot
     ):
-        return RETIRE, node.snap_used
+        return RETIRE, (NORMAL, node.snap_used)
     return None
 
 
+def retire_rewrite_bytes(nbytes: int, snapshot_bytes_all_ranks: int) -> int:
+    """Upper bound of a node's segment-only generation, from its current backing.
+
+    The new shards drop the snapshot payload and its header entry (which is longer
+    than any header growth: a generation digit, the 8-byte padding).
+    """
+    return max(0, nbytes - snapshot_bytes_all_ranks)
+
+
 class VictimHeap:
-    """Candidates for eviction under one policy, cheapest (oldest) first."""
+    """Candidates for eviction under one policy, cheapest (oldest) first.
+
+    Also tracks the largest retirement candidate (``largest_retire``), so the engine
+    can keep enough headroom for the rewrite a retirement needs.
+    """
 
     def __init__(self, policy: str, layout_has_snapshot: bool) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         self.policy = policy
         self.layout_has_snapshot = layout_has_snapshot
-        self._heap: list[tuple[int, int, int, str]] = []
+        self.retires = policy == "prefixstore" and layout_has_snapshot
+        self._heap: list[Entry] = []
+        self._sizes: list[tuple[int, int, int]] = []  # (-nbytes, seq, node_id) of RETIRE candidates
         self._seq = itertools.count()
+        self.retention: Retention | None = None
+
+    def set_retention(self, retention: Retention | None, nodes: Iterable[NodeView]) -> None:
+        """Order leaves by ``retention.priority`` (None: by recency) and rebuild."""
+        self.retention = retention
+        self.rebuild(nodes)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def offer(self, node: NodeView) -> None:
         """(Re)consider ``node`` after it was created, touched, or gained/lost children."""
-        a = action_for(self.policy, node, self.layout_has_snapshot)
-        if a is not None:
-            heapq.heappush(self._heap, (a[1], next(self._seq), node.id, a[0]))
+        if self.retention is not None:
+            self.retention.priority(node)  # fixed at the touch, for interior nodes too
+        a = action_for(self.policy, node, self.layout_has_snapshot, self.retention)
+        if a is None:
+            return
+        seq = next(self._seq)
+        heapq.heappush(self._heap, (a[1], seq, node.id, a[0]))
+        if a[0] == RETIRE:
+            heapq.heappush(self._sizes, (-node.nbytes, seq, node.id))
 
     def rebuild(self, nodes: Iterable[NodeView]) -> None:
-        self._heap = []
+        self._heap, self._sizes = [], []
+        live: set[int] = set()
         for n in nodes:
-            a = action_for(self.policy, n, self.layout_has_snapshot)
+            live.add(n.id)
+            a = action_for(self.policy, n, self.layout_has_snapshot, self.retention)
             if a is not None:
-                self._heap.append((a[1], next(self._seq), n.id, a[0]))
+                seq = next(self._seq)
+                self._heap.append((a[1], seq, n.id, a[0]))
+                if a[0] == RETIRE:
+                    self._sizes.append((-n.nbytes, seq, n.id))
         heapq.heapify(self._heap)
+        heapq.heapify(self._sizes)
+        if self.retention is not None:
+            self.retention.forget(live)
+
+    def pop_valid(self, lookup: Callable[[int], NodeView | None]) -> Entry | None:
+        """Remove and return the oldest entry that is still current; None when empty.
+
+        Stale entries (node gone, or its action or key changed since) are dropped.
+        """
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self.is_current(entry, lookup):
+                if self.retention is not None and entry[3] == EVICT:
+                    self.retention.on_victim(lookup(entry[2]))
+                return entry
+            # stale: a fresh entry exists if the node is still a candidate
+        return None
+
+    def is_current(self, entry: Entry, lookup: Callable[[int], NodeView | None]) -> bool:
+        """Whether ``entry`` still names its node's current action and key."""
+        key, _seq, nid, action = entry
+        node = lookup(nid)
+        return node is not None and action_for(
+            self.policy, node, self.layout_has_snapshot, self.retention
+        ) == (action, key)
+
+    def push(self, entry: Entry) -> None:
+        """Put back an entry taken by ``pop_valid`` (e.g. a blocked candidate)."""
+        heapq.heappush(self._heap, entry)
 
     def pop(
         self,
@@ -99,25 +198,33 @@ class VictimHeap:
 
         Blocked candidates (pinned, fenced, no room to rewrite) are put back.
         """
-        held = []
+        held: list[Entry] = []
         try:
-            while self._heap:
-                recency, seq, nid, action = heapq.heappop(self._heap)
-                node = lookup(nid)
-                if node is None:
+            while (entry := self.pop_valid(lookup)) is not None:
+                if blocked(entry[2], entry[3]):
+                    held.append(entry)
                     continue
-                current = action_for(self.policy, node, self.layout_has_snapshot)
-                if current is None or current != (action, recency):
-                    continue  # stale entry; a fresh one exists if still a candidate
-                if blocked(nid, action):
-                    held.append((recency, seq, nid, action))
-                    continue
-                return nid, action
+                return entry[2], entry[3]
             return None
         finally:
             for entry in held:
-                heapq.heappush(self._heap, entry)
+                self.push(entry)
+
+    def largest_retire(self, lookup: Callable[[int], NodeView | None]) -> int:
+        """Backing bytes of the largest current retirement candidate (0 if none)."""
+        while self._sizes:
+            neg, _seq, nid = self._sizes[0]
+            node = lookup(nid)
+            if (
+                node is not None
+                and node.nbytes == -neg
+                and (a := action_for(self.policy, node, self.layout_has_snapshot, self.retention)) is not None
+                and a[0] == RETIRE
+            ):
+                return -neg
+            heapq.heappop(self._sizes)
+        return 0
 
     def compact_if_stale(self, live: int, nodes: Callable[[], Iterable[NodeView]]) -> None:
-        if len(self._heap) > 4 * max(live, 1024):
+        if len(self._heap) > 4 * max(live, 1024) or len(self._sizes) > 4 * max(live, 1024):
             self.rebuild(nodes())
