@@ -256,7 +256,9 @@ class Engine:
         The ticket's ``released`` (``is_set()`` / ``wait()``) says when the device
         tensors may be released or overwritten (before the durable commit);
         ``result()`` gives the ``StoreResult`` once the commit worker has stored the
-        staged bytes (journaled exactly as ``store``). Bad input raises here.
+        staged bytes (journaled exactly as ``store``). Bad input raises here. A store
+        refused for space with ``valid`` given is queued with its staged host copy
+        (the device tensors are never read again), retried while ``valid()`` holds.
         """
         return pipeline.store_async(self, prefix, segments, snapshot, tokens_from, valid)
 

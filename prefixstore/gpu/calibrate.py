@@ -9,10 +9,11 @@
 - ``"remeasure"``: probe now, whatever is cached.
 
 The probe (about ``PROBE_BYTES``, tens of milliseconds) times the two stages of a
-restore: uploading a staging buffer to the device (the executor's host-to-device
-path) and, for backings that read files, reading a freshly written, fsynced file
-whose pages were dropped from the page cache (``posix_fadvise(DONTNEED)``; where the
-OS keeps them anyway the figure is the page cache's). A restore overlaps the two
+restore: uploading a staging buffer into a freshly allocated device tensor (the
+executor's host-to-device path, output allocation included) and, for backings that
+read files, reading a freshly written, fsynced file whose pages were dropped from the
+page cache (``posix_fadvise(DONTNEED)``; where the OS keeps them anyway the figure is
+the page cache's). A restore overlaps the two
 (``pipeline.restore_nodes``), so the restore bandwidth is the slower of them. A
 composite backing is calibrated on its disk path: a RAM hit only makes a restore
 cheaper than estimated. The probe file lives in the cache root, never in a rank
@@ -86,10 +87,10 @@ def probe(eng: Engine, nbytes: int = PROBE_BYTES, reps: int = 3) -> dict[str, An
     buf = ex.pool.acquire(nbytes)
     try:
         buf.view().fill_(0x5A)
-        dst = ex.empty((nbytes,), torch.uint8)
         best = math.inf
         for _ in range(reps):
             t0 = time.perf_counter()
+            dst = ex.empty((nbytes,), torch.uint8)  # a restore allocates its output too
             ex.begin_uploads()
             ex.upload(dst, buf.view())
             done = ex.record()

@@ -1,0 +1,249 @@
+"""Isolation benchmark: the engine's own CPU work on the request path, and what
+background store traffic costs a foreground restore. Reported as ratios.
+
+1. **Request-path overhead**, per backing (disk, memory, composite): for requests of
+   several sizes, the CPU time of the calling thread (``time.thread_time``, so other
+   processes on a shared host do not inflate it) over ``lookup`` (with the restore
+   cost rule deciding) + ``pin`` + ``restore`` + ``unpin``, minus the CPU it spent
+   moving bytes (uploading: ``eng.transfers.last_restore['move_cpu_s']``; file reads
+   run on reader threads), is the engine's own CPU work (lookup, pin, decision,
+   bookkeeping, header checks). It is divided by the *modeled* restore time of the
+   request: its bytes over the restore bandwidth calibrated at open for that backing
+   (``bandwidth='measure'``), i.e. the ``transfer_s`` the cost rule estimated.
+   Target: under 2%. Also reported: the same CPU work against an H200's pinned link
+   (55 GB/s, FACTS.md), the stricter case, and a wall-clock variant.
+2. **Interference** on the RAM tier (``backing='memory'``): the wall time of foreground
+   restores alone, against the same restores while another thread stores new
+   checkpoints with ``store_async`` as fast as it can (staging, checksums, catalog
+   commits, evictions). Phases alternate to cancel drift; medians are compared.
+   Target: under 2% slower.
+
+Writes ``isolation_<date>.json`` and ``.md`` into ``--out-dir`` (default
+``bench/results``). ``--smoke`` runs tiny sizes quickly (a check that it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from prefixstore import Layout, Prefix, TensorSpec  # noqa: E402
+from prefixstore.engine.core import Engine  # noqa: E402
+from prefixstore.statemachine.cost import CostModel  # noqa: E402
+
+MiB = 1 << 20
+HEADS, DIM, BLOCK = 8, 128, 256  # k and v, bfloat16: 4 KiB per token per rank
+TOKEN_BYTES = 2 * HEADS * DIM * 2
+H200_LINK = 55.0e9  # pinned host-to-device bytes/s on the H200 (FACTS.md)
+
+
+def layout(ranks: int) -> Layout:
+    return Layout(segments=[TensorSpec("k", "bfloat16", (HEADS, DIM)), TensorSpec("v", "bfloat16", (HEADS, DIM))],
+                  block_tokens=BLOCK, ranks=ranks)
+
+
+def rows(tokens: int, ranks: int, seed: int, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [{n: torch.randn((tokens, HEADS, DIM), generator=g, device=device).to(torch.bfloat16)
+             for n in ("k", "v")} for _ in range(ranks)]
+
+
+def conversation(eng: Engine, seed: int, tokens: int, every: int, ranks: int, device: str = "cpu") -> list[int]:
+    """Store a conversation's checkpoints every ``every`` tokens; returns its block ids."""
+    ids = [seed * 1_000_003 + i for i in range(tokens // BLOCK)]
+    segs = rows(tokens, ranks, seed, device)
+    for end in range(every, tokens + 1, every):
+        res = eng.store(Prefix.from_ids(ids[: end // BLOCK]), [{k: v[:end] for k, v in s.items()} for s in segs])
+        assert res.ok, res
+    return ids
+
+
+def request_overhead(backing: str, sizes: list[int], reps: int, ranks: int, workdir: str,
+                     executor=None, device: str = "cpu", every: int = 2048) -> list[dict]:
+    root = tempfile.mkdtemp(dir=workdir)
+    out = []
+    try:
+        top = max(sizes)
+        cap = 4 * ranks * top * TOKEN_BYTES + 64 * MiB
+        with Engine.open(root, layout(ranks), cap, backing=backing, ram_bytes=cap, cost=CostModel(),
+                         bandwidth="measure", synchronous="NORMAL", executor=executor) as eng:
+            ids = conversation(eng, 1, top, every=every, ranks=ranks, device=device)  # a turn per `every` tokens
+            for tokens in sizes:
+                prefix = Prefix.from_ids(ids[: tokens // BLOCK])
+                ratios, cpu_s, wall_ratios = [], [], []
+                modeled = None
+                for i in range(reps + 1):
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    m = eng.lookup(prefix, total_tokens=tokens)
+                    assert m.hit, m
+                    eng.pin(m)
+                    r = eng.restore(m)
+                    eng.unpin(m)
+                    c1, t1 = time.thread_time(), time.perf_counter()
+                    assert r is not None
+                    last = eng.transfers.last_restore
+                    own = (c1 - c0) - last["move_cpu_s"]
+                    own_wall = (t1 - t0) - last["move_s"]
+                    modeled = m.transfer_s
+                    if i:  # the first one warms caches
+                        cpu_s.append(own)
+                        ratios.append(own / modeled)
+                        wall_ratios.append(own_wall / modeled)
+                    del r
+                out.append({
+                    "backing": backing, "tokens": tokens, "bytes": m.nbytes, "nodes": len(m.path),
+                    "bandwidth_bytes_per_s": eng.cost.bandwidth_bytes_per_s,
+                    "calibration": eng.calibration.get("source"),
+                    "modeled_restore_s": modeled, "engine_cpu_s_median": statistics.median(cpu_s),
+                    "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
+                    "wall_ratio_median": statistics.median(wall_ratios),
+                    "ratio_at_h200_link": statistics.median(cpu_s) / (m.nbytes / H200_LINK),
+                })
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def interference(tokens: int, bg_tokens: int, rounds: int, per_phase: int, ranks: int, workdir: str,
+                 executor=None, device: str = "cpu") -> dict:
+    """Foreground restore times alone vs beside background store_async traffic (RAM tier)."""
+    root = tempfile.mkdtemp(dir=workdir)
+    try:
+        cap = ranks * (4 * tokens + 8 * bg_tokens) * TOKEN_BYTES + 64 * MiB
+        with Engine.open(root, layout(ranks), cap, backing="memory", synchronous="NORMAL",
+                         executor=executor) as eng:
+            ids = conversation(eng, 2, tokens, every=tokens, ranks=ranks, device=device)
+            prefix = Prefix.from_ids(ids)
+            bg_rows = rows(bg_tokens, ranks, 3, device)
+            stop = threading.Event()
+            stored = [0]
+
+            def background() -> None:
+                n = 0
+                while n == 0 or not stop.is_set():  # at least one store, however late it starts
+                    n += 1
+                    p = Prefix.from_ids([10**12 + n * 1_000_003 + i for i in range(bg_tokens // BLOCK)])
+                    t = eng.store_async(p, bg_rows)
+                    t.wait_released()
+                    if t.result().ok:
+                        stored[0] += 1
+
+            def phase() -> list[float]:
+                times = []
+                for _ in range(per_phase):
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    r = eng.restore(eng.lookup(prefix))
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    assert r is not None
+                    del r
+                return times
+
+            phase()  # warm-up
+            alone, busy = [], []
+            for _ in range(rounds):
+                alone += phase()
+                stop.clear()
+                th = threading.Thread(target=background)
+                th.start()
+                time.sleep(0.05)
+                busy += phase()
+                stop.set()
+                th.join()
+            gate = eng.stats()["transfers"]["copies"]
+            assert eng.audit(checksums=False).ok
+        a, b = statistics.median(alone), statistics.median(busy)
+        return {"restore_tokens": tokens, "restore_bytes": ranks * tokens * TOKEN_BYTES,
+                "background_store_bytes": ranks * bg_tokens * TOKEN_BYTES, "background_stores": stored[0],
+                "restores_per_phase": per_phase, "rounds": rounds,
+                "alone_median_s": a, "with_background_median_s": b, "slowdown": b / a - 1,
+                "gate_waits": gate["gate_waits"], "gate_wait_s": gate["gate_wait_s"]}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def report(res: dict) -> str:
+    lines = [f"# Isolation benchmark ({res['mode']}, {res['date']})", "",
+             f"{res['host']}: {res['cpus']} CPUs, torch {res['torch']}, device {res['device']}; load average "
+             f"{res['loadavg_start'][0]:.1f} at start, {res['loadavg_end'][0]:.1f} at end", "",
+             "## Engine CPU work on the request path / modeled restore time (target < 0.02)", "",
+             "| backing | tokens | MiB | nodes | bandwidth GB/s | modeled ms | engine CPU ms | ratio (median) "
+             "| max | wall-clock ratio | ratio at 55 GB/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in res["overhead"]:
+        lines.append(f"| {r['backing']} | {r['tokens']} | {r['bytes'] / MiB:.0f} | {r['nodes']} | "
+                     f"{r['bandwidth_bytes_per_s'] / 1e9:.2f} | {r['modeled_restore_s'] * 1e3:.2f} | "
+                     f"{r['engine_cpu_s_median'] * 1e3:.3f} | {r['ratio_median']:.4f} | {r['ratio_max']:.4f} | "
+                     f"{r['wall_ratio_median']:.4f} | {r['ratio_at_h200_link']:.4f} |")
+    i = res["interference"]
+    lines += ["", "## Background stores vs foreground restores, RAM tier (target < 0.02)", "",
+              f"- restore of {i['restore_bytes'] / MiB:.0f} MiB: median {i['alone_median_s'] * 1e3:.2f} ms alone, "
+              f"{i['with_background_median_s'] * 1e3:.2f} ms beside background stores "
+              f"({i['background_stores']} stores of {i['background_store_bytes'] / MiB:.0f} MiB)",
+              f"- slowdown: {i['slowdown']:+.4f} (gate waits: {i['gate_waits']}, {i['gate_wait_s']:.3f} s)", "",
+              "## Verdict", ""]
+    s = res["summary"]
+    lines += [f"- request-path overhead, worst median ratio: {s['overhead_ratio_max']:.4f} "
+              f"({'met' if s['overhead_target_met'] else 'NOT met'})",
+              f"- interference slowdown: {s['slowdown']:+.4f} ({'met' if s['interference_target_met'] else 'NOT met'})"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        sizes, every, reps, fg, bg, rounds, per = [BLOCK * 4, BLOCK * 8], BLOCK, 2, BLOCK * 4, BLOCK * 2, 1, 3
+    else:
+        sizes, every, reps, fg, bg, rounds, per = [8192, 32768, 65536], 2048, 15, 16384, 4096, 6, 12
+    workdir = tempfile.mkdtemp(prefix="prefixstore-iso-", dir=args.workdir)
+    res: dict = {"mode": "smoke" if args.smoke else "full", "host": os.uname().nodename,
+                 "cpus": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
+                 "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "overhead": [],
+                 "loadavg_start": os.getloadavg()}
+    try:
+        for backing in ("disk", "memory", "composite"):
+            res["overhead"] += request_overhead(backing, sizes, reps, args.ranks, workdir, every=every)
+            print(f"{backing}: " + ", ".join(f"{r['tokens']} tok {r['ratio_median']:.4f}"
+                                              for r in res["overhead"] if r["backing"] == backing), flush=True)
+        res["interference"] = interference(fg, bg, rounds, per, args.ranks, workdir)
+        print(f"interference slowdown {res['interference']['slowdown']:+.4f}", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    res["loadavg_end"] = os.getloadavg()
+    worst = max(r["ratio_median"] for r in res["overhead"])
+    res["summary"] = {"overhead_ratio_max": worst, "overhead_target_met": worst < 0.02,
+                      "slowdown": res["interference"]["slowdown"],
+                      "interference_target_met": res["interference"]["slowdown"] < 0.02}
+    md = report(res)
+    print(md)
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"isolation_{res['date'][:10]}" + ("_smoke" if args.smoke else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
