@@ -1,0 +1,422 @@
+"""Red-team findings: each test demonstrates one contract violation that exists today.
+
+Every test is ``xfail(strict=True)``: it fails while the bug is there (the suite stays
+green) and turns the suite red (XPASS) once the bug is fixed, so whoever fixes it
+removes the marker. The contract is ``shared/DESIGN.md`` (invariants 1-8 in section 4,
+the failure model in section 5) and the documented API (README, docstrings,
+``engine/errors.py``). Root causes and suggested fixes are in each ``reason``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import (
+    Gate,
+    assert_restores,
+    make_layout,
+    seg_tensors,
+    snap_tensors,
+    store_tokens,
+    tokens_for,
+)
+
+from prefixstore.engine import replace
+from prefixstore.engine.core import Engine
+from prefixstore.engine.errors import InvalidInputError
+from prefixstore.engine.keys import Prefix
+from prefixstore.gpu import shards
+from prefixstore.gpu.fileio import FaultHook
+
+CAP = 16 << 20
+BT = 4
+WAIT = 10.0  # seconds any single handshake may take before the test gives up
+
+
+def _node(eng: Engine, tokens: list[int]):
+    return eng.index.nodes[eng.index.by_key[Prefix.from_tokens(tokens, BT).keys[-1]]]
+
+
+def _rows(eng: Engine) -> list[tuple[int, int, int, int, bool]]:
+    return sorted((n.id, n.start, n.end, n.generation, n.has_snapshot) for n in eng.index)
+
+
+def _split_tree(eng: Engine) -> tuple[list[int], list[int]]:
+    """A (0,6] chain split at block 2 by a diverging store: E=(0,2] is a ready interior
+    row WITHOUT a snapshot (a split at a fork keeps none), U=(2,6] and B=(2,5] below."""
+    a = tokens_for(1, 6)
+    b = a[: 2 * BT] + tokens_for(2, 3)
+    assert store_tokens(eng, a).status == "stored"
+    assert store_tokens(eng, b).status == "stored"
+    e = _node(eng, a[: 2 * BT])
+    assert (e.start, e.end, e.has_snapshot, e.ready, len(e.children)) == (0, 2, False, True, 2)
+    return a, b
+
+
+# --------------------------------------------------------------------------- invariant 6
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (invariant 6): a store that refills a READY row (snapshot layout, row without "
+        "snapshot, segments reaching back to its start) checks pins only when it plans "
+        "(core.py _plan); _publish_store swaps the generation and _finish_retire unlinks the "
+        "old shards even if a restore pinned the row meanwhile. The restore then reads a "
+        "missing file and _restore -> _invalidate marks the NEW, intact generation damaged "
+        "(no generation check), so lookups stop above a healthy row. Fix: in _store, under "
+        "the lock before _publish_store, roll back (or wait like replace.run) when "
+        "plan.existing is pinned; and only invalidate on restore damage if node.generation "
+        "still equals the generation in match.path."
+    ),
+)
+def test_refill_of_a_ready_row_never_replaces_it_under_a_restore_pin(cache_dir):
+    L = make_layout()
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    try:
+        a, _ = _split_tree(eng)
+        e = _node(eng, a[: 2 * BT])
+        old_file = os.path.join(cache_dir, "rank0", f"{e.key.hex()}-g{e.generation}.st")
+        m = eng.lookup(Prefix.from_tokens(a, BT))
+        assert m.hit and m.path[0] == (e.id, e.generation)
+
+        s_blocked, s_go, r_reading, r_go = (threading.Event() for _ in range(4))
+
+        class Interleave(FaultHook):
+            def before(self, op, target, rank):
+                if (
+                    op == "write"
+                    and threading.current_thread().name == "refill"
+                    and not s_blocked.is_set()
+                ):
+                    s_blocked.set()  # the refill planned (row not pinned yet), wrote nothing
+                    s_go.wait(WAIT)
+                if op == "read" and target == old_file and not r_reading.is_set():
+                    r_reading.set()  # the restore pinned the path and is about to read E
+                    r_go.wait(WAIT)
+
+        out: dict[str, object] = {}
+        refill = threading.Thread(
+            name="refill", target=lambda: out.update(s=store_tokens(eng, a[: 2 * BT]))
+        )
+        restore = threading.Thread(name="restore", target=lambda: out.update(r=eng.restore(m)))
+        gate.arm(Interleave())
+        refill.start()
+        assert s_blocked.wait(WAIT)
+        restore.start()
+        assert r_reading.wait(WAIT)
+        s_go.set()
+        refill.join(2.0)  # a fixed engine may make the refill wait for the pin instead
+        pinned_generation_still_there = os.path.exists(old_file)
+        r_go.set()
+        restore.join(WAIT)
+        refill.join(WAIT)
+        gate.disarm()
+        assert not refill.is_alive() and not restore.is_alive()
+
+        assert pinned_generation_still_there, (
+            "the pinned generation's shard was unlinked under the pin"
+        )
+        assert e.state == "ready", "an intact row was marked damaged"
+        assert_restores(eng, a, blocks=6)
+        assert eng.audit().ok
+    finally:
+        gate.disarm()
+        eng.close()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (failure model: bad input changes nothing; errors.InvalidInputError: 'nothing "
+        "was changed'): Engine._store runs spans.on_store (a split compact-replace, and "
+        "_refill_rows) BEFORE it checks tokens_from against the plan (core.py _store: "
+        "'the new node needs tokens from ...'). A diverging store whose segments start too "
+        "late raises InvalidInputError after the existing row was already split (rows, "
+        "generations and files changed; a Match taken before is now stale). Same order "
+        "problem for a float tokens_from (0.0 passes check_blocks, then TypeError after the "
+        "split). Fix: compute the post-split plan (parent end = the fork block) and reject "
+        "tokens_from > start*block_tokens (and non-int positions) before any compact-replace."
+    ),
+)
+def test_invalid_tokens_from_raises_and_changes_nothing(cache_dir):
+    L = make_layout()
+    with Engine.open(cache_dir, L, CAP) as eng:
+        a = tokens_for(1, 4)
+        assert store_tokens(eng, a).status == "stored"
+        before = _rows(eng)
+        m = eng.lookup(Prefix.from_tokens(a, BT))
+        assert m.hit
+        b = a[: 2 * BT] + tokens_for(2, 3)  # diverges after block 2; the new node needs rows from 8
+        late = [{k: v[4 * BT :] for k, v in s.items()} for s in seg_tensors(L, b)]
+        with pytest.raises(InvalidInputError):
+            eng.store(Prefix.from_tokens(b, BT), late, snap_tensors(L, b), tokens_from=4 * BT)
+        assert _rows(eng) == before, "a store rejected as bad input split an existing row"
+        assert eng.restore(m) is not None, "a Match taken before the rejected call went stale"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (failure model: bad input gets a typed error): lookup() accepts a non-integer "
+        "gpu_blocks (it only checks 0 <= gpu_blocks <= len(prefix), core.py lookup) and "
+        "returns a hit whose restore() then dies in pipeline.restore_nodes with TypeError "
+        "(float row counts). Fix: require an int (operator.index) in lookup and raise "
+        "InvalidInputError."
+    ),
+)
+def test_lookup_rejects_a_non_integer_gpu_blocks(cache_dir):
+    L = make_layout()
+    with Engine.open(cache_dir, L, CAP) as eng:
+        a = tokens_for(1, 4)
+        assert store_tokens(eng, a).ok
+        with pytest.raises(InvalidInputError):
+            eng.lookup(Prefix.from_tokens(a, BT), gpu_blocks=1.5)
+
+
+# --------------------------------------------------------------------------- foreign / hostile files
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=OSError,
+    reason=(
+        "BUG (failure model: foreign files get a typed error or are quarantined; nothing "
+        "stored is lost): recovery._orphans treats any entry matching SHARD_RE as an orphan "
+        "shard and calls rank.remove(), which unlinks it (ranks.py LocalRank.remove). A "
+        "DIRECTORY named like a shard ('<32 hex>-g1.st' or '.st.tmp') raises IsADirectoryError "
+        "(untyped) from Engine.open every time: the cache cannot be opened, and "
+        "`prefixstore audit --repair` fails the same way, although audit itself predicts the "
+        "entry would be moved to lost+found. Fix: in _orphans quarantine entries that are not "
+        "regular files (os.path.isfile / lstat S_ISREG) before the SHARD_RE branch."
+    ),
+)
+@pytest.mark.parametrize("suffix", [".st", ".st.tmp"])
+def test_directory_named_like_a_shard_does_not_brick_the_cache(cache_dir, suffix):
+    L = make_layout()
+    a = tokens_for(1, 4)
+    with Engine.open(cache_dir, L, CAP) as eng:
+        assert store_tokens(eng, a).ok
+    os.mkdir(os.path.join(cache_dir, "rank0", f"{'ab' * 16}-g1{suffix}"))
+    with Engine.open(cache_dir, L, CAP) as eng:
+        assert_restores(eng, a, blocks=4)
+        assert eng.audit().ok
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AttributeError,
+    reason=(
+        "BUG (invariant 5 / failure model: corrupted files get a typed error, a restore is a "
+        "miss): shards.parse does `meta = head.pop('__metadata__', None) or {}` then "
+        "meta.get(...): a header whose __metadata__ is a JSON list/string/number (catalog "
+        "size+checksum fixed up, as in test_hostile's *-catalog-fixed cases) raises "
+        "AttributeError out of restore() (the node is not marked damaged) and out of audit() "
+        "(audit.verify_bytes). shards.decode has the same hole and also calls .get on a header "
+        "that is a JSON array (header() does not check for an object), which compaction's "
+        "_read_node reaches. Fix: raise ShardError unless the header and __metadata__ are dicts."
+    ),
+)
+def test_shard_header_with_non_object_metadata_is_damage_not_a_crash(cache_dir):
+    L = make_layout()
+    a = tokens_for(1, 4)
+    with Engine.open(cache_dir, L, CAP) as eng:
+        assert store_tokens(eng, a).ok
+        n = _node(eng, a)
+        path = os.path.join(cache_dir, "rank0", f"{n.key.hex()}-g{n.generation}.st")
+    data = Path(path).read_bytes()
+    (hlen,) = struct.unpack("<Q", data[:8])
+    head = json.loads(data[8 : 8 + hlen])
+    head["__metadata__"] = ["not", "an", "object"]
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    new = struct.pack("<Q", len(text)) + text + data[8 + hlen :]
+    Path(path).write_bytes(new)
+    conn = sqlite3.connect(os.path.join(cache_dir, "catalog.sqlite"))
+    conn.execute(
+        "UPDATE files SET size=?, checksum=? WHERE rank=0 AND name=?",
+        (len(new), shards.checksum(new), os.path.basename(path)),
+    )
+    conn.commit()
+    conn.close()
+    with Engine.open(cache_dir, L, CAP) as eng:
+        rep = eng.audit()  # the shard is ready in the catalog but not a valid shard
+        assert not rep.ok and rep.status(1) != "ok"
+        m = eng.lookup(Prefix.from_tokens(a, BT))
+        assert m.hit
+        assert eng.restore(m) is None  # a miss, never an exception or other bytes
+        assert _node(eng, a).state == "damaged"
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG (thread safety; documented store() outcomes): spans.on_store builds the split "
+        "Job under the engine lock (capturing node.has_snapshot, span, parent), RELEASES the "
+        "lock, then replace.run re-checks the row with _check, whose generation baseline is "
+        "job.gens.setdefault(n.id, n.generation) taken at RUN time, so a change in between "
+        "(another thread's eviction retiring the row's snapshot; a refill giving it one) is "
+        "not seen as stale. _read_node then decodes the new generation and replace._encode "
+        "dies on `assert ... 'snapshot mismatch'`: store() raises AssertionError (seen in "
+        "32-thread store/lookup/evict runs; with python -O the row would instead be published "
+        "with has_snapshot=1 but no snapshot tensors, i.e. a healthy row turned damaged; the "
+        "opposite race silently drops a snapshot a concurrent refill just acknowledged). "
+        "compaction.compact has the same window (jobs planned under the lock, run later). Fix: "
+        "record Job.gens (and has_snapshot) for every old row when the job is built, under "
+        "the lock that observed them. The test forces the interleaving by running the other "
+        "thread's evict in that unlocked window."
+    ),
+)
+def test_split_racing_a_snapshot_retirement_does_not_raise(cache_dir, monkeypatch):
+    L = make_layout()
+    with Engine.open(cache_dir, L, CAP) as eng:
+        a = tokens_for(1, 6)
+        assert store_tokens(eng, a[: 4 * BT]).status == "stored"  # N = (0,4] with snapshot
+        assert store_tokens(eng, a).status == "stored"  # child (4,6]: N is a compactable ancestor
+        n = _node(eng, a[: 4 * BT])
+        assert n.has_snapshot and n.children
+        real_run = replace.run
+        window: list[bool] = []
+        entered: list[str] = []
+
+        def run_after_another_thread_evicts(e, job, **kw):
+            if job.use == "split" and not entered:  # on_store planned it and released the lock
+                entered.append(job.use)
+                e.evict(1)  # policy 'prefixstore': retires N's snapshot (its oldest candidate)
+                window.append(n.has_snapshot)
+            return real_run(e, job, **kw)
+
+        monkeypatch.setattr(replace, "run", run_after_another_thread_evicts)
+        res = store_tokens(eng, a[: 2 * BT])  # lands inside N's span: a split
+        monkeypatch.undo()
+        assert window == [False], "setup: the eviction in the window did not retire N's snapshot"
+        assert res.status in ("stored", "skipped", "refused", "failed"), res
+        assert eng.audit().ok
+        assert_restores(eng, a, blocks=6)
+
+
+# --------------------------------------------------------------------------- store_async
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (DESIGN 'Damaged': refilled by a later store of the same checkpoint; README: "
+        "store_async is journaled exactly as store()): pipeline.store_async fences "
+        "plan.existing at its peek and keeps the fence until the commit job ends; the job's "
+        "own Engine._store -> _plan then sees that fence on the row it is refilling and "
+        "returns skipped/'fenced' (core.py _plan: `if self._pins[...] or self._fences[...]`). "
+        "Every asynchronous refill (damaged row, or a row whose snapshot was retired) is "
+        "skipped, while store() refills the same input. _refill_rows likewise skips a damaged "
+        "parent the async store fenced itself. Fix: let the commit job pass the fences it "
+        "holds to _store (discount them in _plan / spans), or do not fence existing at peek "
+        "(re-plan at commit)."
+    ),
+)
+def test_store_async_refills_a_damaged_checkpoint(cache_dir):
+    L = make_layout()
+    with Engine.open(cache_dir, L, CAP) as eng:
+        a = tokens_for(1, 4)
+        assert store_tokens(eng, a).ok
+        n = _node(eng, a)
+        os.unlink(os.path.join(cache_dir, "rank0", f"{n.key.hex()}-g{n.generation}.st"))
+        assert eng.restore(eng.lookup(Prefix.from_tokens(a, BT))) is None
+        assert n.state == "damaged"
+        ticket = eng.store_async(Prefix.from_tokens(a, BT), seg_tensors(L, a), snap_tensors(L, a))
+        res = ticket.result(WAIT)
+        assert res.status == "refilled", res
+        assert_restores(eng, a, blocks=4)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=InvalidInputError,
+    reason=(
+        "BUG (README: store_async stores 'like store', bad input raises; here the input is "
+        "good): pipeline.store_async peeks with the ordinary _plan and raises "
+        "InvalidInputError when tokens_from > plan.start*block_tokens, ignoring the "
+        "compact-replace path spans.on_store takes for the same call (republish a row without "
+        "snapshot from its own rows plus the store's snapshot, which needs no rows before the "
+        "row's end). store() with the same arguments returns 'refilled'. Fix: run the same "
+        "span decision in the peek (or skip the tokens_from check when spans would handle it) "
+        "and let the commit re-plan."
+    ),
+)
+def test_store_async_accepts_what_store_accepts(cache_dir):
+    L = make_layout()
+    with Engine.open(cache_dir, L, CAP) as eng:
+        d = tokens_for(5, 6)
+        f = d[: 4 * BT] + tokens_for(6, 2)
+        for t in (d[:BT], d, f):  # f splits (1,6] at 4 at a fork: (1,4] has no snapshot
+            assert store_tokens(eng, t).status == "stored"
+        e = _node(eng, d[: 4 * BT])
+        assert (e.start, e.end, e.has_snapshot) == (1, 4, False)
+        tail = [{k: v[2 * BT :] for k, v in s.items()} for s in seg_tensors(L, d[: 4 * BT])]
+        prefix, snap = Prefix.from_tokens(d[: 4 * BT], BT), snap_tensors(L, d[: 4 * BT])
+        ticket = eng.store_async(prefix, tail, snap, tokens_from=2 * BT)
+        assert ticket.result(WAIT).status == "refilled"
+        assert_restores(eng, d[: 4 * BT], blocks=4)
+
+
+# --------------------------------------------------------------------------- exception safety
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (exception safety; DESIGN 'Garbage ... charged until reclaimed'): an unexpected "
+        "(non-OSError) exception while an EVICT cleans up (core.py _evict_nodes -> "
+        "_finish_retire -> _unlink_rows catches only OSError) leaves the evict transaction in "
+        "state REMOVED in the running engine. Its files stay charged as garbage owned by the "
+        "transaction (txn set), which reclaim() / _reclaim_loose (txn IS NULL only) and "
+        "further eviction never free until a reopen; the running audit reports invariant 7. "
+        "Stores end such a transaction with pipeline.fail_txn; evictions (and replace.run "
+        "after its swap published) do not. Fix: wrap the post-commit part of _evict_nodes "
+        "(and replace.run's after-publish part) like _store does: on an unexpected exception "
+        "finish the transaction forward (or hand its rows to loose garbage), then re-raise."
+    ),
+)
+def test_unexpected_error_during_evict_cleanup_does_not_strand_its_transaction(cache_dir):
+    L = make_layout()
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    try:
+        a, b = tokens_for(1, 4), tokens_for(2, 4)
+        assert store_tokens(eng, a).ok and store_tokens(eng, b).ok
+
+        class BugOnce(FaultHook):
+            fired = False
+
+            def before(self, op, target, rank):
+                if op == "unlink" and not self.fired:
+                    self.fired = True
+                    raise RuntimeError("a rank agent bug, not an I/O error")
+
+        gate.arm(BugOnce())
+        with contextlib.suppress(RuntimeError):  # may propagate; what it leaves behind matters
+            eng.evict(prefix=Prefix.from_tokens(a, BT))
+        gate.disarm()
+        eng.reclaim()
+        st = eng.stats()
+        assert not eng.catalog.journal(), "an evict transaction is stranded in the running engine"
+        assert st["garbage_bytes"] == 0 and st["charged_bytes"] == st["live_bytes"], st
+        assert eng.audit().ok
+        assert_restores(eng, b, blocks=4)
+    finally:
+        gate.disarm()
+        eng.close()
