@@ -110,7 +110,12 @@ def _orphans(eng: Engine, rep: RecoveryReport) -> None:
         for entry in rank.listdir():
             if entry in mine:
                 continue
-            if SHARD_RE.match(entry):
+            is_file = getattr(rank, "is_file", None)
+            if is_file is not None and not is_file(entry):
+                # a directory, link or device named like anything: never unlink, move it aside
+                rank.quarantine(entry)
+                rep.quarantined.append(f"rank{rank.rank}/{entry}")
+            elif SHARD_RE.match(entry):
                 base = entry.removesuffix(".tmp")
                 if base in mine:
                     # a leftover temporary of a known file: remove just the temporary

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from typing import Protocol
 
 from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS
@@ -112,6 +113,10 @@ class LocalRank:
         if self.fs.size(p) is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.unlink(p)
+
+    def is_file(self, entry: str) -> bool:
+        """True when ``entry`` is a regular file (not a directory, link or device)."""
+        return stat.S_ISREG(os.lstat(self.path(entry)).st_mode)
 
     def quarantine(self, entry: str) -> str:
         """Move a foreign entry out of the rank directory into ``lost+found``."""

@@ -55,9 +55,22 @@ def header(data: bytes) -> dict:
     if n > len(data) - 8:
         raise ShardError("shard header length exceeds the file")
     try:
-        return json.loads(data[8 : 8 + n])
+        head = json.loads(data[8 : 8 + n])
     except ValueError as exc:
         raise ShardError(f"shard header is not JSON: {exc}") from exc
+    if not isinstance(head, dict):
+        raise ShardError("shard header is not a JSON object")
+    return head
+
+
+def _metadata(head: dict) -> dict:
+    """The header's ``__metadata__`` object (ShardError when it is not an object)."""
+    meta = head.pop("__metadata__", None)
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ShardError("shard metadata is not a JSON object")
+    return meta
 
 
 def decode(
@@ -68,7 +81,7 @@ def decode(
     expect_meta: Mapping[str, str],
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Parse and validate one rank's shard; raise ShardError on any mismatch."""
-    meta = header(data).get("__metadata__") or {}
+    meta = _metadata(header(data))
     for k, v in {"format": FORMAT, **expect_meta}.items():
         if meta.get(k) != v:
             raise ShardError(f"shard metadata {k}={meta.get(k)!r}, expected {v!r}")
@@ -205,7 +218,7 @@ def parse(
     and the layout, as ``decode`` does. No tensor byte is copied.
     """
     head, start = _header_of(buf)
-    meta = head.pop("__metadata__", None) or {}
+    meta = _metadata(head)
     for k, v in {"format": FORMAT, **expect_meta}.items():
         if meta.get(k) != v:
             raise ShardError(f"shard metadata {k}={meta.get(k)!r}, expected {v!r}")
