@@ -63,20 +63,6 @@ def _split_tree(eng: Engine) -> tuple[list[int], list[int]]:
 # --------------------------------------------------------------------------- invariant 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (invariant 6): a store that refills a READY row (snapshot layout, row without "
-        "snapshot, segments reaching back to its start) checks pins only when it plans "
-        "(core.py _plan); _publish_store swaps the generation and _finish_retire unlinks the "
-        "old shards even if a restore pinned the row meanwhile. The restore then reads a "
-        "missing file and _restore -> _invalidate marks the NEW, intact generation damaged "
-        "(no generation check), so lookups stop above a healthy row. Fix: in _store, under "
-        "the lock before _publish_store, roll back (or wait like replace.run) when "
-        "plan.existing is pinned; and only invalidate on restore damage if node.generation "
-        "still equals the generation in match.path."
-    ),
-)
 def test_refill_of_a_ready_row_never_replaces_it_under_a_restore_pin(cache_dir):
     L = make_layout()
     gate = Gate()
@@ -136,20 +122,6 @@ def test_refill_of_a_ready_row_never_replaces_it_under_a_restore_pin(cache_dir):
 # --------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (failure model: bad input changes nothing; errors.InvalidInputError: 'nothing "
-        "was changed'): Engine._store runs spans.on_store (a split compact-replace, and "
-        "_refill_rows) BEFORE it checks tokens_from against the plan (core.py _store: "
-        "'the new node needs tokens from ...'). A diverging store whose segments start too "
-        "late raises InvalidInputError after the existing row was already split (rows, "
-        "generations and files changed; a Match taken before is now stale). Same order "
-        "problem for a float tokens_from (0.0 passes check_blocks, then TypeError after the "
-        "split). Fix: compute the post-split plan (parent end = the fork block) and reject "
-        "tokens_from > start*block_tokens (and non-int positions) before any compact-replace."
-    ),
-)
 def test_invalid_tokens_from_raises_and_changes_nothing(cache_dir):
     L = make_layout()
     with Engine.open(cache_dir, L, CAP) as eng:
@@ -166,16 +138,6 @@ def test_invalid_tokens_from_raises_and_changes_nothing(cache_dir):
         assert eng.restore(m) is not None, "a Match taken before the rejected call went stale"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (failure model: bad input gets a typed error): lookup() accepts a non-integer "
-        "gpu_blocks (it only checks 0 <= gpu_blocks <= len(prefix), core.py lookup) and "
-        "returns a hit whose restore() then dies in pipeline.restore_nodes with TypeError "
-        "(float row counts). Fix: require an int (operator.index) in lookup and raise "
-        "InvalidInputError."
-    ),
-)
 def test_lookup_rejects_a_non_integer_gpu_blocks(cache_dir):
     L = make_layout()
     with Engine.open(cache_dir, L, CAP) as eng:
@@ -188,20 +150,6 @@ def test_lookup_rejects_a_non_integer_gpu_blocks(cache_dir):
 # --------------------------------------------------------------------------- foreign / hostile files
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OSError,
-    reason=(
-        "BUG (failure model: foreign files get a typed error or are quarantined; nothing "
-        "stored is lost): recovery._orphans treats any entry matching SHARD_RE as an orphan "
-        "shard and calls rank.remove(), which unlinks it (ranks.py LocalRank.remove). A "
-        "DIRECTORY named like a shard ('<32 hex>-g1.st' or '.st.tmp') raises IsADirectoryError "
-        "(untyped) from Engine.open every time: the cache cannot be opened, and "
-        "`prefixstore audit --repair` fails the same way, although audit itself predicts the "
-        "entry would be moved to lost+found. Fix: in _orphans quarantine entries that are not "
-        "regular files (os.path.isfile / lstat S_ISREG) before the SHARD_RE branch."
-    ),
-)
 @pytest.mark.parametrize("suffix", [".st", ".st.tmp"])
 def test_directory_named_like_a_shard_does_not_brick_the_cache(cache_dir, suffix):
     L = make_layout()
@@ -214,20 +162,6 @@ def test_directory_named_like_a_shard_does_not_brick_the_cache(cache_dir, suffix
         assert eng.audit().ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason=(
-        "BUG (invariant 5 / failure model: corrupted files get a typed error, a restore is a "
-        "miss): shards.parse does `meta = head.pop('__metadata__', None) or {}` then "
-        "meta.get(...): a header whose __metadata__ is a JSON list/string/number (catalog "
-        "size+checksum fixed up, as in test_hostile's *-catalog-fixed cases) raises "
-        "AttributeError out of restore() (the node is not marked damaged) and out of audit() "
-        "(audit.verify_bytes). shards.decode has the same hole and also calls .get on a header "
-        "that is a JSON array (header() does not check for an object), which compaction's "
-        "_read_node reaches. Fix: raise ShardError unless the header and __metadata__ are dicts."
-    ),
-)
 def test_shard_header_with_non_object_metadata_is_damage_not_a_crash(cache_dir):
     L = make_layout()
     a = tokens_for(1, 4)
@@ -262,26 +196,6 @@ def test_shard_header_with_non_object_metadata_is_damage_not_a_crash(cache_dir):
 # --------------------------------------------------------------------------- concurrency
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG (thread safety; documented store() outcomes): spans.on_store builds the split "
-        "Job under the engine lock (capturing node.has_snapshot, span, parent), RELEASES the "
-        "lock, then replace.run re-checks the row with _check, whose generation baseline is "
-        "job.gens.setdefault(n.id, n.generation) taken at RUN time, so a change in between "
-        "(another thread's eviction retiring the row's snapshot; a refill giving it one) is "
-        "not seen as stale. _read_node then decodes the new generation and replace._encode "
-        "dies on `assert ... 'snapshot mismatch'`: store() raises AssertionError (seen in "
-        "32-thread store/lookup/evict runs; with python -O the row would instead be published "
-        "with has_snapshot=1 but no snapshot tensors, i.e. a healthy row turned damaged; the "
-        "opposite race silently drops a snapshot a concurrent refill just acknowledged). "
-        "compaction.compact has the same window (jobs planned under the lock, run later). Fix: "
-        "record Job.gens (and has_snapshot) for every old row when the job is built, under "
-        "the lock that observed them. The test forces the interleaving by running the other "
-        "thread's evict in that unlocked window."
-    ),
-)
 def test_split_racing_a_snapshot_retirement_does_not_raise(cache_dir, monkeypatch):
     L = make_layout()
     with Engine.open(cache_dir, L, CAP) as eng:
@@ -376,21 +290,6 @@ def test_store_async_accepts_what_store_accepts(cache_dir):
 # --------------------------------------------------------------------------- exception safety
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (exception safety; DESIGN 'Garbage ... charged until reclaimed'): an unexpected "
-        "(non-OSError) exception while an EVICT cleans up (core.py _evict_nodes -> "
-        "_finish_retire -> _unlink_rows catches only OSError) leaves the evict transaction in "
-        "state REMOVED in the running engine. Its files stay charged as garbage owned by the "
-        "transaction (txn set), which reclaim() / _reclaim_loose (txn IS NULL only) and "
-        "further eviction never free until a reopen; the running audit reports invariant 7. "
-        "Stores end such a transaction with pipeline.fail_txn; evictions (and replace.run "
-        "after its swap published) do not. Fix: wrap the post-commit part of _evict_nodes "
-        "(and replace.run's after-publish part) like _store does: on an unexpected exception "
-        "finish the transaction forward (or hand its rows to loose garbage), then re-raise."
-    ),
-)
 def test_unexpected_error_during_evict_cleanup_does_not_strand_its_transaction(cache_dir):
     L = make_layout()
     gate = Gate()

@@ -206,6 +206,8 @@ class Engine:
             self._release_lock()
             raise
 
+    pin_wait_s = 2.0  # how long a refill waits for a restore's pin before it rolls back
+
     def __enter__(self) -> Engine:
         return self
 
@@ -272,6 +274,8 @@ class Engine:
         """
         if not isinstance(prefix, Prefix):
             raise InvalidInputError("lookup takes a Prefix")
+        if isinstance(gpu_blocks, bool) or not isinstance(gpu_blocks, int):
+            raise InvalidInputError(f"gpu_blocks must be an int, got {gpu_blocks!r}")
         if gpu_blocks < 0 or gpu_blocks > len(prefix):
             raise InvalidInputError(f"gpu_blocks={gpu_blocks} outside 0..{len(prefix)}")
         with self._guard(), self._lock:
@@ -736,16 +740,27 @@ class Engine:
                 self._check_prior(plan, {r for r, _ in errors})
                 self.counters.inc("stores", FAILED)
                 return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), needed)
-            with self._lock:
-                digests = b"".join(prefix.digests[start:n])
-                was_damaged = plan.existing is not None and plan.existing.state == "damaged"
-                node = self._publish_store(tid, plan, key, digests, start, n, gen, needed)
-                status = REFILLED if plan.existing is not None else STORED
-                if was_damaged:
-                    self.counters.inc("refills")
-                self.counters.inc("stores", status)
-                log.debug("stored", key=key.hex()[:12], blocks=n, node=node.id, bytes=needed)
-                return StoreResult(status, n, None, needed)
+            # A refilled row pinned by a restore is never replaced under the pin
+            # (invariant 6): wait for the pin to go, up to pin_wait_s, else roll back.
+            deadline = time.monotonic() + self.pin_wait_s
+            while True:
+                with self._lock:
+                    if plan.existing is None or not self._pins[plan.existing.id]:
+                        digests = b"".join(prefix.digests[start:n])
+                        was_damaged = plan.existing is not None and plan.existing.state == "damaged"
+                        node = self._publish_store(tid, plan, key, digests, start, n, gen, needed)
+                        status = REFILLED if plan.existing is not None else STORED
+                        if was_damaged:
+                            self.counters.inc("refills")
+                        self.counters.inc("stores", status)
+                        log.debug("stored", key=key.hex()[:12], blocks=n, node=node.id, bytes=needed)
+                        return StoreResult(status, n, None, needed)
+                    if time.monotonic() >= deadline:
+                        self._rollback(tid, "store", "INTENT", "failed")
+                        res = StoreResult(SKIPPED, n, "pinned", needed)
+                        self._count_store(res)
+                        return res
+                time.sleep(0.002)
         except BaseException as exc:  # not a failed write (those roll back above): end the txn
             pipeline.fail_txn(self, tid, exc)
             raise
@@ -1144,13 +1159,17 @@ class Engine:
                 ).fetchall()
                 c.execute("UPDATE files SET status='garbage', node=NULL, txn=? WHERE node=?", (tid, n.id))
                 c.execute("DELETE FROM nodes WHERE id=?", (n.id,))
-        for n in nodes:
-            self.index.remove(n.id)
-            self._dirty_recency.discard(n.id)
-        parent = self.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
-        if parent is not None:
-            self.heap.offer(parent)
-        self._finish_retire(tid, "evict", rows)
+        try:  # the removal is published: an unexpected error must not strand the txn
+            for n in nodes:
+                self.index.remove(n.id)
+                self._dirty_recency.discard(n.id)
+            parent = self.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
+            if parent is not None:
+                self.heap.offer(parent)
+            self._finish_retire(tid, "evict", rows)
+        except BaseException as exc:
+            pipeline.fail_txn(self, tid, exc)
+            raise
 
     def _watch_counters(self) -> None:
         """Live gauges read at scrape time (``prefixstore_state{kind=...}``)."""
@@ -1283,7 +1302,9 @@ class Engine:
             got = pipeline.restore_nodes(self, nodes, rows, match)
             if isinstance(got, pipeline.Damage):
                 with self._lock:
-                    self._invalidate(got.node, got.why)
+                    # only the generation this restore read can be declared damaged
+                    if got.node.generation == dict(match.path).get(got.node.id):
+                        self._invalidate(got.node, got.why)
                 self.counters.inc("lookups", "damaged_on_restore")
                 return None
             if got is None:

@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from prefixstore.engine import pipeline
 from prefixstore.engine.counters import log
+from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.index import Node
 from prefixstore.engine.keys import DIGEST_SIZE, ROOT
 from prefixstore.gpu import shards
@@ -75,7 +77,9 @@ class Job:
     ``reads`` names the old rows whose shards are read (id -> with snapshot);
     ``assemble`` turns them into each new row's per-rank (segments, snapshot).
     ``state`` is the state every old row must be in ('ready', or 'damaged' for a
-    refill, whose bytes come from elsewhere).
+    refill, whose bytes come from elsewhere). ``gens`` / ``snaps``: each old row's
+    generation and has_snapshot when the job was built (under the lock that observed
+    them); a row that changed since is stale and the job aborts, old rows serving.
     """
 
     use: str
@@ -86,6 +90,7 @@ class Job:
     state: str = "ready"
     parent: int | None = None
     gens: dict[int, int] = attrs.field(factory=dict)
+    snaps: dict[int, bool] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         old, new = self.old, self.new
@@ -104,6 +109,9 @@ class Job:
                 r.keep = by_key[r.key]
             assert r.keep is None or by_key.get(r.key) == r.keep, "keep must name the old row with that key"
         self.parent = old[0].parent
+        for n in old:
+            self.gens.setdefault(n.id, n.generation)
+            self.snaps.setdefault(n.id, n.has_snapshot)
 
     @property
     def old_ids(self) -> set[int]:
@@ -223,11 +231,13 @@ def run(
                         eng.counters.inc("refills")
                     return Outcome(True, None, needed)
             time.sleep(0.002)
-    except Exception:
-        if not published:
-            if tid is not None:
-                with eng._lock:
-                    eng._rollback(tid, KIND, "INTENT", "failed")
+    except BaseException as exc:
+        if tid is not None:
+            # End the transaction as recovery would (a simulated crash is left to it):
+            # forward once the swap committed (its old files must not stay charged to
+            # it), back before.
+            pipeline.fail_txn(eng, tid, exc)
+        if not published and not isinstance(exc, SimulatedCrash):
             eng.counters.inc("replaces", f"{use}_aborted")
         raise
     finally:
@@ -259,8 +269,8 @@ def _check(eng: Engine, job: Job, fences: int, pins: bool = True) -> str | None:
             return "fenced"
         if n.state != job.state:
             return "damaged" if n.state == "damaged" else "stale"
-        if job.gens.setdefault(n.id, n.generation) != n.generation:
-            return "stale"
+        if job.gens.get(n.id) != n.generation or job.snaps.get(n.id) != n.has_snapshot:
+            return "stale"  # changed since the job was built
     if job.old[0].parent != job.parent:
         return "stale"
     ids = job.old_ids

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from prefixstore.engine import replace
 from prefixstore.engine.counters import log
+from prefixstore.engine.errors import InvalidInputError
 from prefixstore.engine.keys import DIGEST_SIZE, Prefix
 from prefixstore.engine.layout import RankTensors
 from prefixstore.engine.replace import Job, NewRow
@@ -45,7 +46,12 @@ def on_store(
     snaps: list[RankTensors] | None,
     tokens_from: int,
 ) -> StoreResult | None:
-    """Handle a store that needs a compact-replace; None lets the ordinary store run."""
+    """Handle a store that needs a compact-replace; None lets the ordinary store run.
+
+    Raises InvalidInputError (before any row changes) when ``tokens_from`` is not an
+    int or starts after the block where the store's new node would begin.
+    """
+    _check_tokens_from(eng, prefix, tokens_from)
     _refill_rows(eng, prefix, segs, tokens_from)
     L = eng.layout
     n = len(prefix)
@@ -78,6 +84,24 @@ def on_store(
     if out.ok and ok_status is None:
         return None  # a split made the new checkpoint's parent: the ordinary store goes on
     return _result(eng, out, n, ok_status or STORED)
+
+
+def _check_tokens_from(eng: Engine, prefix: Prefix, tokens_from: int) -> None:
+    """Reject bad ``tokens_from`` before any compact-replace: bad input changes nothing.
+
+    When the prefix goes past its deepest stored block ``p`` (a new node will start at
+    ``p``, after a split if ``p`` is inside a row's span), the segments must reach back
+    to it. (``p == n`` needs no new segments, or is checked by the ordinary store.)
+    """
+    if not isinstance(tokens_from, int) or isinstance(tokens_from, bool):
+        raise InvalidInputError(f"tokens_from must be an int, not {type(tokens_from).__name__}")
+    bt = eng.layout.block_tokens
+    with eng._lock:
+        p = eng.index.deepest_block(prefix.keys, len(prefix))
+    if p < len(prefix) and tokens_from > p * bt:
+        raise InvalidInputError(
+            f"the new node needs tokens from {p * bt}, but segments start at tokens_from={tokens_from}"
+        )
 
 
 def _busy(eng: Engine, node: Node, n: int) -> StoreResult | None:
@@ -167,13 +191,20 @@ def _refill_rows(eng: Engine, prefix: Prefix, segs: list[RankTensors], tokens_fr
             if x.state == "damaged" and x.end < n and not eng._pins[x.id] and not eng._fences[x.id]:
                 todo.append(x)
             x = eng.index.get(x.parent) if x.parent is not None else None
-    for x in sorted(todo, key=lambda x: x.end):
-        lo, hi = x.start * bt - tokens_from, x.end * bt - tokens_from
-        row = NewRow(x.key, x.start, x.end, x.digests, False, x.last_used, x.snap_used, keep=x.id)
-
-        def assemble(got, lo=lo, hi=hi):
-            return [[({k: v[lo:hi] for k, v in segs[r].items()}, {}) for r in range(L.ranks)]]
-
-        job = Job("republish", [x], [row], {}, assemble, state="damaged")
+        # Jobs are built here, under the lock that observed the rows (their generations).
+        jobs = [_refill_job(x, segs, tokens_from, bt, L.ranks) for x in sorted(todo, key=lambda x: x.end)]
+    for job in jobs:
+        x = job.old[0]
         out = replace.run(eng, job, space="make", protect=frozenset({x.parent} - {None}))
         log.info("row_refill", node=x.id, ok=out.ok, reason=out.reason)
+
+
+def _refill_job(x: Node, segs: list[RankTensors], tokens_from: int, bt: int, ranks: int) -> Job:
+    """The job republishing damaged row ``x`` from the store's segment rows. Lock held."""
+    lo, hi = x.start * bt - tokens_from, x.end * bt - tokens_from
+    row = NewRow(x.key, x.start, x.end, x.digests, False, x.last_used, x.snap_used, keep=x.id)
+
+    def assemble(got):
+        return [[({k: v[lo:hi] for k, v in segs[r].items()}, {}) for r in range(ranks)]]
+
+    return Job("republish", [x], [row], {}, assemble, state="damaged")

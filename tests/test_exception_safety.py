@@ -1,0 +1,54 @@
+"""An unexpected (non-OSError) error after a compact-replace published must not strand
+its transaction: it is finished forward, its old files reclaimed (DESIGN 'Garbage')."""
+
+from __future__ import annotations
+
+import contextlib
+
+from conftest import Gate, assert_restores, make_layout, store_tokens, tokens_for
+
+from prefixstore.engine.core import Engine
+from prefixstore.engine.keys import Prefix
+from prefixstore.gpu.fileio import FaultHook
+
+CAP = 16 << 20
+BT = 4
+
+
+class _BugOnce(FaultHook):
+    """Raises a non-OSError at the first unlink (the cleanup after a publish)."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def before(self, op, target, rank):
+        if op == "unlink" and not self.fired:
+            self.fired = True
+            raise RuntimeError("a rank agent bug, not an I/O error")
+
+
+def test_unexpected_error_after_snapshot_retirement_publish_ends_its_transaction(cache_dir):
+    L = make_layout()
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    try:
+        a = tokens_for(1, 6)
+        assert store_tokens(eng, a[: 4 * BT]).status == "stored"
+        assert store_tokens(eng, a).status == "stored"  # (0,4] is now a compactable ancestor
+        n = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(a[: 4 * BT], BT).keys[-1]]]
+        assert n.has_snapshot
+        bug = _BugOnce()
+        gate.arm(bug)
+        with contextlib.suppress(RuntimeError):
+            eng.evict(1)  # policy 'prefixstore': retires (0,4]'s snapshot (a compact-replace)
+        gate.disarm()
+        assert bug.fired, "setup: the retirement's cleanup never unlinked"
+        eng.reclaim()
+        st = eng.stats()
+        assert not eng.catalog.journal(), "a compact transaction is stranded in the running engine"
+        assert st["garbage_bytes"] == 0 and st["charged_bytes"] == st["live_bytes"], st
+        assert eng.audit().ok
+        assert_restores(eng, a, blocks=6)
+    finally:
+        gate.disarm()
+        eng.close()
