@@ -1,0 +1,285 @@
+"""Planted bugs: deliberately broken engines the fuzzers must catch.
+
+Each plant subclasses the engine, swaps in broken rank executors, or patches one
+function for the duration of a run (``Plant.active``); nothing in the engine knows
+about them. ``prefixstore fuzz --plant NAME`` runs a campaign against one, and
+``tests/test_plants.py`` shows that each is found within a bounded budget.
+
+``config`` pins the run settings a plant needs in order to show at all (a lost-commit
+bug needs ``synchronous=NORMAL``; a snapshot-retirement bug needs snapshots and the
+``prefixstore`` policy); everything else is drawn as in any campaign.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from prefixstore.engine import recovery
+from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.core import Engine
+from prefixstore.gpu import shards
+from prefixstore.gpu.ranks import TMP_SUFFIX, LocalRank, rank_dir_name
+
+
+@attrs.frozen
+class Plant:
+    """One deliberately broken engine."""
+
+    name: str
+    summary: str
+    found_by: str
+    engine_cls: type[Engine] | None = None
+    make_ranks: Callable[..., list[Any]] | None = None
+    patch: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+    config: dict[str, Any] = attrs.field(factory=dict)
+
+    def active(self) -> contextlib.AbstractContextManager[None]:
+        """The patches this plant needs while its engine runs."""
+        return self.patch() if self.patch is not None else contextlib.nullcontext()
+
+
+def _ranks(cls: type[LocalRank]) -> Callable[..., list[Any]]:
+    def make(layout, root: str, fs, hook) -> list[Any]:
+        out = [cls(r, os.path.join(root, rank_dir_name(r)), fs, hook) for r in range(layout.ranks)]
+        for rank in out:
+            rank.last = layout.ranks - 1
+        return out
+
+    return make
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+# -- publish before every rank is durable -------------------------------------------------
+
+
+class _LazyLastRank(LocalRank):
+    """The highest rank renames its shard into place unsynced; ``settle`` syncs it later."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.unsettled: list[str] = []
+        self.last = 0
+
+    def write_shard(self, name: str, data: bytes) -> None:
+        if self.rank != self.last:
+            return super().write_shard(name, data)
+        final = self.path(name)
+        self.fs.write_new(final + TMP_SUFFIX, data)
+        self.fs.rename_new(final + TMP_SUFFIX, final)
+        self.unsettled.append(final)
+
+    def settle(self) -> None:
+        todo, self.unsettled = self.unsettled, []
+        with contextlib.suppress(OSError):
+            for final in todo:
+                self.fs.fsync(final)
+            if todo:
+                self.fs.fsync_dir(self.directory)
+
+
+class _PublishEarly(Engine):
+    def _publish_store(self, *a: Any, **k: Any):
+        node = super()._publish_store(*a, **k)
+        for r in self.ranks:
+            if isinstance(r, _LazyLastRank):
+                r.settle()  # durability arrives after the commit that published
+        return node
+
+
+# -- skip the directory fsync ----------------------------------------------------------------
+
+
+class _NoDirSyncRank(LocalRank):
+    def write_shard(self, name: str, data: bytes) -> None:
+        final = self.path(name)
+        self.fs.write_new(final + TMP_SUFFIX, data)
+        self.fs.fsync(final + TMP_SUFFIX)
+        self.fs.rename_new(final + TMP_SUFFIX, final)  # no fsync_dir: the rename is not durable
+
+
+# -- count a retiring backing twice --------------------------------------------------------
+
+
+class _DoubleCountRetire(Engine):
+    def _finish_retire(self, tid: int, kind: str, rows) -> None:
+        before = self._charged
+        super()._finish_retire(tid, kind, rows)
+        if kind in ("replace", "compact"):
+            self._charged -= before - self._charged  # the retired generation, once more
+
+
+# -- evict a pinned node ---------------------------------------------------------------------
+
+
+class _EvictPinned(Engine):
+    def _ignoring_pins(self, fn: Callable[..., bool], *a: Any) -> bool:
+        pins, self._pins = self._pins, Counter()  # pins are not consulted
+        try:
+            return fn(*a)
+        finally:
+            self._pins = pins
+
+    def _untouchable(self, *a: Any) -> bool:
+        return self._ignoring_pins(super()._untouchable, *a)
+
+    def _blocked(self, *a: Any) -> bool:
+        return self._ignoring_pins(super()._blocked, *a)
+
+
+# -- rename over a live file --------------------------------------------------------------------
+
+
+def _retire_in_place(eng: Engine, node) -> bool:
+    """Snapshot retirement that rewrites the live generation under its own name."""
+    rows = {
+        r: (name, size, ck)
+        for r, name, size, ck in eng.catalog.query(
+            "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (node.id,)
+        )
+    }
+    got = eng._read_node(node, rows, with_snap=False)
+    if isinstance(got, str):
+        eng._invalidate(node, got)
+        return False
+    if got is None:
+        return False
+    meta = eng._shard_meta(node.key, node.generation, node.start, node.end, False)
+    datas = [shards.encode(segs, {}, {**meta, "rank": str(r)}) for r, (segs, _) in enumerate(got)]
+    eng._fences[node.id] += 1
+    try:
+        for r, data in enumerate(datas):
+            rank = eng.ranks[r]
+            final = rank.path(rows[r][0])
+            try:
+                rank.fs.write_new(final + TMP_SUFFIX, data)
+                rank.fs.fsync(final + TMP_SUFFIX)
+                rank.fs.unlink(final)  # the live file makes way for its replacement
+                rank.fs.rename_new(final + TMP_SUFFIX, final)
+                rank.fs.fsync_dir(rank.directory)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    rank.remove_temp(rows[r][0])
+                return False
+        with eng.catalog.txn("replace.publish") as c:
+            for r, data in enumerate(datas):
+                c.execute("UPDATE files SET size=?, checksum=? WHERE rank=? AND name=?",
+                          (len(data), shards.checksum(data), r, rows[r][0]))
+            c.execute("UPDATE nodes SET has_snapshot=0 WHERE id=?", (node.id,))
+        freed = sum(s for _, s, _ in rows.values()) - sum(len(d) for d in datas)
+        eng._charged -= freed
+        node.has_snapshot = False
+        node.nbytes -= freed
+        return True
+    finally:
+        eng._fences[node.id] -= 1
+        if not eng._fences[node.id]:
+            del eng._fences[node.id]
+        eng.heap.offer(node)
+
+
+class _RenameOverLive(Engine):
+    def _retire_snapshot(self, node) -> bool:
+        return _retire_in_place(self, node)
+
+
+# -- skip the checksum check on restore ---------------------------------------------------------
+
+
+class _TrustingRestore(Engine):
+    def _read_node(self, node, rows, with_snap: bool):
+        trusted = {}
+        for r, (name, size, ck) in rows.items():
+            try:
+                with open(os.path.join(self.ranks[r].directory, name), "rb") as f:
+                    ck = shards.checksum(f.read())  # the file vouches for itself
+            except OSError:
+                pass
+            trusted[r] = (name, size, ck)
+        return super()._read_node(node, trusted, with_snap)
+
+
+# -- the registry ------------------------------------------------------------------------------
+
+_SNAP_RETIRE = {"snapshot": True, "policy": "prefixstore"}
+
+PLANTS: dict[str, Plant] = {
+    p.name: p
+    for p in (
+        Plant(
+            "publish-early",
+            "the highest rank's shard is made durable only after the store published",
+            "a crash after the publish commit plus power loss: a committed node comes back damaged",
+            engine_cls=_PublishEarly,
+            make_ranks=_ranks(_LazyLastRank),
+        ),
+        Plant(
+            "skip-dir-fsync",
+            "shards are renamed into place without fsyncing the rank directory",
+            "power loss undoes the rename: an acknowledged node comes back damaged",
+            make_ranks=_ranks(_NoDirSyncRank),
+        ),
+        Plant(
+            "double-count-retire",
+            "the retired generation of a compact-replace is subtracted from the charged bytes twice",
+            "audit: the engine's charged bytes disagree with the catalog (invariant 3)",
+            engine_cls=_DoubleCountRetire,
+            config=_SNAP_RETIRE,
+        ),
+        Plant(
+            "evict-pinned",
+            "the victim search ignores pins",
+            "a pinned node is evicted: the audit's and the model's pin checks (invariant 6)",
+            engine_cls=_EvictPinned,
+        ),
+        Plant(
+            "rename-over-live",
+            "snapshot retirement rewrites the live file in place (unlink, rename over its name)",
+            "a fault or crash mid-rewrite: a ready node's shard no longer matches the catalog",
+            engine_cls=_RenameOverLive,
+            config=_SNAP_RETIRE,
+        ),
+        Plant(
+            "skip-orphan-cleanup",
+            "recovery does not remove shard files the catalog does not know",
+            "lost commits (synchronous=NORMAL power loss) leave files unknown to the catalog",
+            patch=lambda: _patched(recovery, "_orphans", lambda eng, rep: None),
+            config={"synchronous": "NORMAL"},
+        ),
+        Plant(
+            "skip-restore-checksum",
+            "restore trusts the shard's bytes without checking the catalog checksum",
+            "bit rot at rest is served: the model's byte comparison (invariant 5)",
+            engine_cls=_TrustingRestore,
+        ),
+        Plant(
+            "skip-barrier",
+            "retired files are unlinked before the commit that retired them is durable",
+            "lost commits bring back a row whose files are gone: a committed node is damaged",
+            patch=lambda: _patched(Catalog, "barrier", lambda self: None),
+            config={"synchronous": "NORMAL"},
+        ),
+    )
+}
+
+
+def get(name: str) -> Plant:
+    """The plant called ``name`` (KeyError lists the known ones)."""
+    try:
+        return PLANTS[name]
+    except KeyError:
+        raise KeyError(f"unknown plant {name!r}; known: {', '.join(sorted(PLANTS))}") from None

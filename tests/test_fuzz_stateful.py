@@ -1,0 +1,179 @@
+"""Stateful fuzzing: Hypothesis state machines over the public API, the reference
+model's own checks, pinned regressions, and a CI-sized campaign.
+
+The machines (``prefixstore.fuzz.stateful``) run under the Hypothesis profile that
+tests/conftest.py loads (PREFIXSTORE_HYPOTHESIS_PROFILE: dev, ci or campaign).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+from prefixstore.engine.cli import main
+from prefixstore.engine.core import Engine
+from prefixstore.fuzz import plants
+from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
+from prefixstore.fuzz.driver import Driver, RunConfig, Violation
+from prefixstore.fuzz.stateful import machine
+
+HERE = os.path.dirname(__file__)
+STEPS = {"dev": 25, "ci": 40, "campaign": 100}.get(os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE", "dev"), 25)
+
+
+def _settings(**kw) -> settings:
+    return settings(settings.default, stateful_step_count=STEPS, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much], **kw)
+
+
+# -- the state machines --------------------------------------------------------------------
+
+TestOneRankFull = machine(1, "FULL").TestCase
+TestOneRankFull.settings = _settings()
+TestTwoRanksNormal = machine(2, "NORMAL").TestCase
+TestTwoRanksNormal.settings = _settings()
+TestFourRanksFullNoSnapshot = machine(4, "FULL", snapshot=False).TestCase
+TestFourRanksFullNoSnapshot.settings = _settings()
+TestFourRanksNormal = machine(4, "NORMAL").TestCase
+TestFourRanksNormal.settings = _settings()
+
+
+@pytest.mark.parametrize("name", ["evict-pinned", "skip-dir-fsync"])
+def test_the_state_machine_finds_a_plant(name):
+    """The Hypothesis machine, not just the campaign, catches planted bugs."""
+    cls = machine(1, plants.get(name).config.get("synchronous", "FULL"), plant=plants.get(name))
+    run = cls.TestCase("runTest")
+    run.settings = settings(max_examples=200, stateful_step_count=30, deadline=None, database=None,
+                            phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    with pytest.raises(Violation):
+        run.runTest()
+
+
+# -- the model catches what it must, and only that ---------------------------------------------
+
+
+def _driver(tmp_path, **kw) -> Driver:
+    cfg = RunConfig(**{"ranks": 2, "capacity": 40_000, "seed": 3, **kw})
+    return Driver(cfg, str(tmp_path / "cache"))
+
+
+def test_lost_commits_lose_only_what_no_barrier_made_durable(tmp_path):
+    """Under NORMAL a power loss can take the catalog back to its last barrier, losing
+    acknowledged stores since then (and only those); recovery is clean."""
+    with _driver(tmp_path, synchronous="NORMAL") as d:
+        for seq in range(4):
+            d.apply({"op": "store", "seq": seq, "blocks": 2 + seq})
+        acked, base = set(d.must), set(d.observer.images[0].nodes)
+        assert acked - base, "every store was made durable by a barrier: nothing to lose"
+        d.apply({"op": "power", "mode": "drop", "snap": 0.0})  # back to the durable base
+        assert set(d.observer.nodes) == base and d.must == acked & base
+        d.apply({"op": "store", "seq": 0, "blocks": 5})
+        d.apply({"op": "evict", "nbytes": 1})  # an eviction: its barrier makes all durable
+        durable = set(d.observer.nodes)
+        assert set(d.observer.images[0].nodes) == durable
+        d.apply({"op": "store", "seq": 5, "blocks": 7})
+        d.apply({"op": "power", "mode": "garble", "snap": 0.0})
+        assert set(d.observer.nodes) == durable and d.counts["power_losses"] == 2
+
+
+def test_full_power_loss_keeps_every_acknowledged_store(tmp_path):
+    with _driver(tmp_path) as d:
+        for seq in range(3):
+            d.apply({"op": "store", "seq": seq, "blocks": 2})
+        d.apply({"op": "power", "mode": "garble", "snap": 0.0})
+        assert d.must == {d.uni.key(seq, 2) for seq in range(3)}
+        assert d.must <= set(d.observer.nodes)
+        for seq in range(3):
+            d.apply({"op": "restore", "seq": seq, "blocks": 2})
+        assert d.counts["restore.ok"] >= 2 * len(d.must)  # once after recovery, once here
+
+
+def test_model_flags_bytes_that_differ_from_the_stored_ones(tmp_path):
+    with _driver(tmp_path) as d:
+        d.apply({"op": "store", "seq": 1, "blocks": 3})
+        m = d.eng.lookup(d.uni.prefix(1, 3))
+        got = d.eng.restore(m)
+        assert d.uni.mismatch(1, got, 0, m.tokens) is None
+        got.segments[1]["k"][5, 0, 1] += 1
+        assert "rank 1: segment 'k'" in d.uni.mismatch(1, got, 0, m.tokens)
+
+
+def test_model_flags_an_acknowledged_store_that_vanishes(tmp_path):
+    with _driver(tmp_path) as d:
+        d.apply({"op": "store", "seq": 2, "blocks": 2})
+        with d.eng._lock, d.eng.catalog.txn("store.bogus") as c:  # a row removed by a store
+            c.execute("UPDATE files SET node=NULL, status='garbage' WHERE node IS NOT NULL")
+            c.execute("DELETE FROM nodes")
+        with pytest.raises(Violation) as e:
+            d.check()
+        assert e.value.kind == "removal"
+
+
+def test_bit_rot_is_detected_not_served(tmp_path):
+    with _driver(tmp_path, ranks=1) as d:
+        d.apply({"op": "store", "seq": 0, "blocks": 4})
+        d.apply({"op": "damage", "how": "flip_data", "i": 0, "at": 0.5, "bit": 3})
+        assert d.harmed
+        d.apply({"op": "restore", "seq": 0, "blocks": 4})  # a miss, never other bytes
+        assert d.counts["restore.miss"] == 1
+        assert d.observer.nodes[d.uni.key(0, 4)].state == "damaged"
+        d.apply({"op": "store", "seq": 0, "blocks": 4})  # refilled
+        d.apply({"op": "restore", "seq": 0, "blocks": 4})
+        assert d.counts["store.refilled"] == 1 and d.counts["restore.ok"] == 1
+
+
+def test_a_campaign_seed_replays_the_whole_campaign():
+    a = run_campaign(5, steps=300, shrink_s=0).to_dict()
+    b = run_campaign(5, steps=300, shrink_s=0).to_dict()
+    for d in (a, b):
+        d.pop("elapsed_s")
+        d.pop("steps_per_s")
+    assert a == b
+    assert a["crashes"] > 0 and a["faults_total"] > 0
+
+
+# -- regressions found by fuzzing, pinned ----------------------------------------------------------
+
+REGRESSIONS = sorted(glob.glob(os.path.join(HERE, "fuzz_regressions", "*.json")))
+
+
+def test_regressions_are_pinned():
+    assert len(REGRESSIONS) >= 4
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=lambda p: os.path.basename(p)[:-5])
+def test_pinned_regression_replays_clean(path):
+    cfg, ops, plant, doc = load_reproducer(path)
+    assert doc["note"]
+    v, n = replay_in_tmp(ops, cfg, plant)
+    assert v is None, f"{os.path.basename(path)}: {v}"
+    assert n == len(ops)
+
+
+def test_generation_regression_still_catches_the_bug(monkeypatch):
+    """The pinned IntegrityError reproducer fails again if generations are reused."""
+    cfg, ops, _, _ = load_reproducer(os.path.join(HERE, "fuzz_regressions", "restore-after-failed-unlink.json"))
+    monkeypatch.setattr(Engine, "_next_generation", lambda self, key, floor: floor + 1)
+    v, _ = replay_in_tmp(ops, cfg)
+    assert v is not None and v.kind == "exception" and "IntegrityError" in v.detail
+
+
+# -- the CI-sized campaign ------------------------------------------------------------------------------
+
+
+def test_ci_campaign_is_clean(tmp_path, capsys):
+    seed = int(os.environ.get("PREFIXSTORE_FUZZ_SEED", "2026"))
+    steps = int(os.environ.get("PREFIXSTORE_FUZZ_STEPS", "8000"))
+    rc = main(["fuzz", "--profile", "ci", "--steps", str(steps), "--seed", str(seed), "--json", "--quiet",
+               "--out", str(tmp_path / "failures")])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and d["violations"] == [], json.dumps(d["violations"], indent=1)
+    assert d["steps"] == steps
+    assert d["crashes"] > 50 and d["power_losses"] > 20 and d["recoveries"] == d["crashes"]
+    kinds = {k.split(":")[0] for k in d["faults"]}
+    assert {"write", "fsync", "unlink", "read", "damage", "power_loss", "crash"} <= kinds, d["faults"]
+    assert {"ranks=1", "ranks=2", "ranks=4"} <= {c.split()[0] for c in d["configs"]}
