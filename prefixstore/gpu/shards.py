@@ -73,6 +73,25 @@ def _metadata(head: dict) -> dict:
     return meta
 
 
+
+def _split_checked(
+    tensors: Mapping[str, torch.Tensor], layout: Layout, tokens: int, with_snapshot: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Split a shard's tensors into segments and snapshot; ShardError unless they match the layout."""
+    segs = {k[4:]: v for k, v in tensors.items() if k.startswith("seg.")}
+    snaps = {k[5:]: v for k, v in tensors.items() if k.startswith("snap.")}
+    if len(segs) + len(snaps) != len(tensors):
+        raise ShardError(f"shard holds unexpected tensors {sorted(tensors)}")
+    if not with_snapshot and snaps:
+        raise ShardError("shard holds a snapshot the catalog does not record")
+    try:
+        layout.check_segments(0, segs, tokens)
+        if with_snapshot:
+            layout.check_snapshot(0, snaps)
+    except Exception as exc:
+        raise ShardError(f"shard does not match the layout: {exc}") from exc
+    return segs, snaps
+
 def decode(
     data: bytes,
     layout: Layout,
@@ -89,19 +108,7 @@ def decode(
         tensors = st_load(data)
     except Exception as exc:  # safetensors raises its own error types
         raise ShardError(f"shard is not valid safetensors: {exc}") from exc
-    segs = {k[4:]: v for k, v in tensors.items() if k.startswith("seg.")}
-    snaps = {k[5:]: v for k, v in tensors.items() if k.startswith("snap.")}
-    if len(segs) + len(snaps) != len(tensors):
-        raise ShardError(f"shard holds unexpected tensors {sorted(tensors)}")
-    if not with_snapshot and snaps:
-        raise ShardError("shard holds a snapshot the catalog does not record")
-    try:
-        layout.check_segments(0, segs, tokens)
-        if with_snapshot:
-            layout.check_snapshot(0, snaps)
-    except Exception as exc:
-        raise ShardError(f"shard does not match the layout: {exc}") from exc
-    return segs, snaps
+    return _split_checked(tensors, layout, tokens, with_snapshot)
 
 
 # ---------------------------------------------------------------------------- zero-copy path
@@ -252,19 +259,7 @@ def parse(
             out[name] = buf[start + b : start + e].view(dtype).view(shape)
         except RuntimeError as exc:  # an unaligned offset: not a file this engine writes
             raise ShardError(f"shard entry {name!r} is not aligned to its dtype") from exc
-    segs = {k[4:]: v for k, v in out.items() if k.startswith("seg.")}
-    snaps = {k[5:]: v for k, v in out.items() if k.startswith("snap.")}
-    if len(segs) + len(snaps) != len(out):
-        raise ShardError(f"shard holds unexpected tensors {sorted(out)}")
-    if not with_snapshot and snaps:
-        raise ShardError("shard holds a snapshot the catalog does not record")
-    try:
-        layout.check_segments(0, segs, tokens)
-        if with_snapshot:
-            layout.check_snapshot(0, snaps)
-    except Exception as exc:
-        raise ShardError(f"shard does not match the layout: {exc}") from exc
-    return segs, snaps
+    return _split_checked(out, layout, tokens, with_snapshot)
 
 
 def buffer_view(buf: torch.Tensor) -> memoryview:
