@@ -51,6 +51,7 @@ from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import NotACacheError
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank
 
 NAME = "soak"
@@ -135,8 +136,18 @@ def _log(fd: int, line: str) -> None:
     os.fsync(fd)
 
 
+class SlowDisk(FaultHook):
+    """Sleeps after every effect: a slow disk, so kills land inside transactions."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def after(self, op: str, target: str, rank: int | None) -> None:
+        time.sleep(self.seconds)
+
+
 def child_main(root: str, ranks: int, seed: int, log_path: str, synchronous: str,
-               plant: str | None = None) -> None:
+               plant: str | None = None, effect_delay: float = 0.0) -> None:
     """The workload; runs until killed. Exits 3 on wrong bytes, 4 on any exception."""
     if plant is not None:
         PLANTS[plant]()
@@ -144,7 +155,8 @@ def child_main(root: str, ranks: int, seed: int, log_path: str, synchronous: str
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     rng = random.Random(seed)
     try:
-        eng = Engine.open(root, layout, CAPACITY, synchronous=synchronous)
+        hook = SlowDisk(effect_delay) if effect_delay > 0 else None
+        eng = Engine.open(root, layout, CAPACITY, synchronous=synchronous, hook=hook)
         while True:
             conv, blocks = rng.randrange(CONVERSATIONS), rng.randint(1, MAX_BLOCKS)
             toks = conv_tokens(conv)[: blocks * BT]
@@ -215,11 +227,11 @@ def parse_log(path: str) -> tuple[dict[tuple[int, int], str], int, int, list[str
 
 
 def _kill_round(root: str, ranks: int, seed: int, log_path: str, delay: float, synchronous: str,
-                plant: str | None) -> int:
+                plant: str | None, effect_delay: float = 0.0) -> int:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
-            child_main(root, ranks, seed, log_path, synchronous, plant)
+            child_main(root, ranks, seed, log_path, synchronous, plant, effect_delay)
         finally:
             os._exit(5)
     time.sleep(delay)
@@ -287,6 +299,7 @@ def soak(
     max_delay: float = 0.25,
     progress: bool = False,
     plant: str | None = None,
+    effect_delay: float = 0.0,
 ) -> SoakStats:
     """Run ``kills`` SIGKILL rounds, split evenly over the rank counts; return the figures."""
     torch.set_num_threads(1)  # no intra-op pool to inherit across fork
@@ -303,7 +316,7 @@ def soak(
             where = f"ranks={nranks} kill {i + 1}"
             sync = "NORMAL" if i % 3 == 2 else "FULL"
             status = _kill_round(d, nranks, rng.randrange(1 << 30), log_path,
-                                 rng.uniform(min_delay, max_delay), sync, plant)
+                                 rng.uniform(min_delay, max_delay), sync, plant, effect_delay)
             if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
                 st.kills += 1
                 st.kills_by_ranks[nranks] = st.kills_by_ranks.get(nranks, 0) + 1
@@ -330,6 +343,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="rank counts (default 1 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-delay", type=float, default=0.25, help="longest life of a child, seconds")
+    p.add_argument("--effect-delay-ms", type=float, default=0.0,
+                   help="model a slow disk: sleep this long after every effect in the child, so "
+                        "more kills land inside transactions (default 0)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plant", choices=sorted(PLANTS), default=None,
                    help="run against a deliberately broken engine (the soak must report it)")
@@ -338,7 +354,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="prefixstore-soak-")
     st = soak(root, kills=args.kills, ranks=tuple(args.ranks), seed=args.seed,
-              max_delay=args.max_delay, progress=not args.json, plant=args.plant)
+              max_delay=args.max_delay, progress=not args.json, plant=args.plant,
+              effect_delay=args.effect_delay_ms / 1000)
     lost_or_bad = st.lost or st.violations
     if args.json:
         print(json.dumps(st.to_dict()))
