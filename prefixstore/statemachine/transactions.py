@@ -27,10 +27,10 @@ EVICT::
                 are garbage owned by this transaction, all in the same commit as the
                 journal row: an evict that committed is never undone.
 
-RECLAIM (garbage left by a failed cleanup, or found at recovery)::
-
-    PENDING --unlinked--> DONE
-       \\--unlink_failed--> PENDING_LATER (final: rows stay, charged)
+Loose garbage (rows with status 'garbage' and no transaction, left by a failed
+cleanup) needs no journal row: the committed garbage rows are themselves the durable
+intent. Reclaiming unlinks each file (a missing file is success) and deletes the rows
+of the files it removed; it is idempotent, so recovery simply runs it again.
 """
 
 from __future__ import annotations
@@ -65,17 +65,7 @@ EVICT = Machine(
     ],
 )
 
-RECLAIM = Machine(
-    "reclaim",
-    initial="PENDING",
-    finals={"DONE", "PENDING_LATER"},
-    edges=[
-        ("PENDING", "unlinked", "DONE"),
-        ("PENDING", "unlink_failed", "PENDING_LATER"),
-    ],
-)
-
-MACHINES: dict[str, Machine] = {m.name: m for m in (STORE, REPLACE, EVICT, RECLAIM)}
+MACHINES: dict[str, Machine] = {m.name: m for m in (STORE, REPLACE, EVICT)}
 
 # What recovery feeds an unfinished transaction found in the journal, by state.
 RECOVERY_EVENT: dict[str, dict[str, str]] = {
