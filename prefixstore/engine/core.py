@@ -88,6 +88,25 @@ class _Plan:
     start: int
 
 
+class _Guard:
+    """The engine's reusable guard context (a class: cheaper than a generator on
+    the request path)."""
+
+    __slots__ = ("eng",)
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng = eng
+
+    def __enter__(self) -> None:
+        if self.eng._closed:
+            raise EngineClosedError("engine is closed")
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if kind is not None and issubclass(kind, SimulatedCrash):
+            self.eng._abandon()
+        return False
+
+
 class Engine:
     """A prefix-cache host tier over a SQLite WAL catalog and per-rank shard files."""
 
@@ -165,6 +184,7 @@ class Engine:
         self._lock = threading.RLock()
         self._settled = threading.Condition(self._lock)  # notified when a store finishes
         self._closed = False
+        self._guarded = _Guard(self)
         self._lock_fd: int | None = None
         self._pins: Counter[int] = Counter()
         self._fences: Counter[int] = Counter()
@@ -378,6 +398,8 @@ class Engine:
         (stored meanwhile, or queued again), ``abandoned`` (failed, or no longer
         storable from the rows held, e.g. its parent went), ``overflow``.
         """
+        if not self._pending and not self._closed:  # the common case, without the lock
+            return
         with self._guard():
             with self._lock:
                 if self._retrying or not self._pending:
@@ -565,15 +587,10 @@ class Engine:
 
     # ------------------------------------------------------------------ internal: guards
 
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        if self._closed:
-            raise EngineClosedError("engine is closed")
-        try:
-            yield
-        except SimulatedCrash:
-            self._abandon()
-            raise
+    def _guard(self) -> _Guard:
+        """Context for every public call: refuses a closed engine; a ``SimulatedCrash``
+        abandons the engine (process death) on its way out."""
+        return self._guarded
 
     def _abandon(self) -> None:
         """Model process death: drop the connection (uncommitted work rolls back)."""
@@ -1286,15 +1303,7 @@ class Engine:
             end = nodes[-1]
             if L.has_snapshot and not end.has_snapshot:
                 return None
-            rows: dict[int, dict[int, tuple[str, int, str]]] = {x.id: {} for x in nodes}
-            ids = list(rows)
-            for i in range(0, len(ids), 500):  # one query per 500 nodes (SQLite's variable limit)
-                part = ids[i : i + 500]
-                for nid, r, name, size, ck in self.catalog.query(
-                    "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IN "
-                    f"({','.join('?' * len(part))})", tuple(part)
-                ):
-                    rows[nid][r] = (name, size, ck)
+            rows = self._file_rows(nodes)
             for x in nodes:
                 self._pins[x.id] += 1
         try:
@@ -1325,6 +1334,29 @@ class Engine:
             end.snap_used = now
             self.heap.offer(end)
         return Restored(match, segments, snaps, match.gpu_tokens, match.tokens, files)
+
+    def _file_rows(self, nodes: list[Node]) -> dict[int, dict[int, tuple[str, int, str]]]:
+        """``{node id: {rank: (name, size, checksum)}}`` of the live files of ``nodes``
+        (current generations), from each node's cache or the catalog. Under the lock."""
+        rows: dict[int, dict[int, tuple[str, int, str]]] = {}
+        todo: list[Node] = []
+        for x in nodes:
+            f = x.files
+            if f is not None and f[0] == x.generation:
+                rows[x.id] = f[1]
+            else:
+                rows[x.id] = {}
+                todo.append(x)
+        for i in range(0, len(todo), 500):  # one query per 500 nodes (SQLite's variable limit)
+            part = tuple(x.id for x in todo[i : i + 500])
+            for nid, r, name, size, ck in self.catalog.query(
+                "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IN "
+                f"({','.join('?' * len(part))})", part
+            ):
+                rows[nid][r] = (name, size, ck)
+        for x in todo:
+            x.files = (x.generation, rows[x.id])
+        return rows
 
     def _read_node(self, node: Node, rows: dict[int, tuple[str, int, str]], with_snap: bool):
         """Read and verify ``node``'s shards on every rank.

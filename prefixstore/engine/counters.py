@@ -33,6 +33,7 @@ log = structlog.wrap_logger(
     processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
                 structlog.processors.KeyValueRenderer(key_order=["event"])],
     logger_name="prefixstore",
+    cache_logger_on_first_use=True,
 )
 
 LOOKUP_OUTCOMES = ("hit", "gpu_resident", "miss", "rejected_cost", "damaged")
@@ -53,6 +54,7 @@ class Counters:
         self.tally: _Tally[str] = _Tally()
         self.seconds: _Tally[str] = _Tally()  # sums of estimated seconds, for stats()
         self.last_decision: dict[str, Any] | None = None
+        self._children: dict[tuple[str, str | None], tuple[Any, str]] = {}
         self.lookups = Counter("prefixstore_lookups", "Lookup outcomes", ["outcome"], registry=r)
         self.stores = Counter("prefixstore_stores", "Store results", ["result"], registry=r)
         self.skips = Counter("prefixstore_store_skips", "Stores skipped, by reason", ["reason"], registry=r)
@@ -83,10 +85,15 @@ class Counters:
         )
 
     def inc(self, family: str, label: str | None = None, n: int = 1) -> None:
-        metric = getattr(self, family)
-        (metric.labels(label) if label is not None else metric).inc(n)
+        got = self._children.get((family, label))
+        if got is None:  # first use of this series: resolve its child and tally name once
+            metric = getattr(self, family)
+            got = (metric.labels(label) if label is not None else metric,
+                   f"{family}.{label}" if label is not None else family)
+            self._children[(family, label)] = got
+        got[0].inc(n)
         with self._lock:
-            self.tally[f"{family}.{label}" if label is not None else family] += n
+            self.tally[got[1]] += n
 
     def evicted(self, action: str, freed: int) -> None:
         """One eviction victim and the bytes it really freed (a retirement: old - new)."""

@@ -31,6 +31,9 @@ class Node:
     snap_used: int
     nbytes: int = 0  # charged bytes of its live files, all ranks
     children: set[int] = attrs.field(factory=set)
+    # (generation, {rank: (name, size, checksum)}): its live file rows, read once per
+    # generation (a generation's live files never change: every rewrite is a new one)
+    files: tuple[int, dict[int, tuple[str, int, str]]] | None = attrs.field(default=None, repr=False)
 
     @property
     def ready(self) -> bool:

@@ -411,6 +411,11 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
     Returns ``(segments, snapshot, files)`` per rank, a ``Damage``, or None on a
     transient I/O error. Records the time spent moving bytes (waiting for reads,
     uploading) in ``eng.transfers.last_restore``.
+
+    Every shard resident in a RAM tier is taken (and its header checked) before any
+    byte moves, so that bookkeeping does not run between copies (which evict the CPU
+    caches); the others are read by reader threads, ``window`` at a time ahead of the
+    uploads, in order.
     """
     L = eng.layout
     ex = eng.executor
@@ -422,47 +427,50 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
     for x in nodes:
         if rows[x.id].keys() != all_ranks:
             return Damage(x, f"shards recorded on ranks {sorted(rows[x.id])}")
-    spans, off = [], 0
+    # chunk: (node, rank, file row, output row, rows cut, rows copied)
+    chunks: list[tuple[Node, int, tuple, int, int, int]] = []
+    off = 0
     for x in nodes:
         cut = max(0, match.gpu_blocks - x.start) * bt
-        spans.append((off, cut, x.blocks * bt - cut))  # output row, rows cut, rows copied
-        off += x.blocks * bt - cut
-    chunks = [(k, x, r) for k, x in enumerate(nodes) for r in range(L.ranks)]
+        ntok = x.blocks * bt - cut
+        chunks += [(x, r, rows[x.id][r], off, cut, ntok) for r in range(L.ranks)]
+        off += ntok
     seg_rows = [(s.name, s.nbytes) for s in L.segments]  # bytes per token row
-    pending: dict[int, Future | _Fetched | Any] = {}
+    got: list[Any] = [_fetch(eng, x, r, row, True) for x, r, row, _, _, _ in chunks]
+    missing = [i for i, g in enumerate(got) if g is _NOT_RESIDENT]
     move = move_cpu = 0.0  # wall and this thread's CPU seconds spent moving bytes
     moved = copies = 0
     clock, cpu = time.perf_counter, time.thread_time
+    snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
+    try:
+        for g, (x, _, _, _, _, _) in zip(got, chunks, strict=True):
+            if isinstance(g, str):  # a RAM copy failed its check
+                return Damage(x, g)
+        with ex.gate.foreground():
+            outs = [{s.name: ex.empty((off, *s.shape), s.torch_dtype) for s in L.segments} for _ in range(L.ranks)]
+            flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
+            nxt = 0
 
-    def start(i: int) -> None:
-        k, x, r = chunks[i]
-        row = rows[x.id][r]
-        got = _fetch(eng, x, r, row, True)  # a RAM hit is used in place, inline
-        if got is _NOT_RESIDENT:
-            pending[i] = tr.readers.submit(_fetch, eng, x, r, row, False)
-        else:
-            pending[i] = got
+            def read_next() -> None:
+                nonlocal nxt
+                i = missing[nxt]
+                x, r, row = chunks[i][:3]
+                got[i] = tr.readers.submit(_fetch, eng, x, r, row, False)
+                nxt += 1
 
-    with ex.gate.foreground():
-        outs = [{s.name: ex.empty((off, *s.shape), s.torch_dtype) for s in L.segments} for _ in range(L.ranks)]
-        flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
-        snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
-        n_chunks, window = len(chunks), tr.window
-        ex.begin_uploads()
-        try:
-            for i in range(min(window, n_chunks)):
-                start(i)
-            for i, (k, x, r) in enumerate(chunks):
-                item = pending.pop(i)
+            while nxt < min(tr.window, len(missing)):
+                read_next()
+            ex.begin_uploads()
+            for i, (x, r, _, o, cut, ntok) in enumerate(chunks):
+                item = got[i]
                 if item.__class__ is Future:
                     tw = clock()
-                    item = item.result()
+                    item = got[i] = item.result()
                     move += clock() - tw
-                if i + window < n_chunks:
-                    start(i + window)
+                    if nxt < len(missing):
+                        read_next()
                 if item.__class__ is not _Fetched:
                     return Damage(x, item) if isinstance(item, str) else None
-                o, cut, ntok = spans[k]
                 tu, cu = clock(), cpu()
                 src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
                 for name, rb in seg_rows:  # each node's rows land in their slice of the output
@@ -475,6 +483,7 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
                         ex.upload(t, item.snap[s.name])
                         snaps[r][s.name] = t
                         moved += t.numel() * t.element_size()
+                got[i] = None
                 item.buffer.release(after=ex.record())
                 move += clock() - tu
                 move_cpu += cpu() - cu
@@ -482,11 +491,12 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
             ex.finish_uploads()
             move += clock() - tf
             move_cpu += cpu() - cf
-        finally:
-            for item in pending.values():
+    finally:
+        for item in got:
+            if item is not None:
                 _discard(item)
-            seg_bytes = moved - sum(t.numel() * t.element_size() for s in snaps for t in s.values())
-            ex.stats.add(h2d_bytes=seg_bytes, h2d_copies=copies)
+        seg_bytes = moved - sum(t.numel() * t.element_size() for s in snaps for t in s.values())
+        ex.stats.add(h2d_bytes=seg_bytes, h2d_copies=copies)
     tr.last_restore = {"total_s": time.perf_counter() - t0, "move_s": move, "move_cpu_s": move_cpu,
                        "bytes": moved, "chunks": len(chunks)}
     return outs, snaps, len(chunks)

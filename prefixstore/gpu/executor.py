@@ -28,7 +28,6 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from typing import Any, Protocol
 
 import attrs
@@ -242,6 +241,21 @@ class StagingPool:
 # ------------------------------------------------------------------------------ priority
 
 
+class _Foreground:
+    """``ForegroundGate.foreground()``'s context (a class: cheap on the request path)."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: ForegroundGate) -> None:
+        self.gate = gate
+
+    def __enter__(self) -> None:
+        self.gate._enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.gate._exit()
+
+
 class ForegroundGate:
     """Restores run in the foreground; background copy work yields to them (bounded)."""
 
@@ -249,18 +263,21 @@ class ForegroundGate:
         self.max_wait_s = max_wait_s
         self._cv = threading.Condition()
         self._active = 0
+        self._fg = _Foreground(self)
 
-    @contextmanager
-    def foreground(self) -> Iterator[None]:
+    def foreground(self) -> _Foreground:
+        """Context: a restore is running (background copies yield until it ends)."""
+        return self._fg
+
+    def _enter(self) -> None:
         with self._cv:
             self._active += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._active -= 1
-                if not self._active:
-                    self._cv.notify_all()
+
+    def _exit(self) -> None:
+        with self._cv:
+            self._active -= 1
+            if not self._active:
+                self._cv.notify_all()
 
     @property
     def active(self) -> int:
