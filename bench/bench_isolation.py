@@ -102,8 +102,11 @@ def request_overhead(backing: str, sizes: list[int], reps: int, ranks: int, work
                         ratios.append(own / modeled)
                         wall_ratios.append(own_wall / modeled)
                     del r
+                elided = _elided_cpu(eng, prefix, tokens, reps) if device == "cpu" else None
                 out.append({
                     "backing": backing, "tokens": tokens, "bytes": m.nbytes, "nodes": len(m.path),
+                    "engine_cpu_s_elided": elided,
+                    "ratio_elided": None if elided is None else elided / modeled,
                     "bandwidth_bytes_per_s": eng.cost.bandwidth_bytes_per_s,
                     "calibration": eng.calibration.get("source"),
                     "modeled_restore_s": modeled, "engine_cpu_s_median": statistics.median(cpu_s),
@@ -114,6 +117,36 @@ def request_overhead(backing: str, sizes: list[int], reps: int, ranks: int, work
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def _elided_cpu(eng: Engine, prefix: Prefix, tokens: int, reps: int) -> float:
+    """Median CPU seconds of the same request with the CPU executor's upload copies
+    elided (the bytes are not moved; the engine does everything else).
+
+    On this CPU-only machine an upload is a memcpy on the request thread, which evicts
+    the caches the engine's own code runs from (every later step pays misses); a GPU's
+    copy engine moves the bytes by DMA and leaves them alone. This is the engine's
+    bookkeeping with its caches as a GPU host would keep them. Reported beside the
+    measured figure, never instead of it."""
+    ex = eng.executor
+    real = ex.upload_bytes
+    ex.upload_bytes = lambda *a: None
+    try:
+        cpu_s = []
+        for i in range(reps + 1):
+            c0 = time.thread_time()
+            m = eng.lookup(prefix, total_tokens=tokens)
+            eng.pin(m)
+            r = eng.restore(m)
+            eng.unpin(m)
+            c1 = time.thread_time()
+            assert r is not None
+            if i:
+                cpu_s.append(c1 - c0 - eng.transfers.last_restore["move_cpu_s"])
+            del r
+    finally:
+        ex.upload_bytes = real
+    return statistics.median(cpu_s)
 
 
 def interference(tokens: int, bg_tokens: int, rounds: int, per_phase: int, ranks: int, workdir: str,
@@ -183,13 +216,15 @@ def report(res: dict) -> str:
              f"{res['loadavg_start'][0]:.1f} at start, {res['loadavg_end'][0]:.1f} at end", "",
              "## Engine CPU work on the request path / modeled restore time (target < 0.02)", "",
              "| backing | tokens | MiB | nodes | bandwidth GB/s | modeled ms | engine CPU ms | ratio (median) "
-             "| max | wall-clock ratio | ratio at 55 GB/s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| max | wall-clock ratio | ratio at 55 GB/s | CPU ms, copies elided | ratio, copies elided |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["overhead"]:
         lines.append(f"| {r['backing']} | {r['tokens']} | {r['bytes'] / MiB:.0f} | {r['nodes']} | "
                      f"{r['bandwidth_bytes_per_s'] / 1e9:.2f} | {r['modeled_restore_s'] * 1e3:.2f} | "
                      f"{r['engine_cpu_s_median'] * 1e3:.3f} | {r['ratio_median']:.4f} | {r['ratio_max']:.4f} | "
-                     f"{r['wall_ratio_median']:.4f} | {r['ratio_at_h200_link']:.4f} |")
+                     f"{r['wall_ratio_median']:.4f} | {r['ratio_at_h200_link']:.4f} | "
+                     + ("- | - |" if r.get("ratio_elided") is None else
+                        f"{r['engine_cpu_s_elided'] * 1e3:.3f} | {r['ratio_elided']:.4f} |"))
     i = res["interference"]
     lines += ["", "## Background stores vs foreground restores, RAM tier (target < 0.02)", "",
               f"- restore of {i['restore_bytes'] / MiB:.0f} MiB: median {i['alone_median_s'] * 1e3:.2f} ms alone, "
@@ -199,7 +234,12 @@ def report(res: dict) -> str:
               "## Verdict", ""]
     s = res["summary"]
     lines += [f"- request-path overhead, worst median ratio: {s['overhead_ratio_max']:.4f} "
-              f"({'met' if s['overhead_target_met'] else 'NOT met'})",
+              f"({'met' if s['overhead_target_met'] else 'NOT met'})"]
+    if s.get("elided_ratio_max") is not None:
+        lines += [f"- the same with the upload copies elided (caches as under DMA): worst "
+                  f"{s['elided_ratio_max']:.4f} ({'met' if s['elided_ratio_max'] < 0.02 else 'NOT met'}; "
+                  "the verdict above is the measured one)"]
+    lines += [
               f"- interference slowdown: {s['slowdown']:+.4f} ({'met' if s['interference_target_met'] else 'NOT met'})"]
     return "\n".join(lines) + "\n"
 
@@ -231,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     res["loadavg_end"] = os.getloadavg()
     worst = max(r["ratio_median"] for r in res["overhead"])
+    elided = [r["ratio_elided"] for r in res["overhead"] if r.get("ratio_elided") is not None]
     res["summary"] = {"overhead_ratio_max": worst, "overhead_target_met": worst < 0.02,
+                      "elided_ratio_max": max(elided) if elided else None,
                       "slowdown": res["interference"]["slowdown"],
                       "interference_target_met": res["interference"]["slowdown"] < 0.02}
     md = report(res)

@@ -138,6 +138,44 @@ def test_composite_serves_ram_hits_and_falls_back_to_disk_after_lru_eviction(tmp
         assert eng.audit().ok
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_mixed_ram_and_disk_restore_returns_every_buffer_on_success_and_on_damage(tmp_path, ranks):
+    """A restore takes the RAM-resident shards first and reads the rest: whether it
+    succeeds or stops at a damaged file, every RAM buffer it took is handed back (the
+    tier's own reference is the only one left) and no staging buffer stays out."""
+    L = make_layout(ranks=ranks)
+    root = str(tmp_path / "c")
+    toks = tokens_for(410, 8)
+    with Engine.open(root, L, CAP, backing="composite", ram_bytes=CAP) as eng:
+        for b in (2, 4, 6, 8):
+            assert store_tokens(eng, toks[: b * 4]).ok
+        tier = eng.backing.tier
+        path = eng.index.path(eng.index.nodes[eng.index.by_key[Prefix.from_tokens(toks, 4).keys[-1]]])
+        names = [f"{x.key.hex()}-g{x.generation}.st" for x in path]
+        for name in names[:2]:  # the two deepest stay in RAM; the others are read from disk
+            for r in range(ranks):
+                assert tier.remove(r, name)
+
+        def quiet() -> None:
+            assert all(buf.refs == 1 for _, buf in tier.items())
+            assert eng.stats()["transfers"]["staging_pool"]["outstanding_bytes"] == sum(
+                b.klass for _, b in tier.items())
+
+        before = eng.stats()["transfers"]["copies"]["tier_read_bytes"]
+        assert_restores(eng, toks, blocks=8)
+        assert eng.stats()["transfers"]["copies"]["tier_read_bytes"] > before  # some shards were read
+        quiet()
+        for name in names[:2]:  # promoted again by that restore: take them out once more
+            for r in range(ranks):
+                tier.remove(r, name)
+        with open(os.path.join(root, f"rank{ranks - 1}", names[1]), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x01")
+        assert eng.restore(eng.lookup(Prefix.from_tokens(toks, 4))) is None  # damaged: a miss
+        quiet()
+        assert eng.lookup(Prefix.from_tokens(toks, 4)).blocks == 2  # above the damaged node
+
+
 def test_composite_ram_copy_never_hides_disk_damage_after_restart(tmp_path):
     L = make_layout()
     root = str(tmp_path / "c")

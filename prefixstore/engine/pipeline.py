@@ -461,9 +461,37 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
             while nxt < min(tr.window, len(missing)):
                 read_next()
             ex.begin_uploads()
-            for i, (x, r, _, o, cut, ntok) in enumerate(chunks):
+            ready: list[tuple[int, _Fetched]] = []  # fetched, not yet uploaded
+
+            def upload_ready() -> None:
+                """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""
+                nonlocal move, move_cpu, moved, copies
+                tu, cu = clock(), cpu()
+                for i, item in ready:
+                    x, r, _, o, cut, ntok = chunks[i]
+                    src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
+                    for name, rb in seg_rows:  # each node's rows land in their slice of the output
+                        ex.upload_bytes(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb)
+                        moved += ntok * rb
+                        copies += 1
+                    if x is end and L.has_snapshot:
+                        for s in L.snapshots:
+                            t = ex.empty(tuple(s.shape), s.torch_dtype)
+                            ex.upload(t, item.snap[s.name])
+                            snaps[r][s.name] = t
+                            moved += t.numel() * t.element_size()
+                fence = ex.record()
+                for i, item in ready:
+                    got[i] = None
+                    item.buffer.release(after=fence)
+                ready.clear()
+                move += clock() - tu
+                move_cpu += cpu() - cu
+
+            for i, (x, _, _, _, _, _) in enumerate(chunks):
                 item = got[i]
                 if item.__class__ is Future:
+                    upload_ready()  # what is here moves while the read completes
                     tw = clock()
                     item = got[i] = item.result()
                     move += clock() - tw
@@ -471,22 +499,8 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
                         read_next()
                 if item.__class__ is not _Fetched:
                     return Damage(x, item) if isinstance(item, str) else None
-                tu, cu = clock(), cpu()
-                src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
-                for name, rb in seg_rows:  # each node's rows land in their slice of the output
-                    ex.upload_bytes(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb)
-                    moved += ntok * rb
-                    copies += 1
-                if x is end and L.has_snapshot:
-                    for s in L.snapshots:
-                        t = ex.empty(tuple(s.shape), s.torch_dtype)
-                        ex.upload(t, item.snap[s.name])
-                        snaps[r][s.name] = t
-                        moved += t.numel() * t.element_size()
-                got[i] = None
-                item.buffer.release(after=ex.record())
-                move += clock() - tu
-                move_cpu += cpu() - cu
+                ready.append((i, item))
+            upload_ready()
             tf, cf = clock(), cpu()
             ex.finish_uploads()
             move += clock() - tf
