@@ -175,7 +175,7 @@ def test_split_on_an_attention_only_layout(cache_dir):
         assert spans(eng) == [(0, 2, False), (2, 6, False)]
         for b in (2, 6):
             assert_restores(eng, CONV[: b * BT], blocks=b)
-        assert_restores(eng, CONV[:20], blocks=2)  # inside (2, 6]: the new checkpoint serves
+        assert_restores(eng, CONV[:20], blocks=5)  # inside (2, 6]: a partial hit on it
         clean(eng)
 
 
@@ -243,11 +243,14 @@ def test_merge_keeps_interior_checkpoints_unless_the_policy_drops_them(cache_dir
     with Engine.open(cache_dir, L, CAP) as eng:
         chain(eng, retire=())
         assert eng.compact().runs == 0
-        assert eng.lookup(P(CONV[:28])).blocks == 6
+        m = eng.lookup(P(CONV[:28]))
+        assert m.blocks == 7 and len(m.path) == 3  # a partial hit inside (6, 9]
         _, before = restored(eng, CONV)
         rep = eng.compact(CompactionPolicy(keep_interior_checkpoints=False))
         assert rep.merges == 1 and spans(eng) == [(0, 12, False)]
-        assert eng.lookup(P(CONV[:28])).outcome == "miss"  # interior checkpoints merged away
+        m = eng.lookup(P(CONV[:28]))  # interior checkpoints merged away: one row serves
+        assert m.blocks == 7 and len(m.path) == 1
+        assert_restores(eng, CONV[:28], blocks=7)
         _, after = restored(eng, CONV)
         assert same(before.segments, after.segments) and after.files_read == 1
         clean(eng)

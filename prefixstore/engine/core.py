@@ -1227,11 +1227,16 @@ class Engine:
         owner = self.index.owner(keys, p)
         if owner is None:
             return Match("miss", **base)
-        node = owner if owner.end == p else self.index.get(owner.parent) if owner.parent is not None else None
+        # Without snapshots a request that leaves a node inside its span can still use
+        # the node's leading rows (a partial hit at block p); with snapshots it stops at
+        # the deepest whole checkpoint (the recurrent state exists only at a node's end).
+        partial = owner.end != p and not L.has_snapshot
+        node = owner if owner.end == p or partial else self.index.get(owner.parent) if owner.parent is not None else None
         if node is None:
             return Match("miss", **base)
-        if node.end <= gpu_blocks:
-            return Match("gpu_resident", blocks=node.end, node_id=node.id, **base)
+        reach = p if partial else node.end  # blocks the deepest candidate covers
+        if reach <= gpu_blocks:
+            return Match("gpu_resident", blocks=reach, node_id=node.id, **base)
         path = self.index.path(node)
         # Nodes below the GPU-resident part must be ready; the deepest usable endpoint
         # is above the first damaged node there.
@@ -1244,35 +1249,39 @@ class Engine:
                 damaged_below = True
                 break
             usable.append(x)
-        # Candidates, deepest first: (node, bytes to transfer, nodes to read). The bytes
-        # are the segment rows above the GPU-resident part plus one snapshot, all ranks.
-        cands: list[tuple[Node, int, int]] = []
+        # Candidates, deepest first: (node, blocks covered, bytes to transfer, nodes to
+        # read). The bytes are the segment rows above the GPU-resident part plus one
+        # snapshot, all ranks; a partial candidate is charged its node's whole rows (its
+        # shard is read and verified whole).
+        cands: list[tuple[Node, int, int, int]] = []
         tokens = 0
         for i, x in enumerate(usable):
             tokens += (x.end - max(x.start, gpu_blocks)) * L.block_tokens
             if x.has_snapshot or not L.has_snapshot:
-                cands.append((x, L.ranks * L.payload_bytes(tokens, L.has_snapshot), i + 1))
+                cands.append((x, min(x.end, reach), L.ranks * L.payload_bytes(tokens, L.has_snapshot), i + 1))
         if not cands:
             return Match("damaged" if damaged_below else "miss", **base)
         cands.reverse()
         total = total_tokens if total_tokens is not None else n * L.block_tokens
         gpu_tokens = gpu_blocks * L.block_tokens
-        decision = choose(self.cost, [(x.end * L.block_tokens, b, k) for x, b, k in cands], gpu_tokens, total)
+        decision = choose(self.cost, [(e * L.block_tokens, b, k) for _, e, b, k in cands], gpu_tokens, total)
         est = decision.deciding
         if est is not None:
             self.counters.decision(
                 result=decision.result, transfer_s=est[1], prefill_s=est[2],
                 key=keys[-1].hex()[:12], gpu_tokens=gpu_tokens, total_tokens=total,
-                deepest_tokens=cands[0][0].end * L.block_tokens,
+                deepest_tokens=cands[0][1] * L.block_tokens,
                 chosen_tokens=None if decision.chosen is None else est[0],
                 estimates=[list(e) for e in decision.estimates],
             )
         if decision.chosen is None:
             return Match("rejected_cost", **base, transfer_s=est[1], prefill_s=est[2])
-        chosen, nbytes, _ = cands[decision.chosen]
+        chosen, blocks, nbytes, _ = cands[decision.chosen]
         chosen_path = tuple((x.id, x.generation) for x in usable if x.end <= chosen.end)
+        if blocks < chosen.end:  # a partial hit: only the rows up to `blocks` are uploaded
+            nbytes = L.ranks * L.payload_bytes((blocks - gpu_blocks) * L.block_tokens, False)
         return Match(
-            "hit", blocks=chosen.end, node_id=chosen.id, path=chosen_path, nbytes=nbytes,
+            "hit", blocks=blocks, node_id=chosen.id, path=chosen_path, nbytes=nbytes,
             transfer_s=est[1] if est else None, prefill_s=est[2] if est else None, **base,
         )
 
@@ -1291,7 +1300,8 @@ class Engine:
             elif node.start != prev_end:
                 return False
             prev_end = node.end
-        return prev_end == match.blocks
+        # the last node holds block `blocks` (at its end, or inside it for a partial hit)
+        return prev_end - node.blocks < match.blocks <= prev_end
 
     def _restore(self, match: Match) -> Restored | None:
         L = self.layout

@@ -431,8 +431,8 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
     chunks: list[tuple[Node, int, tuple, int, int, int]] = []
     off = 0
     for x in nodes:
-        cut = max(0, match.gpu_blocks - x.start) * bt
-        ntok = x.blocks * bt - cut
+        cut = max(0, match.gpu_blocks - x.start) * bt  # rows the GPU holds already
+        ntok = (min(x.end, match.blocks) - x.start) * bt - cut  # a partial hit stops inside x
         chunks += [(x, r, rows[x.id][r], off, cut, ntok) for r in range(L.ranks)]
         off += ntok
     seg_rows = [(s.name, s.nbytes) for s in L.segments]  # bytes per token row

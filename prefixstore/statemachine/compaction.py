@@ -24,7 +24,9 @@ respect ``max_merge_rows`` and ``max_merge_bytes``.
 ``keep_interior_checkpoints`` (default True): only rows that are not restore targets
 may disappear inside a merge, i.e. on a layout with snapshots, rows whose snapshot was
 retired. With False, interior checkpoints (and their snapshots) are merged away too:
-the run keeps only its endpoint as a restore target.
+the run keeps only its endpoint as a restore target. (On an attention-only layout a
+lookup can stop inside any row, so a merge loses no restorable prefix there; what it
+changes is that such a restore reads the whole merged shard.)
 """
 
 from __future__ import annotations
