@@ -30,7 +30,11 @@ from conftest import (
 
 from prefixstore.engine import replace
 from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.engine.errors import (
+    CatalogIOError,
+    InvalidInputError,
+    SimulatedCrash,
+)
 from prefixstore.engine.keys import Prefix
 from prefixstore.gpu import shards
 from prefixstore.gpu.fileio import FaultHook
@@ -319,3 +323,49 @@ def test_unexpected_error_during_evict_cleanup_does_not_strand_its_transaction(c
     finally:
         gate.disarm()
         eng.close()
+
+
+# --------------------------------------------------------------------------- staging buffers
+
+
+def _io_error() -> sqlite3.OperationalError:
+    exc = sqlite3.OperationalError("disk I/O error")
+    exc.sqlite_errorcode = 10  # SQLITE_IOERR: the catalog turns it into CatalogIOError
+    return exc
+
+
+@pytest.mark.parametrize(
+    ("label", "raise_"),
+    [
+        ("store.intent", _io_error),
+        ("store.intent", lambda: SimulatedCrash("death at the intent commit")),
+        ("evict.remove", _io_error),  # inside the store's make-space step
+        ("evict.remove", lambda: SimulatedCrash("death while making space")),
+    ],
+)
+def test_a_store_failing_before_its_writes_releases_its_staging_buffers(tmp_path, label, raise_):
+    L = make_layout()
+    a, b = tokens_for(9, 3), tokens_for(10, 3)
+    with Engine.open(str(tmp_path / "probe"), L, CAP) as probe:
+        size = store_tokens(probe, a).nbytes
+    gate = Gate()
+    eng = Engine.open(str(tmp_path / "c"), L, size + 8, hook=gate)  # b needs a evicted
+    try:
+        assert store_tokens(eng, a).ok
+
+        class Fail(FaultHook):
+            def before(self, op, target, rank):
+                if op == "commit" and target == label:
+                    raise raise_()
+
+        gate.arm(Fail())
+        with pytest.raises((CatalogIOError, SimulatedCrash)):
+            store_tokens(eng, b)
+        gate.disarm()
+        assert eng.executor.pool.stats()["outstanding_bytes"] == 0
+    finally:
+        gate.disarm()
+        if not eng._closed:
+            eng.close()
+    with Engine.open(str(tmp_path / "c"), L, size + 8) as again:
+        assert again.audit().ok

@@ -708,25 +708,29 @@ class Engine:
             # Zero-copy: each rank's tensors go straight into a buffer laid out as its file.
             datas = pipeline.stage_store(self, staged, meta, segs, snaps, lo, hi)
             owned = [] if datas is staged else datas  # released below; the caller's are its own
-            needed = sum(d.size for d in datas)
-            protect = {x.id for x in (plan.parent, plan.existing) if x is not None}
-            if not self._make_space(needed, protect):
+            try:  # a failed space step or intent commit must not strand the buffers
+                needed = sum(d.size for d in datas)
+                protect = {x.id for x in (plan.parent, plan.existing) if x is not None}
+                if not self._make_space(needed, protect):
+                    pipeline.release(owned)
+                    res = StoreResult(REFUSED, n, "no_space", needed)
+                    self._count_store(res)
+                    return res
+                payload = {
+                    "key": key.hex(), "generation": gen, "name": name, "start": start, "end": n,
+                    "parent": plan.parent.id if plan.parent else None,
+                    "node": plan.existing.id if plan.existing else None,
+                }
+                with self.catalog.txn("store.intent") as c:
+                    tid = self._journal_begin(c, "store", payload)
+                    c.executemany(
+                        "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+                        "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
+                        [(r, name, gen, d.size, d.checksum(), tid) for r, d in enumerate(datas)],
+                    )
+            except BaseException:
                 pipeline.release(owned)
-                res = StoreResult(REFUSED, n, "no_space", needed)
-                self._count_store(res)
-                return res
-            payload = {
-                "key": key.hex(), "generation": gen, "name": name, "start": start, "end": n,
-                "parent": plan.parent.id if plan.parent else None,
-                "node": plan.existing.id if plan.existing else None,
-            }
-            with self.catalog.txn("store.intent") as c:
-                tid = self._journal_begin(c, "store", payload)
-                c.executemany(
-                    "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-                    "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
-                    [(r, name, gen, d.size, d.checksum(), tid) for r, d in enumerate(datas)],
-                )
+                raise
             self._charged += needed
             for k in prefix.keys[start:n]:
                 self._inflight_blocks[k] = tid
