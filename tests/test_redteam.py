@@ -325,6 +325,95 @@ def test_unexpected_error_during_evict_cleanup_does_not_strand_its_transaction(c
         eng.close()
 
 
+# --------------------------------------------------------------------------- queued retries
+
+
+class _Cancelled(BaseException):
+    """A caller's BaseException (as asyncio's CancelledError is) raised by ``valid()``."""
+
+
+def _queue_behind_a_pin(tmp_path, hook=None):
+    """An engine with room for one checkpoint, ``a`` stored and pinned, and a store of
+    ``b`` queued (its ``valid`` is the returned dict's 'valid' callable)."""
+    L = make_layout()
+    a, b = tokens_for(9, 3), tokens_for(10, 3)
+    with Engine.open(str(tmp_path / "probe"), L, CAP) as probe:
+        size = store_tokens(probe, a).nbytes
+    eng = Engine.open(str(tmp_path / "c"), L, size + 8, hook=hook)
+    assert store_tokens(eng, a).ok
+    ma = eng.lookup(Prefix.from_tokens(a, BT))
+    assert eng.pin(ma)
+    ctl = {"valid": lambda: True}
+    assert store_tokens(eng, b, valid=lambda: ctl["valid"]()).status == "queued"
+    return eng, ma, a, b, ctl
+
+
+@pytest.mark.parametrize("caller", ["unpin", "evict", "reclaim"])
+def test_a_queued_store_whose_valid_raises_does_not_escape_into_the_caller(tmp_path, caller):
+    eng, ma, a, b, ctl = _queue_behind_a_pin(tmp_path)
+    try:
+
+        def cancelled():
+            raise _Cancelled()
+
+        ctl["valid"] = cancelled
+        if caller == "unpin":
+            eng.unpin(ma)  # must not raise: the unpin did its job
+            assert eng.stats()["pinned"] == 0
+        elif caller == "evict":
+            eng.evict(0)
+        else:
+            eng.reclaim()
+        st = eng.stats()
+        assert st["pending_retries"] == 0 and st["counters"].get("retries.dropped") == 1, st["counters"]
+        assert eng.audit().ok
+    finally:
+        eng.close()
+
+
+def test_a_queued_store_failing_unexpectedly_is_abandoned_not_raised(tmp_path):
+    gate = Gate()
+    eng, ma, a, b, _ = _queue_behind_a_pin(tmp_path, hook=gate)
+    try:
+
+        class Bug(FaultHook):
+            def before(self, op, target, rank):
+                if op == "commit" and target == "store.intent":
+                    raise RuntimeError("a bug in the retried store")
+
+        gate.arm(Bug())
+        eng.unpin(ma)  # the retry runs (a is evicted for it) and fails: not the unpin's error
+        gate.disarm()
+        st = eng.stats()
+        assert st["pinned"] == 0 and st["pending_retries"] == 0
+        assert st["counters"].get("retries.abandoned") == 1, st["counters"]
+        assert st["transfers"]["staging_pool"]["outstanding_bytes"] == 0
+        assert store_tokens(eng, b).status == "stored"  # the engine goes on
+        assert eng.audit().ok
+    finally:
+        gate.disarm()
+        eng.close()
+
+
+def test_a_simulated_crash_in_a_retry_still_propagates(tmp_path):
+    gate = Gate()
+    eng, ma, a, b, _ = _queue_behind_a_pin(tmp_path, hook=gate)
+    root = eng.root
+
+    class Crash(FaultHook):
+        def before(self, op, target, rank):
+            if op == "commit" and target == "store.intent":
+                raise SimulatedCrash("process death in the retry")
+
+    gate.arm(Crash())
+    with pytest.raises(SimulatedCrash):
+        eng.unpin(ma)
+    gate.disarm()
+    assert eng._closed  # abandoned, as a dead process
+    with Engine.open(root, eng.layout, eng.capacity) as again:
+        assert again.audit().ok and not again.catalog.journal()
+
+
 # --------------------------------------------------------------------------- staging buffers
 
 

@@ -66,6 +66,8 @@ from prefixstore.statemachine.cost import CostModel, choose
 from prefixstore.statemachine.transactions import MACHINES
 
 LOCK_NAME = "LOCK"
+_FATAL = (SimulatedCrash, KeyboardInterrupt, SystemExit)
+"""What a queued store's retry lets through to the call that ran it (process death)."""
 
 
 @attrs.define
@@ -376,7 +378,10 @@ class Engine:
         store, ``unpin``, ``evict``, ``reclaim``). Counted as ``retries.*``:
         ``succeeded``, ``dropped`` (``valid()`` false or raising), ``superseded``
         (stored meanwhile, or queued again), ``abandoned`` (failed, or no longer
-        storable from the rows held, e.g. its parent went), ``overflow``.
+        storable from the rows held, e.g. its parent went, or raised unexpectedly:
+        logged, never raised into the call that ran the retry), ``overflow``. Only
+        process death (``SimulatedCrash``, ``KeyboardInterrupt``, ``SystemExit``)
+        propagates.
         """
         with self._guard():
             with self._lock:
@@ -391,7 +396,15 @@ class Engine:
                 while i < len(todo):
                     p = todo[i]
                     i += 1
-                    event, reason = self._retry_one(p)
+                    try:
+                        event, reason = self._retry_one(p)
+                    except BaseException as exc:  # the retry's failure, not its caller's
+                        self.counters.inc("retries", "abandoned")
+                        log.warning("store_retry", outcome="abandoned", reason=f"{type(exc).__name__}: {exc}",
+                                    blocks=len(p.prefix), key=p.prefix.keys[-1].hex()[:12])
+                        if isinstance(exc, _FATAL):
+                            raise
+                        continue
                     if event == "kept":
                         keep.append(p)
                         continue
@@ -408,7 +421,9 @@ class Engine:
         'abandoned', reason)."""
         try:
             still_valid = bool(p.valid())
-        except Exception as exc:  # the caller's check failing means the checkpoint is gone
+        except BaseException as exc:  # the caller's check failing means the checkpoint is gone
+            if isinstance(exc, _FATAL):
+                raise
             return "dropped", f"valid() raised {type(exc).__name__}"
         if not still_valid:
             return "dropped", "invalid"
