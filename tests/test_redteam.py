@@ -64,6 +64,19 @@ def _split_tree(eng: Engine) -> tuple[list[int], list[int]]:
     return a, b
 
 
+class _BlockWrite(FaultHook):
+    """Blocks the first shard write of the thread named ``thread`` until ``go``."""
+
+    def __init__(self, thread: str) -> None:
+        self.thread = thread
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def before(self, op, target, rank):
+        if op == "write" and threading.current_thread().name == self.thread and not self.reached.is_set():
+            self.reached.set()
+            self.go.wait(WAIT)
+
+
 # --------------------------------------------------------------------------- invariant 6
 
 
@@ -458,3 +471,53 @@ def test_a_store_failing_before_its_writes_releases_its_staging_buffers(tmp_path
             eng.close()
     with Engine.open(str(tmp_path / "c"), L, size + 8) as again:
         assert again.audit().ok
+
+
+# --------------------------------------------------------------------------- index reload
+
+
+def test_a_failed_transaction_reload_keeps_in_flight_nodes_current(cache_dir):
+    """fail_txn rebuilt the index from scratch: a refill in flight then published into
+    its stale Node object, and the index kept the damaged row with its old generation."""
+    L = make_layout()
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    try:
+        a, b = tokens_for(1, 4), tokens_for(2, 4)
+        assert store_tokens(eng, a).ok and store_tokens(eng, b).ok
+        x = _node(eng, a)
+        os.unlink(os.path.join(cache_dir, "rank0", f"{x.key.hex()}-g{x.generation}.st"))
+        assert eng.restore(eng.lookup(Prefix.from_tokens(a, BT))) is None
+        assert x.state == "damaged"
+
+        block = _BlockWrite("refill")
+
+        class Hooks(FaultHook):
+            bug = True
+
+            def before(self, op, target, rank):
+                block.before(op, target, rank)
+                if op == "unlink" and threading.current_thread().name != "refill" and self.bug:
+                    self.bug = False
+                    raise RuntimeError("a rank agent bug, not an I/O error")
+
+        out: dict[str, object] = {}
+        refill = threading.Thread(name="refill", target=lambda: out.update(r=store_tokens(eng, a)))
+        gate.arm(Hooks())
+        refill.start()
+        assert block.reached.wait(WAIT)  # the refill planned, fenced x, and is writing
+        with contextlib.suppress(RuntimeError):
+            eng.evict(prefix=Prefix.from_tokens(b, BT))  # fails after its publish: fail_txn
+        block.go.set()
+        refill.join(WAIT)
+        gate.disarm()
+        assert not refill.is_alive()
+        assert out["r"].status == "refilled", out
+        rows = dict(eng.catalog.query("SELECT id, generation FROM nodes"))
+        live = _node(eng, a)
+        assert (live.state, live.generation) == ("ready", rows[live.id]), "the index disagrees with the catalog"
+        assert_restores(eng, a, blocks=4)
+        assert eng.audit().ok
+    finally:
+        gate.disarm()
+        eng.close()

@@ -554,7 +554,16 @@ class Engine:
             with self.catalog.txn("capacity") as c:
                 self.catalog.set_meta(c, "capacity", str(self.capacity))
 
-    def _load(self) -> None:
+    def _load(self, keep: bool = False) -> None:
+        """Build the index (and charged bytes, clock, victim heap) from the catalog.
+
+        ``keep``: reload a running engine (after a transaction that failed past its
+        publish). The Node object of every row that remains is kept and updated in
+        place, with its in-memory recency when newer, so operations in flight that
+        hold it (a store refilling it, a restore that pinned it) stay on the index's
+        own node; pins and fences are keyed by id and untouched. Lock held.
+        """
+        old = self.index.nodes if keep else {}
         self.index = Index()
         sizes = dict(
             self.catalog.query(
@@ -565,13 +574,20 @@ class Engine:
             "SELECT id, key, parent, start_block, end_block, digests, has_snapshot, state, "
             "generation, last_used, snap_used FROM nodes ORDER BY end_block, id"
         )
-        clock = 0
+        clock = self._clock if keep else 0
         for r in rows:
             node = Node(
                 id=r[0], key=bytes(r[1]), parent=r[2], start=r[3], end=r[4], digests=bytes(r[5]),
                 has_snapshot=bool(r[6]), state=r[7], generation=r[8], last_used=r[9],
                 snap_used=r[10], nbytes=sizes.get(r[0], 0),
             )
+            prev = old.get(node.id)
+            if prev is not None and prev.key == node.key:
+                node.last_used = max(node.last_used, prev.last_used)
+                node.snap_used = max(node.snap_used, prev.snap_used)
+                for f in attrs.fields(Node):
+                    setattr(prev, f.name, getattr(node, f.name))
+                node = prev
             self.index.add(node)
             clock = max(clock, node.last_used, node.snap_used)
         self._clock = clock

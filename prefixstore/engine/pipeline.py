@@ -182,7 +182,7 @@ def fail_txn(eng: Engine, tid: int, exc: BaseException) -> None:
         if recovery_direction(kind, state) == "forward":
             rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
             eng._finish_retire(tid, kind, rows)
-            eng._load()  # the publish committed; make the index agree with it
+            eng._load(keep=True)  # the publish committed; make the index agree with it
         else:
             eng._rollback(tid, kind, state, "failed")
     eng.counters.inc("faults", "txn_error")
