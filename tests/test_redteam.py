@@ -15,6 +15,7 @@ import os
 import sqlite3
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from prefixstore.engine import replace
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import (
     CatalogIOError,
+    EngineClosedError,
     InvalidInputError,
     SimulatedCrash,
 )
@@ -64,15 +66,21 @@ def _split_tree(eng: Engine) -> tuple[list[int], list[int]]:
     return a, b
 
 
-class _BlockWrite(FaultHook):
-    """Blocks the first shard write of the thread named ``thread`` until ``go``."""
+class _BlockOnce(FaultHook):
+    """Blocks the first effect ``op`` (a shard write; 'commit': the store's intent
+    commit) run by the thread named ``thread`` until ``go``."""
 
-    def __init__(self, thread: str) -> None:
-        self.thread = thread
+    def __init__(self, thread: str, op: str = "write") -> None:
+        self.thread, self.op = thread, op
         self.reached, self.go = threading.Event(), threading.Event()
 
     def before(self, op, target, rank):
-        if op == "write" and threading.current_thread().name == self.thread and not self.reached.is_set():
+        if (
+            op == self.op
+            and (op != "commit" or target == "store.intent")
+            and threading.current_thread().name == self.thread
+            and not self.reached.is_set()
+        ):
             self.reached.set()
             self.go.wait(WAIT)
 
@@ -427,6 +435,90 @@ def test_a_simulated_crash_in_a_retry_still_propagates(tmp_path):
         assert again.audit().ok and not again.catalog.journal()
 
 
+# --------------------------------------------------------------------------- close
+
+
+def test_close_waits_for_an_in_flight_store_and_refuses_new_calls(cache_dir):
+    L = make_layout()
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    a = tokens_for(1, 4)
+    hook = _BlockOnce("storer")
+    gate.arm(hook)
+    out: dict[str, object] = {}
+
+    def run_store():
+        try:
+            out["store"] = store_tokens(eng, a)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["store"] = exc
+
+    storer = threading.Thread(name="storer", target=run_store)
+    storer.start()
+    assert hook.reached.wait(WAIT)
+    closer = threading.Thread(name="closer", target=eng.close)
+    closer.start()
+    closer.join(0.3)
+    waited = closer.is_alive()
+    refused = None
+    if waited:
+        try:
+            eng.lookup(Prefix.from_tokens(a, BT))
+        except EngineClosedError as exc:
+            refused = exc
+    hook.go.set()
+    storer.join(WAIT)
+    closer.join(WAIT)
+    gate.disarm()
+    assert not storer.is_alive() and not closer.is_alive()
+    assert not isinstance(out["store"], BaseException), f"the in-flight store raised {out['store']!r}"
+    assert out["store"].status == "stored"
+    assert waited, "close() did not wait for the store in flight"
+    assert refused is not None, "a call started while close() waited was not refused"
+    with Engine.open(cache_dir, L, CAP) as again:
+        assert again.audit().ok
+        assert_restores(again, a, blocks=4)
+
+
+@pytest.mark.parametrize(("ranks", "op"), [(1, "write"), (2, "commit")])
+def test_a_call_outliving_close_gets_a_typed_error_and_loses_nothing(cache_dir, ranks, op):
+    """Blocked in its write (the catalog closes under it) or at its intent commit
+    under the engine lock (close waits for the lock; the rank pool is then shut
+    down under the store's writes, or the catalog under its publish)."""
+    L = make_layout(ranks=ranks)
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    a, b = tokens_for(1, 4), tokens_for(2, 4)
+    assert store_tokens(eng, a).ok
+    eng.close_wait_s = 0.2  # close gives up waiting for the blocked store
+    hook = _BlockOnce("storer", op)
+    gate.arm(hook)
+    out: dict[str, object] = {}
+
+    def run_store():
+        try:
+            out["store"] = store_tokens(eng, b)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["store"] = exc
+
+    storer = threading.Thread(name="storer", target=run_store)
+    storer.start()
+    assert hook.reached.wait(WAIT)
+    closer = threading.Thread(name="closer", target=eng.close)
+    closer.start()
+    time.sleep(0.4)  # past close_wait_s: close gave up waiting (and may wait for the lock)
+    hook.go.set()
+    closer.join(WAIT)
+    storer.join(WAIT)
+    gate.disarm()
+    assert not storer.is_alive()
+    assert isinstance(out["store"], EngineClosedError), f"got {out['store']!r}"
+    with Engine.open(cache_dir, L, CAP) as again:
+        assert again.audit().ok and not again.catalog.journal()
+        assert_restores(again, a, blocks=4)
+        assert not again.lookup(Prefix.from_tokens(b, BT)).hit  # never acknowledged
+
+
 # --------------------------------------------------------------------------- staging buffers
 
 
@@ -490,7 +582,7 @@ def test_a_failed_transaction_reload_keeps_in_flight_nodes_current(cache_dir):
         assert eng.restore(eng.lookup(Prefix.from_tokens(a, BT))) is None
         assert x.state == "damaged"
 
-        block = _BlockWrite("refill")
+        block = _BlockOnce("refill")
 
         class Hooks(FaultHook):
             bug = True

@@ -37,6 +37,7 @@ from prefixstore.engine.errors import (
     LayoutMismatchError,
     LockedError,
     NotACacheError,
+    PrefixStoreError,
     RankUnavailableError,
     ShapeError,
     ShardError,
@@ -167,6 +168,10 @@ class Engine:
         self._lock = threading.RLock()
         self._settled = threading.Condition(self._lock)  # notified when a store finishes
         self._closed = False
+        self._closing = False  # close() started: new public calls are refused
+        self._calls = 0  # public calls in flight, all threads (close waits for them)
+        self._calls_cv = threading.Condition(threading.Lock())
+        self._local = threading.local()  # .depth: this thread's nested public calls
         self._lock_fd: int | None = None
         self._pins: Counter[int] = Counter()
         self._fences: Counter[int] = Counter()
@@ -209,6 +214,7 @@ class Engine:
             raise
 
     pin_wait_s = 2.0  # how long a refill waits for a restore's pin before it rolls back
+    close_wait_s = 30.0  # how long close() waits for public calls in flight on other threads
 
     def __enter__(self) -> Engine:
         return self
@@ -500,13 +506,26 @@ class Engine:
             return audit_engine(self, checksums=checksums)
 
     def close(self) -> None:
-        """Flush recency, close the catalog and release the directory lock."""
+        """Flush recency, close the catalog and release the directory lock.
+
+        Queued asynchronous stores commit first. Then new calls are refused
+        (``EngineClosedError``) and calls in flight on other threads are waited for,
+        up to ``close_wait_s``; one still running after that gets an
+        ``EngineClosedError`` at its next catalog access (its transaction is left to
+        recovery at the next open, as after a crash).
+        """
         if self._closed:
             return
         self.transfers.drain()  # outside the lock: queued async stores commit first
         if self.compactor is not None:
             self.compactor.stop()  # outside the lock: the worker may be waiting for it
+        deadline = time.monotonic() + self.close_wait_s
+        self._quiesce(deadline)
+        # Jobs queued since the drain are refused by the guard; let them release what they hold.
+        self.transfers.drain(max(0.0, deadline - time.monotonic()))
         with self._lock:
+            if self._closed:  # abandoned meanwhile (a simulated crash)
+                return
             try:
                 self._flush_recency()
             finally:
@@ -598,13 +617,45 @@ class Engine:
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
-        if self._closed:
-            raise EngineClosedError("engine is closed")
+        """Every public call runs inside: refused once the engine is closed or closing
+        (a call nested in one already running on this thread goes on), counted in
+        flight for ``close``; a ``SimulatedCrash`` abandons the engine; an untyped
+        error from a resource closed under the call becomes ``EngineClosedError``."""
+        depth = getattr(self._local, "depth", 0)
+        with self._calls_cv:
+            if self._closed or (self._closing and not depth):
+                raise EngineClosedError("engine is closed")
+            self._calls += 1
+        self._local.depth = depth + 1
         try:
             yield
         except SimulatedCrash:
             self._abandon()
             raise
+        except Exception as exc:
+            if self._closed and not isinstance(exc, PrefixStoreError):
+                # closed under the call (its catalog, pools, workers): a typed error
+                raise EngineClosedError(f"engine closed during the call ({type(exc).__name__})") from exc
+            raise
+        finally:
+            self._local.depth = depth
+            with self._calls_cv:
+                self._calls -= 1
+                if self._closing:
+                    self._calls_cv.notify_all()
+
+    def _quiesce(self, deadline: float) -> None:
+        """Refuse new public calls; wait until those in flight on other threads end
+        (or ``deadline``, a ``time.monotonic()`` value, passes)."""
+        mine = getattr(self._local, "depth", 0)  # close() called from inside a call
+        with self._calls_cv:
+            self._closing = True
+            while self._calls > mine:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("close_timeout", in_flight=self._calls - mine)
+                    return
+                self._calls_cv.wait(left)
 
     def _abandon(self) -> None:
         """Model process death: drop the connection (uncommitted work rolls back)."""

@@ -74,7 +74,7 @@ class Transfers:
         def run() -> None:
             with self._lock:
                 self._retry_queued = False
-            if not eng._closed:
+            if not (eng._closed or eng._closing):
                 eng.retry_pending()
 
         try:
