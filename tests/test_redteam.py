@@ -1,10 +1,10 @@
-"""Red-team findings: each test demonstrates one contract violation that exists today.
+"""Red-team findings: each test demonstrates one contract violation, now fixed.
 
-Every test is ``xfail(strict=True)``: it fails while the bug is there (the suite stays
-green) and turns the suite red (XPASS) once the bug is fixed, so whoever fixes it
-removes the marker. The contract is ``shared/DESIGN.md`` (invariants 1-8 in section 4,
-the failure model in section 5) and the documented API (README, docstrings,
-``engine/errors.py``). Root causes and suggested fixes are in each ``reason``.
+A new finding lands as an ``xfail(strict=True)`` test, its root cause in the
+``reason``: it fails while the bug is there (the suite stays green) and turns the
+suite red (XPASS) once the bug is fixed, so whoever fixes it removes the marker. The
+contract is ``shared/DESIGN.md`` (invariants 1-8 in section 4, the failure model in
+section 5) and the documented API (README, docstrings, ``engine/errors.py``).
 """
 
 from __future__ import annotations
@@ -252,22 +252,9 @@ def test_split_racing_a_snapshot_retirement_does_not_raise(cache_dir, monkeypatc
 # --------------------------------------------------------------------------- store_async
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (DESIGN 'Damaged': refilled by a later store of the same checkpoint; README: "
-        "store_async is journaled exactly as store()): pipeline.store_async fences "
-        "plan.existing at its peek and keeps the fence until the commit job ends; the job's "
-        "own Engine._store -> _plan then sees that fence on the row it is refilling and "
-        "returns skipped/'fenced' (core.py _plan: `if self._pins[...] or self._fences[...]`). "
-        "Every asynchronous refill (damaged row, or a row whose snapshot was retired) is "
-        "skipped, while store() refills the same input. _refill_rows likewise skips a damaged "
-        "parent the async store fenced itself. Fix: let the commit job pass the fences it "
-        "holds to _store (discount them in _plan / spans), or do not fence existing at peek "
-        "(re-plan at commit)."
-    ),
-)
 def test_store_async_refills_a_damaged_checkpoint(cache_dir):
+    """store_async fenced the row it refills at its peek; the commit's own _plan then
+    skipped it as 'fenced'. The commit now passes the fences it holds (``held``)."""
     L = make_layout()
     with Engine.open(cache_dir, L, CAP) as eng:
         a = tokens_for(1, 4)
@@ -282,21 +269,9 @@ def test_store_async_refills_a_damaged_checkpoint(cache_dir):
         assert_restores(eng, a, blocks=4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InvalidInputError,
-    reason=(
-        "BUG (README: store_async stores 'like store', bad input raises; here the input is "
-        "good): pipeline.store_async peeks with the ordinary _plan and raises "
-        "InvalidInputError when tokens_from > plan.start*block_tokens, ignoring the "
-        "compact-replace path spans.on_store takes for the same call (republish a row without "
-        "snapshot from its own rows plus the store's snapshot, which needs no rows before the "
-        "row's end). store() with the same arguments returns 'refilled'. Fix: run the same "
-        "span decision in the peek (or skip the tokens_from check when spans would handle it) "
-        "and let the commit re-plan."
-    ),
-)
 def test_store_async_accepts_what_store_accepts(cache_dir):
+    """The peek checked tokens_from against the ordinary plan, ignoring the republish
+    (snapshot only) that store() takes for the same call; it now routes as store()."""
     L = make_layout()
     with Engine.open(cache_dir, L, CAP) as eng:
         d = tokens_for(5, 6)
@@ -310,6 +285,26 @@ def test_store_async_accepts_what_store_accepts(cache_dir):
         ticket = eng.store_async(prefix, tail, snap, tokens_from=2 * BT)
         assert ticket.result(WAIT).status == "refilled"
         assert_restores(eng, d[: 4 * BT], blocks=4)
+
+
+def test_store_async_refills_a_damaged_parent_like_store(cache_dir):
+    """The peek staged rows from the new node's start only and fenced the parent, so
+    the commit could not refill the damaged parent store() refills from the same rows."""
+    L = make_layout()
+    with Engine.open(cache_dir, L, CAP) as eng:
+        a = tokens_for(1, 6)
+        assert store_tokens(eng, a[: 4 * BT]).ok and store_tokens(eng, a).ok
+        p = _node(eng, a[: 4 * BT])
+        os.unlink(os.path.join(cache_dir, "rank0", f"{p.key.hex()}-g{p.generation}.st"))
+        assert eng.restore(eng.lookup(Prefix.from_tokens(a[: 4 * BT], BT))) is None
+        assert p.state == "damaged"
+        b = a[: 4 * BT] + tokens_for(2, 2)  # a sibling of (4,6]: its parent is the damaged row
+        ticket = eng.store_async(Prefix.from_tokens(b, BT), seg_tensors(L, b), snap_tensors(L, b))
+        assert ticket.result(WAIT).status == "stored"
+        assert p.state == "ready", "store() refills the parent its rows cover; store_async did not"
+        assert eng.stats()["counters"].get("refills") == 1
+        assert_restores(eng, b, blocks=6)
+        assert eng.audit().ok
 
 
 # --------------------------------------------------------------------------- exception safety

@@ -723,7 +723,9 @@ class Engine:
             snaps = None
         return segs, snaps
 
-    def _plan(self, prefix: Prefix) -> _Plan | StoreResult:
+    def _plan(self, prefix: Prefix, held: frozenset[int] = frozenset()) -> _Plan | StoreResult:
+        """Where the store of ``prefix`` goes, or why it does not. ``held``: nodes the
+        caller fences itself (an async store's peek), not counted as busy. Lock held."""
         n = len(prefix)
         keys = prefix.keys
         p = self.index.deepest_block(keys, n)
@@ -737,24 +739,28 @@ class Engine:
         if existing is not None:
             if existing.ready and (existing.has_snapshot or not self.layout.has_snapshot):
                 return StoreResult(DUPLICATE, n, "duplicate")
-            if self._pins[existing.id] or self._fences[existing.id]:
+            if self._pins[existing.id] or self._fenced(existing.id, held):
                 return StoreResult(SKIPPED, n, "pinned" if self._pins[existing.id] else "fenced")
         start = parent.end if parent is not None else 0
         if any(k in self._inflight_blocks for k in keys[start:n]):
             return StoreResult(SKIPPED, n, "in_flight")
         return _Plan(parent, existing, start)
 
-    def _store(self, prefix: Prefix, segs, snaps, tokens_from: int, staged=None) -> StoreResult:
+    def _store(
+        self, prefix: Prefix, segs, snaps, tokens_from: int, staged=None, held: frozenset[int] = frozenset()
+    ) -> StoreResult:
         """``staged``: shards already staged by ``store_async`` for the plan it saw (the
-        caller releases them); used when the plan still matches, else staged again."""
+        caller releases them); used when the plan still matches, else staged again.
+        ``held``: nodes ``store_async`` fenced at its peek (one fence each, its own):
+        the store refills or replaces them as ``store`` would."""
         L = self.layout
         n = len(prefix)
         from prefixstore.engine import spans  # split / republish / row refill (compact-replace)
 
-        if (res := spans.on_store(self, prefix, segs, snaps, tokens_from)) is not None:
+        if (res := spans.on_store(self, prefix, segs, snaps, tokens_from, held)) is not None:
             return res
         with self._lock:
-            plan = self._plan(prefix)
+            plan = self._plan(prefix, held)
             deadline = time.monotonic() + self.inflight_wait_s
             while isinstance(plan, StoreResult) and plan.reason == "in_flight":
                 # An overlapping store is in flight: wait for it to settle, then re-plan.
@@ -762,7 +768,7 @@ class Engine:
                 if left <= 0 or self._closed:
                     break
                 self._settled.wait(left)
-                plan = self._plan(prefix)
+                plan = self._plan(prefix, held)
             if isinstance(plan, StoreResult):
                 self._count_store(plan)
                 return plan
@@ -861,6 +867,11 @@ class Engine:
                     if not self._fences[x]:
                         del self._fences[x]
                 self._settled.notify_all()
+
+    def _fenced(self, nid: int, held: frozenset[int] = frozenset()) -> bool:
+        """Whether a transaction other than the caller's fences node ``nid`` (the
+        caller holds one fence on each node in ``held``)."""
+        return self._fences[nid] > (nid in held)
 
     def _count_store(self, res: StoreResult) -> None:
         if res.status in (SKIPPED, DUPLICATE, REFUSED):
