@@ -510,9 +510,9 @@ class Engine:
 
         Queued asynchronous stores commit first. Then new calls are refused
         (``EngineClosedError``) and calls in flight on other threads are waited for,
-        up to ``close_wait_s``; one still running after that gets an
-        ``EngineClosedError`` at its next catalog access (its transaction is left to
-        recovery at the next open, as after a crash).
+        up to ``close_wait_s``; one still running after that fails with
+        ``EngineClosedError`` if it needs what close released (an unpublished
+        transaction of it is left to recovery at the next open, as after a crash).
         """
         if self._closed:
             return

@@ -8,10 +8,10 @@ tier adopts the buffer as its copy. No other host copy is made.
 Asynchronous store (``store_async``): the caller's thread validates, peeks at the
 plan as ``store`` decides it, fences the parent and the row it refills (so the plan
 cannot move earlier; the commit passes these fences to ``Engine._store`` as its own)
-and enqueues the device to host copies; the returned ``StoreTicket`` says when they are done (``released``: the
-GPU blocks may be reused) and, later, the store's result (``result()``), which the
-commit worker produces by running the ordinary journaled store (intent, durable
-writes, publish) on the staged bytes. The journal rules are unchanged: a crash after
+and enqueues the device to host copies; the returned ``StoreTicket`` says when they
+are done (``released``: the GPU blocks may be reused) and, later, the store's result
+(``result()``), which the commit worker produces by running the ordinary journaled
+store (intent, durable writes, publish) on the staged bytes. The journal rules are unchanged: a crash after
 the release and before the publish commit leaves an INTENT (or nothing) that
 recovery rolls back: the store is simply absent.
 
