@@ -1,10 +1,10 @@
-"""Red-team findings: each test demonstrates one contract violation that exists today.
+"""Red-team findings: each test demonstrates one contract violation, now fixed.
 
-Every test is ``xfail(strict=True)``: it fails while the bug is there (the suite stays
-green) and turns the suite red (XPASS) once the bug is fixed, so whoever fixes it
-removes the marker. The contract is ``shared/DESIGN.md`` (invariants 1-8 in section 4,
-the failure model in section 5) and the documented API (README, docstrings,
-``engine/errors.py``). Root causes and suggested fixes are in each ``reason``.
+A new finding lands as an ``xfail(strict=True)`` test, its root cause in the
+``reason``: it fails while the bug is there (the suite stays green) and turns the
+suite red (XPASS) once the bug is fixed, so whoever fixes it removes the marker. The
+contract is ``shared/DESIGN.md`` (invariants 1-8 in section 4, the failure model in
+section 5) and the documented API (README, docstrings, ``engine/errors.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import sqlite3
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,12 @@ from conftest import (
 
 from prefixstore.engine import replace
 from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.engine.errors import (
+    CatalogIOError,
+    EngineClosedError,
+    InvalidInputError,
+    SimulatedCrash,
+)
 from prefixstore.engine.keys import Prefix
 from prefixstore.gpu import shards
 from prefixstore.gpu.fileio import FaultHook
@@ -58,6 +64,25 @@ def _split_tree(eng: Engine) -> tuple[list[int], list[int]]:
     e = _node(eng, a[: 2 * BT])
     assert (e.start, e.end, e.has_snapshot, e.ready, len(e.children)) == (0, 2, False, True, 2)
     return a, b
+
+
+class _BlockOnce(FaultHook):
+    """Blocks the first effect ``op`` (a shard write; 'commit': the store's intent
+    commit) run by the thread named ``thread`` until ``go``."""
+
+    def __init__(self, thread: str, op: str = "write") -> None:
+        self.thread, self.op = thread, op
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def before(self, op, target, rank):
+        if (
+            op == self.op
+            and (op != "commit" or target == "store.intent")
+            and threading.current_thread().name == self.thread
+            and not self.reached.is_set()
+        ):
+            self.reached.set()
+            self.go.wait(WAIT)
 
 
 # --------------------------------------------------------------------------- invariant 6
@@ -227,22 +252,9 @@ def test_split_racing_a_snapshot_retirement_does_not_raise(cache_dir, monkeypatc
 # --------------------------------------------------------------------------- store_async
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (DESIGN 'Damaged': refilled by a later store of the same checkpoint; README: "
-        "store_async is journaled exactly as store()): pipeline.store_async fences "
-        "plan.existing at its peek and keeps the fence until the commit job ends; the job's "
-        "own Engine._store -> _plan then sees that fence on the row it is refilling and "
-        "returns skipped/'fenced' (core.py _plan: `if self._pins[...] or self._fences[...]`). "
-        "Every asynchronous refill (damaged row, or a row whose snapshot was retired) is "
-        "skipped, while store() refills the same input. _refill_rows likewise skips a damaged "
-        "parent the async store fenced itself. Fix: let the commit job pass the fences it "
-        "holds to _store (discount them in _plan / spans), or do not fence existing at peek "
-        "(re-plan at commit)."
-    ),
-)
 def test_store_async_refills_a_damaged_checkpoint(cache_dir):
+    """store_async fenced the row it refills at its peek; the commit's own _plan then
+    skipped it as 'fenced'. The commit now passes the fences it holds (``held``)."""
     L = make_layout()
     with Engine.open(cache_dir, L, CAP) as eng:
         a = tokens_for(1, 4)
@@ -257,21 +269,9 @@ def test_store_async_refills_a_damaged_checkpoint(cache_dir):
         assert_restores(eng, a, blocks=4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InvalidInputError,
-    reason=(
-        "BUG (README: store_async stores 'like store', bad input raises; here the input is "
-        "good): pipeline.store_async peeks with the ordinary _plan and raises "
-        "InvalidInputError when tokens_from > plan.start*block_tokens, ignoring the "
-        "compact-replace path spans.on_store takes for the same call (republish a row without "
-        "snapshot from its own rows plus the store's snapshot, which needs no rows before the "
-        "row's end). store() with the same arguments returns 'refilled'. Fix: run the same "
-        "span decision in the peek (or skip the tokens_from check when spans would handle it) "
-        "and let the commit re-plan."
-    ),
-)
 def test_store_async_accepts_what_store_accepts(cache_dir):
+    """The peek checked tokens_from against the ordinary plan, ignoring the republish
+    (snapshot only) that store() takes for the same call; it now routes as store()."""
     L = make_layout()
     with Engine.open(cache_dir, L, CAP) as eng:
         d = tokens_for(5, 6)
@@ -285,6 +285,26 @@ def test_store_async_accepts_what_store_accepts(cache_dir):
         ticket = eng.store_async(prefix, tail, snap, tokens_from=2 * BT)
         assert ticket.result(WAIT).status == "refilled"
         assert_restores(eng, d[: 4 * BT], blocks=4)
+
+
+def test_store_async_refills_a_damaged_parent_like_store(cache_dir):
+    """The peek staged rows from the new node's start only and fenced the parent, so
+    the commit could not refill the damaged parent store() refills from the same rows."""
+    L = make_layout()
+    with Engine.open(cache_dir, L, CAP) as eng:
+        a = tokens_for(1, 6)
+        assert store_tokens(eng, a[: 4 * BT]).ok and store_tokens(eng, a).ok
+        p = _node(eng, a[: 4 * BT])
+        os.unlink(os.path.join(cache_dir, "rank0", f"{p.key.hex()}-g{p.generation}.st"))
+        assert eng.restore(eng.lookup(Prefix.from_tokens(a[: 4 * BT], BT))) is None
+        assert p.state == "damaged"
+        b = a[: 4 * BT] + tokens_for(2, 2)  # a sibling of (4,6]: its parent is the damaged row
+        ticket = eng.store_async(Prefix.from_tokens(b, BT), seg_tensors(L, b), snap_tensors(L, b))
+        assert ticket.result(WAIT).status == "stored"
+        assert p.state == "ready", "store() refills the parent its rows cover; store_async did not"
+        assert eng.stats()["counters"].get("refills") == 1
+        assert_restores(eng, b, blocks=6)
+        assert eng.audit().ok
 
 
 # --------------------------------------------------------------------------- exception safety
@@ -316,6 +336,275 @@ def test_unexpected_error_during_evict_cleanup_does_not_strand_its_transaction(c
         assert st["garbage_bytes"] == 0 and st["charged_bytes"] == st["live_bytes"], st
         assert eng.audit().ok
         assert_restores(eng, b, blocks=4)
+    finally:
+        gate.disarm()
+        eng.close()
+
+
+# --------------------------------------------------------------------------- queued retries
+
+
+class _Cancelled(BaseException):
+    """A caller's BaseException (as asyncio's CancelledError is) raised by ``valid()``."""
+
+
+def _queue_behind_a_pin(tmp_path, hook=None):
+    """An engine with room for one checkpoint, ``a`` stored and pinned, and a store of
+    ``b`` queued (its ``valid`` is the returned dict's 'valid' callable)."""
+    L = make_layout()
+    a, b = tokens_for(9, 3), tokens_for(10, 3)
+    with Engine.open(str(tmp_path / "probe"), L, CAP) as probe:
+        size = store_tokens(probe, a).nbytes
+    eng = Engine.open(str(tmp_path / "c"), L, size + 8, hook=hook)
+    assert store_tokens(eng, a).ok
+    ma = eng.lookup(Prefix.from_tokens(a, BT))
+    assert eng.pin(ma)
+    ctl = {"valid": lambda: True}
+    assert store_tokens(eng, b, valid=lambda: ctl["valid"]()).status == "queued"
+    return eng, ma, a, b, ctl
+
+
+@pytest.mark.parametrize("caller", ["unpin", "evict", "reclaim"])
+def test_a_queued_store_whose_valid_raises_does_not_escape_into_the_caller(tmp_path, caller):
+    eng, ma, a, b, ctl = _queue_behind_a_pin(tmp_path)
+    try:
+
+        def cancelled():
+            raise _Cancelled()
+
+        ctl["valid"] = cancelled
+        if caller == "unpin":
+            eng.unpin(ma)  # must not raise: the unpin did its job
+            assert eng.stats()["pinned"] == 0
+        elif caller == "evict":
+            eng.evict(0)
+        else:
+            eng.reclaim()
+        st = eng.stats()
+        assert st["pending_retries"] == 0 and st["counters"].get("retries.dropped") == 1, st["counters"]
+        assert eng.audit().ok
+    finally:
+        eng.close()
+
+
+def test_a_queued_store_failing_unexpectedly_is_abandoned_not_raised(tmp_path):
+    gate = Gate()
+    eng, ma, a, b, _ = _queue_behind_a_pin(tmp_path, hook=gate)
+    try:
+
+        class Bug(FaultHook):
+            def before(self, op, target, rank):
+                if op == "commit" and target == "store.intent":
+                    raise RuntimeError("a bug in the retried store")
+
+        gate.arm(Bug())
+        eng.unpin(ma)  # the retry runs (a is evicted for it) and fails: not the unpin's error
+        gate.disarm()
+        st = eng.stats()
+        assert st["pinned"] == 0 and st["pending_retries"] == 0
+        assert st["counters"].get("retries.abandoned") == 1, st["counters"]
+        assert st["transfers"]["staging_pool"]["outstanding_bytes"] == 0
+        assert store_tokens(eng, b).status == "stored"  # the engine goes on
+        assert eng.audit().ok
+    finally:
+        gate.disarm()
+        eng.close()
+
+
+def test_a_simulated_crash_in_a_retry_still_propagates(tmp_path):
+    gate = Gate()
+    eng, ma, a, b, _ = _queue_behind_a_pin(tmp_path, hook=gate)
+    root = eng.root
+
+    class Crash(FaultHook):
+        def before(self, op, target, rank):
+            if op == "commit" and target == "store.intent":
+                raise SimulatedCrash("process death in the retry")
+
+    gate.arm(Crash())
+    with pytest.raises(SimulatedCrash):
+        eng.unpin(ma)
+    gate.disarm()
+    assert eng._closed  # abandoned, as a dead process
+    with Engine.open(root, eng.layout, eng.capacity) as again:
+        assert again.audit().ok and not again.catalog.journal()
+
+
+# --------------------------------------------------------------------------- close
+
+
+def test_close_waits_for_an_in_flight_store_and_refuses_new_calls(cache_dir):
+    L = make_layout()
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    a = tokens_for(1, 4)
+    hook = _BlockOnce("storer")
+    gate.arm(hook)
+    out: dict[str, object] = {}
+
+    def run_store():
+        try:
+            out["store"] = store_tokens(eng, a)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["store"] = exc
+
+    storer = threading.Thread(name="storer", target=run_store)
+    storer.start()
+    assert hook.reached.wait(WAIT)
+    closer = threading.Thread(name="closer", target=eng.close)
+    closer.start()
+    closer.join(0.3)
+    waited = closer.is_alive()
+    refused = None
+    if waited:
+        try:
+            eng.lookup(Prefix.from_tokens(a, BT))
+        except EngineClosedError as exc:
+            refused = exc
+    hook.go.set()
+    storer.join(WAIT)
+    closer.join(WAIT)
+    gate.disarm()
+    assert not storer.is_alive() and not closer.is_alive()
+    assert not isinstance(out["store"], BaseException), f"the in-flight store raised {out['store']!r}"
+    assert out["store"].status == "stored"
+    assert waited, "close() did not wait for the store in flight"
+    assert refused is not None, "a call started while close() waited was not refused"
+    with Engine.open(cache_dir, L, CAP) as again:
+        assert again.audit().ok
+        assert_restores(again, a, blocks=4)
+
+
+@pytest.mark.parametrize(("ranks", "op"), [(1, "write"), (2, "commit")])
+def test_a_call_outliving_close_gets_a_typed_error_and_loses_nothing(cache_dir, ranks, op):
+    """Blocked in its write (the catalog closes under it) or at its intent commit
+    under the engine lock (close waits for the lock; the rank pool is then shut
+    down under the store's writes, or the catalog under its publish)."""
+    L = make_layout(ranks=ranks)
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    a, b = tokens_for(1, 4), tokens_for(2, 4)
+    assert store_tokens(eng, a).ok
+    eng.close_wait_s = 0.2  # close gives up waiting for the blocked store
+    hook = _BlockOnce("storer", op)
+    gate.arm(hook)
+    out: dict[str, object] = {}
+
+    def run_store():
+        try:
+            out["store"] = store_tokens(eng, b)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["store"] = exc
+
+    storer = threading.Thread(name="storer", target=run_store)
+    storer.start()
+    assert hook.reached.wait(WAIT)
+    closer = threading.Thread(name="closer", target=eng.close)
+    closer.start()
+    time.sleep(0.4)  # past close_wait_s: close gave up waiting (and may wait for the lock)
+    hook.go.set()
+    closer.join(WAIT)
+    storer.join(WAIT)
+    gate.disarm()
+    assert not storer.is_alive()
+    assert isinstance(out["store"], EngineClosedError), f"got {out['store']!r}"
+    with Engine.open(cache_dir, L, CAP) as again:
+        assert again.audit().ok and not again.catalog.journal()
+        assert_restores(again, a, blocks=4)
+        assert not again.lookup(Prefix.from_tokens(b, BT)).hit  # never acknowledged
+
+
+# --------------------------------------------------------------------------- staging buffers
+
+
+def _io_error() -> sqlite3.OperationalError:
+    exc = sqlite3.OperationalError("disk I/O error")
+    exc.sqlite_errorcode = 10  # SQLITE_IOERR: the catalog turns it into CatalogIOError
+    return exc
+
+
+@pytest.mark.parametrize(
+    ("label", "raise_"),
+    [
+        ("store.intent", _io_error),
+        ("store.intent", lambda: SimulatedCrash("death at the intent commit")),
+        ("evict.remove", _io_error),  # inside the store's make-space step
+        ("evict.remove", lambda: SimulatedCrash("death while making space")),
+    ],
+)
+def test_a_store_failing_before_its_writes_releases_its_staging_buffers(tmp_path, label, raise_):
+    L = make_layout()
+    a, b = tokens_for(9, 3), tokens_for(10, 3)
+    with Engine.open(str(tmp_path / "probe"), L, CAP) as probe:
+        size = store_tokens(probe, a).nbytes
+    gate = Gate()
+    eng = Engine.open(str(tmp_path / "c"), L, size + 8, hook=gate)  # b needs a evicted
+    try:
+        assert store_tokens(eng, a).ok
+
+        class Fail(FaultHook):
+            def before(self, op, target, rank):
+                if op == "commit" and target == label:
+                    raise raise_()
+
+        gate.arm(Fail())
+        with pytest.raises((CatalogIOError, SimulatedCrash)):
+            store_tokens(eng, b)
+        gate.disarm()
+        assert eng.executor.pool.stats()["outstanding_bytes"] == 0
+    finally:
+        gate.disarm()
+        if not eng._closed:
+            eng.close()
+    with Engine.open(str(tmp_path / "c"), L, size + 8) as again:
+        assert again.audit().ok
+
+
+# --------------------------------------------------------------------------- index reload
+
+
+def test_a_failed_transaction_reload_keeps_in_flight_nodes_current(cache_dir):
+    """fail_txn rebuilt the index from scratch: a refill in flight then published into
+    its stale Node object, and the index kept the damaged row with its old generation."""
+    L = make_layout()
+    gate = Gate()
+    eng = Engine.open(cache_dir, L, CAP, hook=gate)
+    try:
+        a, b = tokens_for(1, 4), tokens_for(2, 4)
+        assert store_tokens(eng, a).ok and store_tokens(eng, b).ok
+        x = _node(eng, a)
+        os.unlink(os.path.join(cache_dir, "rank0", f"{x.key.hex()}-g{x.generation}.st"))
+        assert eng.restore(eng.lookup(Prefix.from_tokens(a, BT))) is None
+        assert x.state == "damaged"
+
+        block = _BlockOnce("refill")
+
+        class Hooks(FaultHook):
+            bug = True
+
+            def before(self, op, target, rank):
+                block.before(op, target, rank)
+                if op == "unlink" and threading.current_thread().name != "refill" and self.bug:
+                    self.bug = False
+                    raise RuntimeError("a rank agent bug, not an I/O error")
+
+        out: dict[str, object] = {}
+        refill = threading.Thread(name="refill", target=lambda: out.update(r=store_tokens(eng, a)))
+        gate.arm(Hooks())
+        refill.start()
+        assert block.reached.wait(WAIT)  # the refill planned, fenced x, and is writing
+        with contextlib.suppress(RuntimeError):
+            eng.evict(prefix=Prefix.from_tokens(b, BT))  # fails after its publish: fail_txn
+        block.go.set()
+        refill.join(WAIT)
+        gate.disarm()
+        assert not refill.is_alive()
+        assert out["r"].status == "refilled", out
+        rows = dict(eng.catalog.query("SELECT id, generation FROM nodes"))
+        live = _node(eng, a)
+        assert (live.state, live.generation) == ("ready", rows[live.id]), "the index disagrees with the catalog"
+        assert_restores(eng, a, blocks=4)
+        assert eng.audit().ok
     finally:
         gate.disarm()
         eng.close()

@@ -37,6 +37,7 @@ from prefixstore.engine.errors import (
     LayoutMismatchError,
     LockedError,
     NotACacheError,
+    PrefixStoreError,
     RankUnavailableError,
     ShapeError,
     ShardError,
@@ -66,6 +67,8 @@ from prefixstore.statemachine.cost import CostModel, choose
 from prefixstore.statemachine.transactions import MACHINES
 
 LOCK_NAME = "LOCK"
+_FATAL = (SimulatedCrash, KeyboardInterrupt, SystemExit)
+"""What a queued store's retry lets through to the call that ran it (process death)."""
 
 
 @attrs.define
@@ -89,8 +92,14 @@ class _Plan:
 
 
 class _Guard:
-    """The engine's reusable guard context (a class: cheaper than a generator on
-    the request path)."""
+    """Every public call runs inside: refused once the engine is closed or closing (a
+    call nested in one already running on this thread goes on), counted in flight for
+    ``close``; a ``SimulatedCrash`` abandons the engine; an untyped error from a
+    resource closed under the call becomes ``EngineClosedError``.
+
+    One reusable object per engine (a class: cheaper than a generator on the request
+    path); the per-call state is the thread's nesting depth, kept in ``eng._local``.
+    """
 
     __slots__ = ("eng",)
 
@@ -98,13 +107,30 @@ class _Guard:
         self.eng = eng
 
     def __enter__(self) -> None:
-        if self.eng._closed:
-            raise EngineClosedError("engine is closed")
+        eng = self.eng
+        depth = getattr(eng._local, "depth", 0)
+        with eng._calls_cv:
+            if eng._closed or (eng._closing and not depth):
+                raise EngineClosedError("engine is closed")
+            eng._calls += 1
+        eng._local.depth = depth + 1
 
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
-        if kind is not None and issubclass(kind, SimulatedCrash):
-            self.eng._abandon()
-        return False
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        eng = self.eng
+        try:
+            if kind is not None:
+                if issubclass(kind, SimulatedCrash):
+                    eng._abandon()
+                elif issubclass(kind, Exception) and eng._closed and not isinstance(exc, PrefixStoreError):
+                    # closed under the call (its catalog, pools, workers): a typed error
+                    raise EngineClosedError(f"engine closed during the call ({kind.__name__})") from exc
+            return False
+        finally:
+            eng._local.depth -= 1
+            with eng._calls_cv:
+                eng._calls -= 1
+                if eng._closing:
+                    eng._calls_cv.notify_all()
 
 
 class Engine:
@@ -185,6 +211,10 @@ class Engine:
         self._settled = threading.Condition(self._lock)  # notified when a store finishes
         self._closed = False
         self._guarded = _Guard(self)
+        self._closing = False  # close() started: new public calls are refused
+        self._calls = 0  # public calls in flight, all threads (close waits for them)
+        self._calls_cv = threading.Condition(threading.Lock())
+        self._local = threading.local()  # .depth: this thread's nested public calls
         self._lock_fd: int | None = None
         self._pins: Counter[int] = Counter()
         self._fences: Counter[int] = Counter()
@@ -227,6 +257,7 @@ class Engine:
             raise
 
     pin_wait_s = 2.0  # how long a refill waits for a restore's pin before it rolls back
+    close_wait_s = 30.0  # how long close() waits for public calls in flight on other threads
 
     def __enter__(self) -> Engine:
         return self
@@ -396,7 +427,10 @@ class Engine:
         store, ``unpin``, ``evict``, ``reclaim``). Counted as ``retries.*``:
         ``succeeded``, ``dropped`` (``valid()`` false or raising), ``superseded``
         (stored meanwhile, or queued again), ``abandoned`` (failed, or no longer
-        storable from the rows held, e.g. its parent went), ``overflow``.
+        storable from the rows held, e.g. its parent went, or raised unexpectedly:
+        logged, never raised into the call that ran the retry), ``overflow``. Only
+        process death (``SimulatedCrash``, ``KeyboardInterrupt``, ``SystemExit``)
+        propagates.
         """
         if not self._pending and not self._closed:  # the common case, without the lock
             return
@@ -413,7 +447,15 @@ class Engine:
                 while i < len(todo):
                     p = todo[i]
                     i += 1
-                    event, reason = self._retry_one(p)
+                    try:
+                        event, reason = self._retry_one(p)
+                    except BaseException as exc:  # the retry's failure, not its caller's
+                        self.counters.inc("retries", "abandoned")
+                        log.warning("store_retry", outcome="abandoned", reason=f"{type(exc).__name__}: {exc}",
+                                    blocks=len(p.prefix), key=p.prefix.keys[-1].hex()[:12])
+                        if isinstance(exc, _FATAL):
+                            raise
+                        continue
                     if event == "kept":
                         keep.append(p)
                         continue
@@ -430,7 +472,9 @@ class Engine:
         'abandoned', reason)."""
         try:
             still_valid = bool(p.valid())
-        except Exception as exc:  # the caller's check failing means the checkpoint is gone
+        except BaseException as exc:  # the caller's check failing means the checkpoint is gone
+            if isinstance(exc, _FATAL):
+                raise
             return "dropped", f"valid() raised {type(exc).__name__}"
         if not still_valid:
             return "dropped", "invalid"
@@ -507,13 +551,26 @@ class Engine:
             return audit_engine(self, checksums=checksums)
 
     def close(self) -> None:
-        """Flush recency, close the catalog and release the directory lock."""
+        """Flush recency, close the catalog and release the directory lock.
+
+        Queued asynchronous stores commit first. Then new calls are refused
+        (``EngineClosedError``) and calls in flight on other threads are waited for,
+        up to ``close_wait_s``; one still running after that fails with
+        ``EngineClosedError`` if it needs what close released (an unpublished
+        transaction of it is left to recovery at the next open, as after a crash).
+        """
         if self._closed:
             return
         self.transfers.drain()  # outside the lock: queued async stores commit first
         if self.compactor is not None:
             self.compactor.stop()  # outside the lock: the worker may be waiting for it
+        deadline = time.monotonic() + self.close_wait_s
+        self._quiesce(deadline)
+        # Jobs queued since the drain are refused by the guard; let them release what they hold.
+        self.transfers.drain(max(0.0, deadline - time.monotonic()))
         with self._lock:
+            if self._closed:  # abandoned meanwhile (a simulated crash)
+                return
             try:
                 self._flush_recency()
             finally:
@@ -561,7 +618,16 @@ class Engine:
             with self.catalog.txn("capacity") as c:
                 self.catalog.set_meta(c, "capacity", str(self.capacity))
 
-    def _load(self) -> None:
+    def _load(self, keep: bool = False) -> None:
+        """Build the index (and charged bytes, clock, victim heap) from the catalog.
+
+        ``keep``: reload a running engine (after a transaction that failed past its
+        publish). The Node object of every row that remains is kept and updated in
+        place, with its in-memory recency when newer, so operations in flight that
+        hold it (a store refilling it, a restore that pinned it) stay on the index's
+        own node; pins and fences are keyed by id and untouched. Lock held.
+        """
+        old = self.index.nodes if keep else {}
         self.index = Index()
         sizes = dict(
             self.catalog.query(
@@ -572,13 +638,20 @@ class Engine:
             "SELECT id, key, parent, start_block, end_block, digests, has_snapshot, state, "
             "generation, last_used, snap_used FROM nodes ORDER BY end_block, id"
         )
-        clock = 0
+        clock = self._clock if keep else 0
         for r in rows:
             node = Node(
                 id=r[0], key=bytes(r[1]), parent=r[2], start=r[3], end=r[4], digests=bytes(r[5]),
                 has_snapshot=bool(r[6]), state=r[7], generation=r[8], last_used=r[9],
                 snap_used=r[10], nbytes=sizes.get(r[0], 0),
             )
+            prev = old.get(node.id)
+            if prev is not None and prev.key == node.key:
+                node.last_used = max(node.last_used, prev.last_used)
+                node.snap_used = max(node.snap_used, prev.snap_used)
+                for f in attrs.fields(Node):
+                    setattr(prev, f.name, getattr(node, f.name))
+                node = prev
             self.index.add(node)
             clock = max(clock, node.last_used, node.snap_used)
         self._clock = clock
@@ -588,9 +661,21 @@ class Engine:
     # ------------------------------------------------------------------ internal: guards
 
     def _guard(self) -> _Guard:
-        """Context for every public call: refuses a closed engine; a ``SimulatedCrash``
-        abandons the engine (process death) on its way out."""
+        """Every public call runs inside (see ``_Guard``)."""
         return self._guarded
+
+    def _quiesce(self, deadline: float) -> None:
+        """Refuse new public calls; wait until those in flight on other threads end
+        (or ``deadline``, a ``time.monotonic()`` value, passes)."""
+        mine = getattr(self._local, "depth", 0)  # close() called from inside a call
+        with self._calls_cv:
+            self._closing = True
+            while self._calls > mine:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("close_timeout", in_flight=self._calls - mine)
+                    return
+                self._calls_cv.wait(left)
 
     def _abandon(self) -> None:
         """Model process death: drop the connection (uncommitted work rolls back)."""
@@ -658,7 +743,9 @@ class Engine:
             snaps = None
         return segs, snaps
 
-    def _plan(self, prefix: Prefix) -> _Plan | StoreResult:
+    def _plan(self, prefix: Prefix, held: frozenset[int] = frozenset()) -> _Plan | StoreResult:
+        """Where the store of ``prefix`` goes, or why it does not. ``held``: nodes the
+        caller fences itself (an async store's peek), not counted as busy. Lock held."""
         n = len(prefix)
         keys = prefix.keys
         p = self.index.deepest_block(keys, n)
@@ -672,24 +759,28 @@ class Engine:
         if existing is not None:
             if existing.ready and (existing.has_snapshot or not self.layout.has_snapshot):
                 return StoreResult(DUPLICATE, n, "duplicate")
-            if self._pins[existing.id] or self._fences[existing.id]:
+            if self._pins[existing.id] or self._fenced(existing.id, held):
                 return StoreResult(SKIPPED, n, "pinned" if self._pins[existing.id] else "fenced")
         start = parent.end if parent is not None else 0
         if any(k in self._inflight_blocks for k in keys[start:n]):
             return StoreResult(SKIPPED, n, "in_flight")
         return _Plan(parent, existing, start)
 
-    def _store(self, prefix: Prefix, segs, snaps, tokens_from: int, staged=None) -> StoreResult:
+    def _store(
+        self, prefix: Prefix, segs, snaps, tokens_from: int, staged=None, held: frozenset[int] = frozenset()
+    ) -> StoreResult:
         """``staged``: shards already staged by ``store_async`` for the plan it saw (the
-        caller releases them); used when the plan still matches, else staged again."""
+        caller releases them); used when the plan still matches, else staged again.
+        ``held``: nodes ``store_async`` fenced at its peek (one fence each, its own):
+        the store refills or replaces them as ``store`` would."""
         L = self.layout
         n = len(prefix)
         from prefixstore.engine import spans  # split / republish / row refill (compact-replace)
 
-        if (res := spans.on_store(self, prefix, segs, snaps, tokens_from)) is not None:
+        if (res := spans.on_store(self, prefix, segs, snaps, tokens_from, held)) is not None:
             return res
         with self._lock:
-            plan = self._plan(prefix)
+            plan = self._plan(prefix, held)
             deadline = time.monotonic() + self.inflight_wait_s
             while isinstance(plan, StoreResult) and plan.reason == "in_flight":
                 # An overlapping store is in flight: wait for it to settle, then re-plan.
@@ -697,7 +788,7 @@ class Engine:
                 if left <= 0 or self._closed:
                     break
                 self._settled.wait(left)
-                plan = self._plan(prefix)
+                plan = self._plan(prefix, held)
             if isinstance(plan, StoreResult):
                 self._count_store(plan)
                 return plan
@@ -725,25 +816,29 @@ class Engine:
             # Zero-copy: each rank's tensors go straight into a buffer laid out as its file.
             datas = pipeline.stage_store(self, staged, meta, segs, snaps, lo, hi)
             owned = [] if datas is staged else datas  # released below; the caller's are its own
-            needed = sum(d.size for d in datas)
-            protect = {x.id for x in (plan.parent, plan.existing) if x is not None}
-            if not self._make_space(needed, protect):
+            try:  # a failed space step or intent commit must not strand the buffers
+                needed = sum(d.size for d in datas)
+                protect = {x.id for x in (plan.parent, plan.existing) if x is not None}
+                if not self._make_space(needed, protect):
+                    pipeline.release(owned)
+                    res = StoreResult(REFUSED, n, "no_space", needed)
+                    self._count_store(res)
+                    return res
+                payload = {
+                    "key": key.hex(), "generation": gen, "name": name, "start": start, "end": n,
+                    "parent": plan.parent.id if plan.parent else None,
+                    "node": plan.existing.id if plan.existing else None,
+                }
+                with self.catalog.txn("store.intent") as c:
+                    tid = self._journal_begin(c, "store", payload)
+                    c.executemany(
+                        "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+                        "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
+                        [(r, name, gen, d.size, d.checksum(), tid) for r, d in enumerate(datas)],
+                    )
+            except BaseException:
                 pipeline.release(owned)
-                res = StoreResult(REFUSED, n, "no_space", needed)
-                self._count_store(res)
-                return res
-            payload = {
-                "key": key.hex(), "generation": gen, "name": name, "start": start, "end": n,
-                "parent": plan.parent.id if plan.parent else None,
-                "node": plan.existing.id if plan.existing else None,
-            }
-            with self.catalog.txn("store.intent") as c:
-                tid = self._journal_begin(c, "store", payload)
-                c.executemany(
-                    "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-                    "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
-                    [(r, name, gen, d.size, d.checksum(), tid) for r, d in enumerate(datas)],
-                )
+                raise
             self._charged += needed
             for k in prefix.keys[start:n]:
                 self._inflight_blocks[k] = tid
@@ -792,6 +887,11 @@ class Engine:
                     if not self._fences[x]:
                         del self._fences[x]
                 self._settled.notify_all()
+
+    def _fenced(self, nid: int, held: frozenset[int] = frozenset()) -> bool:
+        """Whether a transaction other than the caller's fences node ``nid`` (the
+        caller holds one fence on each node in ``held``)."""
+        return self._fences[nid] > (nid in held)
 
     def _count_store(self, res: StoreResult) -> None:
         if res.status in (SKIPPED, DUPLICATE, REFUSED):

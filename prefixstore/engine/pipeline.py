@@ -6,11 +6,12 @@ taken over that buffer and the file is written from it (``write_shard``), or a R
 tier adopts the buffer as its copy. No other host copy is made.
 
 Asynchronous store (``store_async``): the caller's thread validates, peeks at the
-plan, fences the parent (so the plan cannot move earlier) and enqueues the device to
-host copies; the returned ``StoreTicket`` says when they are done (``released``: the
-GPU blocks may be reused) and, later, the store's result (``result()``), which the
-commit worker produces by running the ordinary journaled store (intent, durable
-writes, publish) on the staged bytes. The journal rules are unchanged: a crash after
+plan as ``store`` decides it, fences the parent and the row it refills (so the plan
+cannot move earlier; the commit passes these fences to ``Engine._store`` as its own)
+and enqueues the device to host copies; the returned ``StoreTicket`` says when they
+are done (``released``: the GPU blocks may be reused) and, later, the store's result
+(``result()``), which the commit worker produces by running the ordinary journaled
+store (intent, durable writes, publish) on the staged bytes. The journal rules are unchanged: a crash after
 the release and before the publish commit leaves an INTENT (or nothing) that
 recovery rolls back: the store is simply absent.
 
@@ -74,7 +75,7 @@ class Transfers:
         def run() -> None:
             with self._lock:
                 self._retry_queued = False
-            if not eng._closed:
+            if not (eng._closed or eng._closing):
                 eng.retry_pending()
 
         try:
@@ -182,7 +183,7 @@ def fail_txn(eng: Engine, tid: int, exc: BaseException) -> None:
         if recovery_direction(kind, state) == "forward":
             rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
             eng._finish_retire(tid, kind, rows)
-            eng._load()  # the publish committed; make the index agree with it
+            eng._load(keep=True)  # the publish committed; make the index agree with it
         else:
             eng._rollback(tid, kind, state, "failed")
     eng.counters.inc("faults", "txn_error")
@@ -225,6 +226,7 @@ def store_async(
     valid: Callable[[], bool] | None,
 ) -> StoreTicket:
     """Stage the checkpoint now, commit it on the commit worker (see module doc)."""
+    from prefixstore.engine import spans
     from prefixstore.engine.core import _Pending, _Plan
 
     segs, snaps = eng._check_store_input(prefix, segments, snapshot, tokens_from)
@@ -234,7 +236,10 @@ def store_async(
     tr = eng.transfers
     with eng._guard():
         with eng._lock:
-            plan = eng._plan(prefix)
+            # The decisions store() takes, in its order: bad tokens_from, a compact-replace
+            # (split, republish), then the ordinary plan.
+            spans.check_tokens_from(eng, prefix, tokens_from)
+            plan = None if spans.route(eng, prefix, tokens_from) else eng._plan(prefix)
             if isinstance(plan, StoreResult) and plan.status == DUPLICATE:
                 eng._count_store(plan)
                 return StoreTicket.finished(plan)
@@ -245,14 +250,19 @@ def store_async(
                     raise InvalidInputError(
                         f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
                     )
+                # Fenced until the commit, which passes them to _store as its own (held).
                 fenced = [x.id for x in (plan.parent, plan.existing) if x is not None]
-            else:  # in flight or inside a span: the commit re-plans (and may stage again)
+                first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
+            else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
                 start, gen, fenced = tokens_from // bt, 1, []
+                first = start
             for nid in fenced:
                 eng._fences[nid] += 1
         key = prefix.keys[-1]
-        meta = eng._shard_meta(key, gen, start, n, L.has_snapshot)
-        lo, hi = start * bt - tokens_from, n * bt - tokens_from
+        # Staged from ``first``: the rows of damaged ancestors the commit refills, too
+        # (then the plan's shard is staged again at the commit, from these host rows).
+        meta = eng._shard_meta(key, gen, first, n, L.has_snapshot)
+        lo, hi = first * bt - tokens_from, n * bt - tokens_from
         tr._slots.acquire()
         try:
             staged = []
@@ -282,11 +292,11 @@ def store_async(
                 host_segs = [{k[4:]: v for k, v in vw.items() if k.startswith("seg.")} for vw in views]
                 host_snaps = ([{k[5:]: v for k, v in vw.items() if k.startswith("snap.")} for vw in views]
                               if snaps is not None else None)
-                res = eng._store(prefix, host_segs, host_snaps, start * bt, staged=staged)
+                res = eng._store(prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(fenced))
                 if res.status == REFUSED and valid is not None:
                     for s in staged:
                         s.detach()  # the queued retry keeps views of these buffers
-                    eng._enqueue(_Pending(prefix, host_segs, host_snaps, start * bt, valid))
+                    eng._enqueue(_Pending(prefix, host_segs, host_snaps, first * bt, valid))
                     res = attrs.evolve(res, status=QUEUED)
                 if res.ok:
                     tr.schedule_retry(eng)

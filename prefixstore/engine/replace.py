@@ -173,6 +173,7 @@ def run(
     space: str = "watermark",
     protect: frozenset[int] = frozenset(),
     pin_wait_s: float = 2.0,
+    held: frozenset[int] = frozenset(),
 ) -> Outcome:
     """Run ``job`` as one COMPACT transaction.
 
@@ -181,11 +182,13 @@ def run(
     ``space``: 'make' (evict by policy to fit, as a store does), 'capacity' (fit under
     capacity), 'watermark' (fit under the high watermark: background work never
     causes eviction). A row pinned at the swap is waited for up to ``pin_wait_s``.
+    ``held``: old rows the caller fences itself (one fence each: an async store
+    refilling them), not counted as another transaction's.
     """
     use = job.use
     assert locked or not eng._lock._is_owned(), "run(locked=False) needs the engine lock released"
     with eng._lock:
-        why = _check(eng, job, fences=0)
+        why = _check(eng, job, fences=0, held=held)
         if why:
             return _abort(eng, job, why, "skipped")
         rows = {nid: _live_rows(eng, nid) for nid in job.reads}
@@ -217,7 +220,7 @@ def run(
         deadline = time.monotonic() + (0 if locked else pin_wait_s)
         while True:
             with eng._lock:
-                why = _check(eng, job, fences=1, pins=False)
+                why = _check(eng, job, fences=1, pins=False, held=held)
                 pinned = any(eng._pins[n.id] for n in job.old)
                 if why or (pinned and time.monotonic() >= deadline):
                     eng._rollback(tid, KIND, "INTENT", "stale")
@@ -258,14 +261,15 @@ def _abort(eng: Engine, job: Job, why: str, status: str) -> Outcome:
     return Outcome(False, why, 0, status)
 
 
-def _check(eng: Engine, job: Job, fences: int, pins: bool = True) -> str | None:
-    """Why the old rows cannot be replaced now (None: they can). Caller holds the lock."""
+def _check(eng: Engine, job: Job, fences: int, pins: bool = True, held: frozenset[int] = frozenset()) -> str | None:
+    """Why the old rows cannot be replaced now (None: they can): ``fences`` is the
+    run's own count, plus one on each row in ``held``. Caller holds the lock."""
     for n in job.old:
         if eng.index.get(n.id) is not n:
             return "stale"
         if pins and eng._pins[n.id]:
             return "pinned"
-        if eng._fences[n.id] != fences:
+        if eng._fences[n.id] != fences + (n.id in held):
             return "fenced"
         if n.state != job.state:
             return "damaged" if n.state == "damaged" else "stale"

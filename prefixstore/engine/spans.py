@@ -24,6 +24,7 @@ checkpoint inside its span is still skipped as ``inside_span``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prefixstore.engine import replace
@@ -45,48 +46,63 @@ def on_store(
     segs: list[RankTensors],
     snaps: list[RankTensors] | None,
     tokens_from: int,
+    held: frozenset[int] = frozenset(),
 ) -> StoreResult | None:
     """Handle a store that needs a compact-replace; None lets the ordinary store run.
 
     Raises InvalidInputError (before any row changes) when ``tokens_from`` is not an
-    int or starts after the block where the store's new node would begin.
+    int or starts after the block where the store's new node would begin. ``held``:
+    rows the caller fences itself (``Engine._store``), not busy for this store.
     """
-    _check_tokens_from(eng, prefix, tokens_from)
-    _refill_rows(eng, prefix, segs, tokens_from)
-    L = eng.layout
-    n = len(prefix)
+    check_tokens_from(eng, prefix, tokens_from)
+    _refill_rows(eng, prefix, segs, tokens_from, held)
     with eng._lock:
         deadline = time.monotonic() + eng.inflight_wait_s
         while True:
-            p = eng.index.deepest_block(prefix.keys, n)
-            owner = eng.index.owner(prefix.keys, p)
-            if owner is None or not owner.ready:
+            routed = route(eng, prefix, tokens_from)
+            if routed is None:
                 return None
-            if owner.end != p:
-                action = _split
-            elif (p == n and L.has_snapshot and not owner.has_snapshot
-                    and tokens_from > owner.start * L.block_tokens):
-                action = _republish_snapshot
-            else:
-                return None
+            action, owner, p = routed
             left = deadline - time.monotonic()
-            if not eng._fences[owner.id] or left <= 0 or eng._closed:
+            if not eng._fenced(owner.id, held) or left <= 0 or eng._closed:
                 break
             # Another transaction holds the row this store would replace: let it settle.
             eng._settled.wait(min(left, 0.05))
-        planned = action(eng, prefix, owner, p, snaps)
+        planned = action(eng, prefix, owner, p, snaps, held)
         if isinstance(planned, StoreResult):
             return planned
     job, ok_status = planned
     node = job.old[0]
-    out = replace.run(eng, job, space="make", protect=frozenset({node.parent} - {None}))
+    out = replace.run(eng, job, space="make", protect=frozenset({node.parent} - {None}), held=held)
     log.debug(job.use, node=node.id, ok=out.ok, reason=out.reason)
     if out.ok and ok_status is None:
         return None  # a split made the new checkpoint's parent: the ordinary store goes on
-    return _result(eng, out, n, ok_status or STORED)
+    return _result(eng, out, len(prefix), ok_status or STORED)
 
 
-def _check_tokens_from(eng: Engine, prefix: Prefix, tokens_from: int) -> None:
+def route(eng: Engine, prefix: Prefix, tokens_from: int) -> tuple[Callable, Node, int] | None:
+    """The compact-replace a store of ``prefix`` takes: (its action, the ready row it
+    replaces, the prefix's deepest stored block); None: the ordinary store. Lock held."""
+    L = eng.layout
+    n = len(prefix)
+    p = eng.index.deepest_block(prefix.keys, n)
+    owner = eng.index.owner(prefix.keys, p)
+    if owner is None or not owner.ready:
+        return None
+    if owner.end != p:
+        return _split, owner, p
+    if p == n and L.has_snapshot and not owner.has_snapshot and tokens_from > owner.start * L.block_tokens:
+        return _republish_snapshot, owner, p
+    return None
+
+
+def refill_from(eng: Engine, prefix: Prefix, tokens_from: int, start: int) -> int:
+    """The first block of the rows a store of ``prefix`` (new node at ``start``)
+    needs: ``start``, or the start of the highest damaged ancestor it refills. Lock held."""
+    return min((x.start for x in _refill_candidates(eng, prefix, tokens_from, frozenset())), default=start)
+
+
+def check_tokens_from(eng: Engine, prefix: Prefix, tokens_from: int) -> None:
     """Reject bad ``tokens_from`` before any compact-replace: bad input changes nothing.
 
     When the prefix goes past its deepest stored block ``p`` (a new node will start at
@@ -104,9 +120,9 @@ def _check_tokens_from(eng: Engine, prefix: Prefix, tokens_from: int) -> None:
         )
 
 
-def _busy(eng: Engine, node: Node, n: int) -> StoreResult | None:
-    for why, table in (("pinned", eng._pins), ("fenced", eng._fences)):
-        if table[node.id]:
+def _busy(eng: Engine, node: Node, n: int, held: frozenset[int]) -> StoreResult | None:
+    for why, busy in (("pinned", eng._pins[node.id]), ("fenced", eng._fenced(node.id, held))):
+        if busy:
             res = StoreResult(SKIPPED, n, why)
             eng._count_store(res)
             return res
@@ -127,14 +143,16 @@ def _result(eng: Engine, out: replace.Outcome, n: int, ok_status: str) -> StoreR
     return res
 
 
-def _split(eng: Engine, prefix: Prefix, node: Node, at: int, snaps) -> StoreResult | tuple[Job, str | None]:
+def _split(
+    eng: Engine, prefix: Prefix, node: Node, at: int, snaps, held: frozenset[int]
+) -> StoreResult | tuple[Job, str | None]:
     """The job splitting ``node`` at block ``at``, and the store status on success
     (None: the ordinary store continues). Lock held."""
     from prefixstore.engine.core import _Plan
 
     L = eng.layout
     n = len(prefix)
-    if (busy := _busy(eng, node, n)) is not None:
+    if (busy := _busy(eng, node, n, held)) is not None:
         return busy
     parent = eng.index.get(node.parent) if node.parent is not None else None
     if eng.admission is not None:
@@ -162,10 +180,12 @@ def _split(eng: Engine, prefix: Prefix, node: Node, at: int, snaps) -> StoreResu
     return job, (STORED if at == n else None)
 
 
-def _republish_snapshot(eng: Engine, prefix: Prefix, node: Node, _at: int, snaps) -> StoreResult | tuple[Job, str]:
+def _republish_snapshot(
+    eng: Engine, prefix: Prefix, node: Node, _at: int, snaps, held: frozenset[int]
+) -> StoreResult | tuple[Job, str]:
     """The job rewriting ``node`` from its own rows plus the store's snapshot. Lock held."""
     n = len(prefix)
-    if (busy := _busy(eng, node, n)) is not None:
+    if (busy := _busy(eng, node, n, held)) is not None:
         return busy
     now = eng._tick()
     row = NewRow(node.key, node.start, node.end, node.digests, True, now, now, keep=node.id)
@@ -174,28 +194,37 @@ def _republish_snapshot(eng: Engine, prefix: Prefix, node: Node, _at: int, snaps
     return job, REFILLED
 
 
-def _refill_rows(eng: Engine, prefix: Prefix, segs: list[RankTensors], tokens_from: int) -> None:
-    """Republish damaged ancestors on ``prefix``'s path from the store's rows."""
-    L = eng.layout
-    bt = L.block_tokens
+def _refill_candidates(eng: Engine, prefix: Prefix, tokens_from: int, held: frozenset[int]) -> list[Node]:
+    """Damaged ancestors on ``prefix``'s path whose span the store's rows cover and no
+    other transaction holds, deepest first. Lock held."""
+    bt = eng.layout.block_tokens
     n = len(prefix)
     keys = prefix.keys
+    # Walk up the store's path over the rows its segments cover (O(those rows)).
+    p = eng.index.deepest_block(keys, n)
+    x = eng.index.owner(keys, p)
+    if x is not None and x.end != p:
+        x = eng.index.get(x.parent) if x.parent is not None else None
+    todo = []
+    while x is not None and x.start * bt >= tokens_from:
+        if x.state == "damaged" and x.end < n and not eng._pins[x.id] and not eng._fenced(x.id, held):
+            todo.append(x)
+        x = eng.index.get(x.parent) if x.parent is not None else None
+    return todo
+
+
+def _refill_rows(
+    eng: Engine, prefix: Prefix, segs: list[RankTensors], tokens_from: int, held: frozenset[int]
+) -> None:
+    """Republish damaged ancestors on ``prefix``'s path from the store's rows."""
+    L = eng.layout
     with eng._lock:
-        # Walk up the store's path over the rows its segments cover (O(those rows)).
-        p = eng.index.deepest_block(keys, n)
-        x = eng.index.owner(keys, p)
-        if x is not None and x.end != p:
-            x = eng.index.get(x.parent) if x.parent is not None else None
-        todo = []
-        while x is not None and x.start * bt >= tokens_from:
-            if x.state == "damaged" and x.end < n and not eng._pins[x.id] and not eng._fences[x.id]:
-                todo.append(x)
-            x = eng.index.get(x.parent) if x.parent is not None else None
+        todo = _refill_candidates(eng, prefix, tokens_from, held)
         # Jobs are built here, under the lock that observed the rows (their generations).
-        jobs = [_refill_job(x, segs, tokens_from, bt, L.ranks) for x in sorted(todo, key=lambda x: x.end)]
+        jobs = [_refill_job(x, segs, tokens_from, L.block_tokens, L.ranks) for x in sorted(todo, key=lambda x: x.end)]
     for job in jobs:
         x = job.old[0]
-        out = replace.run(eng, job, space="make", protect=frozenset({x.parent} - {None}))
+        out = replace.run(eng, job, space="make", protect=frozenset({x.parent} - {None}), held=held)
         log.info("row_refill", node=x.id, ok=out.ok, reason=out.reason)
 
 

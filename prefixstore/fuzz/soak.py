@@ -206,9 +206,11 @@ class SoakStats:
         return attrs.asdict(self)
 
 
-def parse_log(path: str) -> tuple[dict[tuple[int, int], str], int, int, list[str]]:
-    """Last event per checkpoint, S lines, E lines, and V/X lines (complete lines only)."""
-    last: dict[tuple[int, int], str] = {}
+def parse_log(path: str) -> tuple[dict[bytes, tuple[str, int, int]], int, int, list[str]]:
+    """Last event per checkpoint key ((kind, conv, blocks)), S lines, E lines, and V/X
+    lines (complete lines only). Keyed by checkpoint, not (conv, blocks): conversations
+    that share blocks share those checkpoints, and an E of one evicts the other's."""
+    last: dict[bytes, tuple[str, int, int]] = {}
     s = e = 0
     bad = []
     with open(path, "rb") as f:
@@ -218,7 +220,7 @@ def parse_log(path: str) -> tuple[dict[tuple[int, int], str], int, int, list[str
         kind, _, rest = line.partition(" ")
         if kind in ("S", "E"):
             conv, blocks = (int(x) for x in rest.split())
-            last[(conv, blocks)] = kind
+            last[key_of(conv, blocks)] = (kind, conv, blocks)
             s += kind == "S"
             e += kind == "E"
         elif kind in ("V", "X"):
@@ -245,7 +247,7 @@ def _check(root: str, ranks: int, log_path: str, recover: bool, st: SoakStats, w
     layout = soak_layout(ranks)
     last, _, _, bad = parse_log(log_path)
     st.violations += [f"{where}: child reported {b[:300]}" for b in bad]
-    acked = {key_of(c, b): (c, b) for (c, b), ev in last.items() if ev == "S"}
+    acked = {k: (c, b) for k, (ev, c, b) in last.items() if ev == "S"}
     st.acked_checks += len(acked)
     # read-only, as the operator's audit after an incident
     try:
