@@ -318,3 +318,27 @@ def test_repair_survives_a_crash_at_every_effect(tmp_path):
             assert_restores(eng, A, blocks=6)
             assert_restores(eng, A[:8], blocks=2)
             assert eng.lookup(Prefix.from_tokens(B, 4)).outcome in ("damaged", "miss")
+
+
+@pytest.mark.parametrize("plant", ["generation", "state", "span", "files"])
+def test_a_live_audit_compares_every_indexed_node_with_its_catalog_row(tmp_path, plant):
+    """The in-memory index must be the catalog, node by node (a reload that left a stale
+    Node object behind, or a wrong cached file row, is a violation of invariant 2)."""
+    L = make_layout()
+    with Engine.open(str(tmp_path / "c"), L, 1 << 20) as eng:
+        toks = tokens_for(90, 4)
+        assert store_tokens(eng, toks[:8]).ok and store_tokens(eng, toks).ok
+        assert_restores(eng, toks)  # caches the nodes' live file rows
+        assert eng.audit().ok
+        node = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(toks, 4).keys[-1]]]
+        if plant == "generation":
+            node.generation += 1
+        elif plant == "state":
+            node.state = "damaged"
+        elif plant == "span":
+            node.start -= 1
+        else:
+            gen, rows = node.files
+            node.files = (gen, {r: (name, size + 1, ck) for r, (name, size, ck) in rows.items()})
+        rep = eng.audit(checksums=False)
+        assert not rep.ok and any(v.invariant == 2 and f"node {node.id}" in v.detail for v in rep.violations), rep.to_dict()

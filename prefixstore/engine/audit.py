@@ -282,6 +282,30 @@ def audit_dir(
                       expected=set(expected), quiescent=quiescent)
 
 
+def _audit_index(eng: Engine, rep: AuditReport) -> None:
+    """The in-memory index is the catalog: the same nodes, each with the same parent,
+    span, state, generation and snapshot flag, and any live-file rows it caches for its
+    generation equal to the catalog's."""
+    rows = {r[0]: r[1:] for r in eng.catalog.query(
+        "SELECT id, parent, start_block, end_block, state, generation, has_snapshot FROM nodes")}
+    if set(rows) != set(eng.index.nodes):
+        rep.add(2, f"index holds {len(eng.index.nodes)} nodes, catalog {len(rows)}")
+    live: dict[int, dict[int, tuple[str, int, str]]] = {}
+    for nid, r, name, size, ck in eng.catalog.query(
+            "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IS NOT NULL"):
+        live.setdefault(nid, {})[r] = (name, size, ck)
+    for nid, x in eng.index.nodes.items():
+        row = rows.get(nid)
+        if row is None:
+            continue
+        mine = (x.parent, x.start, x.end, x.state, x.generation, int(x.has_snapshot))
+        if mine != tuple(row):
+            rep.add(2, f"node {nid}: index (parent, start, end, state, generation, snapshot) {mine}, "
+                       f"catalog {tuple(row)}")
+        if x.files is not None and x.files[0] == x.generation and x.files[1] != live.get(nid, {}):
+            rep.add(2, f"node {nid}: cached file rows differ from the catalog's live files")
+
+
 def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
     """Audit a live engine's directory plus its in-memory state (caller holds its lock)."""
     rep = audit_dir(
@@ -296,9 +320,7 @@ def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
         rep.add(3, f"engine counts {eng._charged} charged bytes, catalog rows sum to {catalog_charged}")
     if eng._charged > eng.capacity:
         rep.add(3, f"charged {eng._charged} exceeds capacity {eng.capacity}")
-    ids = {r[0] for r in eng.catalog.query("SELECT id FROM nodes")}
-    if ids != set(eng.index.nodes):
-        rep.add(2, f"index holds {len(eng.index.nodes)} nodes, catalog {len(ids)}")
+    _audit_index(eng, rep)
     held = {n for n, c in eng._pins.items() if c} | {n for n, c in eng._fences.items() if c}
     gone = sorted(n for n in held if n not in eng.index.nodes)
     for n in gone:

@@ -174,6 +174,7 @@ def run(
     protect: frozenset[int] = frozenset(),
     pin_wait_s: float = 2.0,
     held: frozenset[int] = frozenset(),
+    wait_pinned: bool = False,
 ) -> Outcome:
     """Run ``job`` as one COMPACT transaction.
 
@@ -181,14 +182,16 @@ def run(
     otherwise the caller must not hold it, and reads and writes run outside it.
     ``space``: 'make' (evict by policy to fit, as a store does), 'capacity' (fit under
     capacity), 'watermark' (fit under the high watermark: background work never
-    causes eviction). A row pinned at the swap is waited for up to ``pin_wait_s``.
+    causes eviction). A row pinned at the swap is waited for up to ``pin_wait_s``;
+    ``wait_pinned``: a row pinned at the start does not abort the job either (a store's
+    split or refill: prepared beside the pinned row, swapped once the pin goes).
     ``held``: old rows the caller fences itself (one fence each: an async store
     refilling them), not counted as another transaction's.
     """
     use = job.use
     assert locked or not eng._lock._is_owned(), "run(locked=False) needs the engine lock released"
     with eng._lock:
-        why = _check(eng, job, fences=0, held=held)
+        why = _check(eng, job, fences=0, pins=not wait_pinned, held=held)
         if why:
             return _abort(eng, job, why, "skipped")
         rows = {nid: _live_rows(eng, nid) for nid in job.reads}

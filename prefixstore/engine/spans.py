@@ -73,7 +73,8 @@ def on_store(
             return planned
     job, ok_status = planned
     node = job.old[0]
-    out = replace.run(eng, job, space="make", protect=frozenset({node.parent} - {None}), held=held)
+    out = replace.run(eng, job, space="make", protect=frozenset({node.parent} - {None}), held=held,
+                      pin_wait_s=eng.pin_wait_s, wait_pinned=True)
     log.debug(job.use, node=node.id, ok=out.ok, reason=out.reason)
     if out.ok and ok_status is None:
         return None  # a split made the new checkpoint's parent: the ordinary store goes on
@@ -121,11 +122,14 @@ def check_tokens_from(eng: Engine, prefix: Prefix, tokens_from: int) -> None:
 
 
 def _busy(eng: Engine, node: Node, n: int, held: frozenset[int]) -> StoreResult | None:
-    for why, busy in (("pinned", eng._pins[node.id]), ("fenced", eng._fenced(node.id, held))):
-        if busy:
-            res = StoreResult(SKIPPED, n, why)
-            eng._count_store(res)
-            return res
+    """A skip when another transaction fences ``node``. A pinned node is not busy here:
+    the replacement is prepared beside it and its swap waits for the pins to go (up to
+    ``eng.pin_wait_s``; restores pin for milliseconds), so a row that concurrent
+    requests keep restoring can still be split."""
+    if eng._fenced(node.id, held):
+        res = StoreResult(SKIPPED, n, "fenced")
+        eng._count_store(res)
+        return res
     return None
 
 
@@ -224,7 +228,8 @@ def _refill_rows(
         jobs = [_refill_job(x, segs, tokens_from, L.block_tokens, L.ranks) for x in sorted(todo, key=lambda x: x.end)]
     for job in jobs:
         x = job.old[0]
-        out = replace.run(eng, job, space="make", protect=frozenset({x.parent} - {None}), held=held)
+        out = replace.run(eng, job, space="make", protect=frozenset({x.parent} - {None}), held=held,
+                          pin_wait_s=eng.pin_wait_s, wait_pinned=True)
         log.info("row_refill", node=x.id, ok=out.ok, reason=out.reason)
 
 
