@@ -552,7 +552,7 @@ class PrefixStorePolicy(Policy):
         return self.rule.admits(pos - self._hit, self.sightings[node], window)
 
     def on_insert(self, node: int) -> None:
-        self.ghost.drop(node)
+        self.ghost.pop(node, None)
         self._touch(node)
 
     def choose_victim(self) -> int | None:
@@ -561,7 +561,7 @@ class PrefixStorePolicy(Policy):
     def on_evict(self, node: int) -> None:
         count = self.sightings[node]
         self.rule.learn_eviction(self.last[node], count)
-        self.ghost.remember(node, count)
+        self.ghost[node] = count
         self.ghost.trim()
         p = self.state.parent[node]
         if p >= 0 and self.state.nchild[p] == 0:

@@ -142,7 +142,7 @@ class RetentionAdmission:
 
     def _limit(self, keys: Sequence[bytes], hit: int, end: int) -> int:
         seen = self._seen
-        return self.rule.limit(hit, end, lambda p: seen.get(keys[p]), self.full)
+        return self.rule.limit(hit, end, lambda p: seen.get(keys[p], 0), self.full)
 
     def __call__(self, engine: Any, prefix: _Prefix, plan: Any) -> bool:
         """The engine's admission hook: whether to store the checkpoint at the end of

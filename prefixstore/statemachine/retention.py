@@ -71,41 +71,27 @@ class RetentionParams:
             raise InvalidInputError(f"admit_window must be >= 0, got {self.admit_window}")
 
 
-class Sightings:
+class Sightings(OrderedDict[Hashable, int]):
     """Block key -> sightings, bounded to the ``limit`` most recently sighted or
-    remembered keys (the oldest are forgotten first, on :meth:`trim`)."""
-
-    __slots__ = ("counts", "limit")
+    remembered keys (the oldest are forgotten first, on :meth:`trim`). A plain
+    ordered dict otherwise: ``self[key] = count`` remembers a count (a new key is the
+    most recent), ``pop(key, None)`` forgets one, ``get(key, 0)`` reads one."""
 
     def __init__(self, limit: int) -> None:
+        super().__init__()
         self.limit = limit
-        self.counts: OrderedDict[Hashable, int] = OrderedDict()
 
     def sight(self, key: Hashable) -> int:
         """Count one more sighting of ``key`` (now the most recent) and return it."""
-        counts = self.counts
-        count = counts.pop(key, 0) + 1
-        counts[key] = count
+        count = self.pop(key, 0) + 1
+        self[key] = count
         return count
-
-    def remember(self, key: Hashable, count: int) -> None:
-        """Hold ``count`` for ``key`` (a new key is the most recent)."""
-        self.counts[key] = count
-
-    def drop(self, key: Hashable) -> None:
-        self.counts.pop(key, None)
-
-    def get(self, key: Hashable, default: int = 0) -> int:
-        return self.counts.get(key, default)
 
     def trim(self) -> None:
         """Forget the oldest keys past ``limit``."""
-        counts = self.counts
-        while len(counts) > self.limit:
-            counts.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self.counts)
+        limit = self.limit
+        while len(self) > limit:
+            self.popitem(last=False)
 
 
 class RetentionRule:
