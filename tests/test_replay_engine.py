@@ -7,8 +7,10 @@ Uses the first requests of the Mooncake trace (../shared/traces beside the repo)
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import attrs
@@ -18,9 +20,11 @@ from prefixstore.engine.cli import main
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import InvalidInputError
 from prefixstore.replay.engine_replay import ReplayConfig, checkpoint_positions, replay
+from prefixstore.replay.sim import PrefixStorePolicy, compile_trace, simulate
 from prefixstore.replay.trace import load_trace
 from prefixstore.statemachine import policy as pol
 from prefixstore.statemachine.admission import RetentionAdmission
+from prefixstore.statemachine.retention import RetentionParams, RetentionRule
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -207,6 +211,224 @@ def test_policies_without_retention_keep_recency_keys() -> None:
     n.children.add(2)
     assert pol.action_for("lru", n, False) == (pol.SUBTREE, (pol.NORMAL, 42))
     assert pol.VictimHeap("leaf-lru", False).retention is None
+
+
+# ------------------------------------------------------------------ one rule for the simulator and the engine
+
+
+RULE_KW = {"theta": 1.5, "retention_alpha": 0.3, "gate": 0.7, "window_share": 0.0, "gate_alpha": 0.2}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"theta": -1.0},
+        {"ghost_factor": -0.5},
+        {"window_share": -0.1},
+        {"retention_alpha": 0.0},
+        {"gate_alpha": 1.5},
+        {"admit_window": -1},
+    ],
+)
+def test_sim_and_engine_validate_retention_params_in_one_place(bad) -> None:
+    with pytest.raises(InvalidInputError) as sim_err:
+        PrefixStorePolicy(**bad)
+    with pytest.raises(InvalidInputError) as eng_err:
+        RetentionAdmission(10, **bad)
+    assert str(sim_err.value) == str(eng_err.value)
+
+
+def test_sim_and_engine_host_the_same_rule() -> None:
+    sim = PrefixStorePolicy(auto_admission=False, **RULE_KW)
+    adm = RetentionAdmission(10, admission=False, **RULE_KW)
+    assert sim.params == adm.rule.params == RetentionParams(admission=False, **RULE_KW)
+    simulate(full_chains([1, 2]), 10, sim, block_bytes=1)
+    assert type(sim.rule) is type(adm.rule) is RetentionRule
+
+
+def test_a_changed_admission_rule_changes_the_simulator_and_the_engine_alike(monkeypatch) -> None:
+    """Past a window of 1 block, both hosts store blocks seen before; a rule that
+    refuses everything past the window changes both the same way."""
+    trace = full_chains([1, 2, 3], [4, 5, 6], [4, 5, 6])
+    keys = [k(4), k(5), k(6)]
+
+    def both() -> tuple[int, int]:
+        # The simulator: r0 fills the cache, r1 stores 4 only; r2 hits 4, then 5 is in
+        # the window and 6 was seen in r1.
+        sim = simulate(trace, 3, PrefixStorePolicy(admit_window=1), block_bytes=1, check=True)
+        # The engine, after the same sightings and a victim (the tier is full).
+        adm = RetentionAdmission(3, admit_window=1)
+        adm.observe([k(1), k(2), k(3)], 0)
+        adm.on_victim(FakeNode(3, k(3), 0))
+        adm.observe(keys, 0)
+        adm.observe(keys, 1)
+        limit = adm.admit_limit(keys, 1, 3)
+        assert adm(None, _Keys(keys[:limit]), _Plan(1))
+        if limit < 3:
+            assert not adm(None, _Keys(keys), _Plan(1))
+        # r2's blocks stored past its hit (r1 skipped 2 in either case)
+        return 2 - (sim.skipped_admission - 2), limit - 1
+
+    assert both() == (2, 2)
+    strict = staticmethod(lambda past_hit, sightings, window: window is None or past_hit < window)
+    monkeypatch.setattr(RetentionRule, "admits", strict)
+    assert both() == (1, 1)
+
+
+def test_a_changed_eviction_key_changes_the_simulator_and_the_engine_alike(monkeypatch) -> None:
+    """[1, 2] is used twice, so the rule keeps it past the more recent [3]; with the
+    reuse bonus patched out of the rule both hosts fall back to recency."""
+    trace = full_chains([1, 2], [1, 2], [3], [4], [1, 2])
+
+    def both() -> tuple[tuple[int, ...], float]:
+        hits = simulate(trace, 3, PrefixStorePolicy(), block_bytes=1, check=True).hits
+        adm = RetentionAdmission(100)
+        adm.observe([k(1)], 0)
+        adm.observe([k(1)], 1)  # seen twice, hit once: the clock is 1
+        return hits, adm.priority(FakeNode(1, k(1), 1))
+
+    assert both() == ((0, 2, 0, 0, 2), 1 + 100.0)  # clock + theta * R * log2(2)
+    monkeypatch.setattr(RetentionRule, "priority", lambda self, sightings: float(self.clock))
+    assert both() == ((0, 2, 0, 0, 1), 1.0)
+
+
+class _Mirror(PrefixStorePolicy):
+    """The simulator's ``prefixstore`` policy, with every event also fed to the
+    engine's ``RetentionAdmission`` as the engine replay would (a node per block,
+    keyed by its block), checking that both hosts decide the same.
+
+    Where the hosts differ by design, nothing is compared: a request is checked only
+    when both agree the cache is full or not for all of it (the simulator: it holds
+    ``capacity`` blocks; the engine: a victim was taken), and eviction keys only for
+    stored blocks and a request's deepest hit (the engine ticks all hit blocks at
+    once). No sightings map is trimmed (a large ``ghost_factor``).
+    """
+
+    def __init__(self, **kw) -> None:
+        super().__init__(ghost_factor=1000.0, **kw)
+        self.engine_kw = {"ghost_factor": 1000.0, **kw}
+        self.checked: Counter[str] = Counter()
+
+    def bind(self, state) -> None:
+        super().bind(state)
+        self.adm = RetentionAdmission(max(1, state.capacity), **self.engine_kw)
+        self.nodes: dict[int, FakeNode] = {}
+        self.req: tuple | None = None
+
+    def _fake(self, node: int) -> FakeNode:
+        fake = self.nodes.setdefault(node, FakeNode(node, k(node), 0))
+        fake.last_used += 1  # a touch
+        return fake
+
+    def begin_request(self, req, path, hit, input_length) -> None:
+        self.finish()
+        st, adm = self.state, self.adm
+        assert adm.clock == self.clock  # every block touch counted alike
+        full = st.size >= st.capacity
+        super().begin_request(req, path, hit, input_length)
+        keys = [k(n) for n in path]
+        adm.observe(keys, hit)
+        assert adm.reuse_hit_fraction == self.reuse_hit_fraction  # bit for bit
+        limit = adm.admit_limit(keys, hit, len(path))
+        self.req = (path, keys, hit, full, full == adm.full, adm.gated, limit)
+        self.refused_at: int | None = None
+        self.stored_to = hit
+        self.pos = hit
+
+    def on_access(self, node: int) -> None:
+        super().on_access(node)
+        path, _, hit, *_ = self.req
+        key = self.adm.priority(self._fake(node))
+        if node == path[hit - 1]:
+            assert key == self.leaves.key[node]
+            self.checked["keys"] += 1
+
+    def admit(self, node: int, pos: int) -> bool:
+        ok = super().admit(node, pos)
+        self.pos = pos
+        if not ok and self.refused_at is None:
+            self.refused_at = pos
+        return ok
+
+    def on_insert(self, node: int) -> None:
+        super().on_insert(node)
+        _, keys, *_ = self.req
+        assert self.adm(None, _Keys(keys[: self.pos + 1]), _Plan(self.pos))  # ticks the clock
+        assert self.adm.priority(self._fake(node)) == self.leaves.key[node]
+        self.checked["keys"] += 1
+        self.stored_to = self.pos + 1
+
+    def on_evict(self, node: int) -> None:
+        super().on_evict(node)
+        self.adm.on_victim(self.nodes[node])
+        assert self.adm.retention == self.retention  # the same learning, bit for bit
+        self.checked["evictions"] += 1
+
+    def finish(self) -> None:
+        """Compare the last request's admission decision."""
+        if self.req is None:
+            return
+        path, _, _, full, agree, gated, limit = self.req
+        st = self.state
+        if agree and full == (st.size >= st.capacity):
+            if self.refused_at is not None:
+                assert self.refused_at == limit, (path, self.refused_at, limit)
+                self.checked["refused"] += 1
+            elif self.stored_to == len(path):
+                assert limit == len(path)
+            else:
+                return  # no room (a victim was pinned): not an admission decision
+            self.checked["gated" if gated else "open"] += 1
+        self.req = None
+
+
+def test_sim_policy_and_engine_admission_decide_alike_on_the_same_events() -> None:
+    rng = random.Random(5)
+    checked: Counter[str] = Counter()
+    for _ in range(30):
+        chains = conversations(rng, 80)
+        for cap in (4, 9, 20):
+            mirror = _Mirror(**RULE_KW)
+            res = simulate(compile_trace(chains), cap, mirror, block_bytes=1, check=True)
+            mirror.finish()
+            checked.update(mirror.checked)
+            plain = simulate(compile_trace(chains), cap, PrefixStorePolicy(ghost_factor=1000.0, **RULE_KW), block_bytes=1)
+            assert res == plain
+    assert min(checked.values()) > 50 and len(checked) == 5, checked
+
+
+def full_chains(*chains: list[int]):
+    return compile_trace([list(c) for c in chains])
+
+
+def conversations(rng: random.Random, n: int) -> list[list[int]]:
+    """Requests that extend a random prefix of an earlier one by fresh ids."""
+    chains: list[list[int]] = []
+    fresh = 0
+    for _ in range(n):
+        prefix = []
+        if chains and rng.random() < 0.7:
+            base = rng.choice(chains[-10:])
+            prefix = base[: rng.randint(1, len(base))]
+        new = list(range(fresh + 1, fresh + 1 + rng.randint(0 if prefix else 1, 6)))
+        fresh += len(new)
+        chains.append(prefix + new)
+    return chains
+
+
+class _Keys:
+    """A prefix as the admission hook sees it."""
+
+    def __init__(self, keys) -> None:
+        self.keys = tuple(keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@attrs.frozen
+class _Plan:
+    start: int
 
 
 # ------------------------------------------------------------------ command line, bench

@@ -62,13 +62,13 @@ reused) and when (reuse gaps: median 114 s, p90 519 s).
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefixstore.engine.errors import InvalidInputError
 from prefixstore.replay.trace import BLOCK_TOKENS, Request
+from prefixstore.statemachine.retention import RetentionParams, RetentionRule, Sightings
 
 PrefillFn = Callable[[int], float]
 
@@ -444,30 +444,27 @@ class PrefixStorePolicy(Policy):
     bounded ghost history, with admission that throttles speculative stores when the
     cache is too small to keep what comes back.
 
-    - **Sightings**: how many requests held the block, counted while it is cached and,
-      after it leaves (evicted or never admitted), in a ghost table of at most
-      ``ghost_factor * capacity`` keys (FIFO). A block seen again after eviction comes
-      back with its count.
-    - **Eviction**: the leaf with the smallest ``last_touch + theta * R * log2(sightings)``.
-      ``R`` is the cache's own retention: a running mean (weight ``retention_alpha``)
-      of the age, in block touches, at which never-reused blocks are evicted. A block
-      used twice is kept about ``theta * R`` longer than one used once, four uses
-      ``2 * theta * R``; the tree stays whole because only leaves are candidates.
-    - **Admission** (a skipped store; an engine counts reason ``'admission'``):
+    The simulator's host of the rule the engine uses too
+    (:class:`prefixstore.statemachine.retention.RetentionRule`; its docstring has
+    the rule). What this host decides:
 
-      * a request's last block when it is partial (``input_length`` not a multiple of
-        ``block_tokens``): the next turn re-hashes it, so it is almost never reused
-        (0.8% on the Mooncake trace), and an engine cannot checkpoint an unaligned
-        position anyway;
-      * the *reuse hit fraction* ``F`` is a running mean (weight ``gate_alpha``) over
-        sightings of blocks seen before (cached, or remembered by the ghost) of
-        whether they were hits. While the cache is full and ``F < gate`` (the cache
-        loses most of what comes back), a request may store at most
-        ``max(1, window_share * capacity)`` never-seen blocks past its hit; the rest
-        of its new suffix is skipped and admitted on a later sighting. Long new
-        suffixes are the least likely to return soon, and admitting them flushes
-        everyone else. ``admit_window=k`` fixes the window at ``k`` whenever the cache
-        is full; ``auto_admission=False`` turns the gated window off.
+    - **Sightings**: how many requests held the block, counted per node while it is
+      cached and, after it leaves (evicted or never admitted), in a ghost table of at
+      most ``ghost_factor * capacity`` keys (FIFO). A block seen again after eviction
+      comes back with its count.
+    - **Clock**: one tick per block touched (each hit block, root to leaf, and each
+      stored block); a block's eviction key ``t + theta * R * log2(sightings)`` is
+      set at its touch. Only leaves are candidates, so the tree stays whole.
+    - **Full**: the cache holds ``capacity`` blocks now. The gated window
+      (``F < gate``, or a fixed ``admit_window=k``) only refuses while it is full.
+    - **Partial last blocks** are not admitted (``skip_partial``): when
+      ``input_length`` is not a multiple of ``block_tokens`` the next turn re-hashes
+      the block, so it is almost never reused (0.8% on the Mooncake trace), and an
+      engine cannot checkpoint an unaligned position anyway.
+
+    A refused store is a skipped store (an engine counts reason ``'admission'``). Long
+    new suffixes are the least likely to return soon, and admitting them flushes
+    everyone else. ``auto_admission=False`` turns the gated window off.
 
     Every decision uses only the past. An engine needs per node its sighting count
     and last touch, a bounded ghost map of recent keys to counts, ``R`` and ``F``.
@@ -488,37 +485,40 @@ class PrefixStorePolicy(Policy):
         gate_alpha: float = 0.001,
         admit_window: int | None = None,
     ) -> None:
-        if theta < 0 or ghost_factor < 0 or window_share < 0:
-            raise InvalidInputError("theta, ghost_factor and window_share must be >= 0")
-        if not (0 < retention_alpha <= 1 and 0 < gate_alpha <= 1):
-            raise InvalidInputError("retention_alpha and gate_alpha must be in (0, 1]")
-        if admit_window is not None and admit_window < 0:
-            raise InvalidInputError(f"admit_window must be >= 0, got {admit_window}")
-        self.theta = theta
-        self.ghost_factor = ghost_factor
-        self.retention_alpha = retention_alpha
+        self.params = RetentionParams(
+            theta=theta,
+            ghost_factor=ghost_factor,
+            retention_alpha=retention_alpha,
+            gate=gate,
+            window_share=window_share,
+            gate_alpha=gate_alpha,
+            admission=auto_admission,
+            admit_window=admit_window,
+        )
         self.skip_partial = skip_partial
-        self.auto_admission = auto_admission
-        self.gate = gate
-        self.window_share = window_share
-        self.gate_alpha = gate_alpha
-        self.admit_window = admit_window
 
     def bind(self, state: CacheState) -> None:
         super().bind(state)
         n = len(state.parent)
+        self.rule = RetentionRule(self.params, state.capacity)
         self.leaves = _RecencyLeafHeap(state)
-        self.clock = 0
         self.sightings = [0] * n  # valid for cached nodes and the current path
         self.last = [0] * n
-        self.ghost: OrderedDict[int, int] = OrderedDict()
-        self.ghost_max = max(1, int(self.ghost_factor * state.capacity))
-        self.retention = float(max(state.capacity, 1))
-        self.reuse_hit_fraction = 1.0
-        self.auto_window = max(1, int(self.window_share * state.capacity))
+        self.ghost = Sightings(self.rule.ghost_keys)
         self._last_pos = -1
         self._hit = 0
-        self._window: int | None = None
+
+    @property
+    def clock(self) -> int:
+        return self.rule.clock
+
+    @property
+    def retention(self) -> float:
+        return self.rule.retention
+
+    @property
+    def reuse_hit_fraction(self) -> float:
+        return self.rule.reuse_hit_fraction
 
     def begin_request(self, req: int, path: Sequence[int], hit: int, input_length: int) -> None:
         n = len(path)
@@ -531,42 +531,25 @@ class PrefixStorePolicy(Policy):
         returned = 0  # seen before, missed
         for i in range(hit, n):
             node = path[i]
-            count = ghost.pop(node, 0) + 1
+            count = ghost.sight(node)  # dropped again if the block is stored
             returned += count > 1
             sightings[node] = count
-            ghost[node] = count  # dropped again if the block is stored
-        self._trim_ghost()
-        # F moves towards 1 once per hit and towards 0 once per returning miss.
-        a, f = self.gate_alpha, self.reuse_hit_fraction
-        f = 1.0 - (1.0 - f) * (1.0 - a) ** hit
-        self.reuse_hit_fraction = f * (1.0 - a) ** returned
-        if self.admit_window is not None:
-            self._window = self.admit_window
-        elif self.auto_admission and self.reuse_hit_fraction < self.gate:
-            self._window = self.auto_window
-        else:
-            self._window = None
-
-    def _trim_ghost(self) -> None:
-        ghost = self.ghost
-        while len(ghost) > self.ghost_max:
-            ghost.popitem(last=False)
+        ghost.trim()
+        self.rule.observe(hit, returned)
 
     def _touch(self, node: int) -> None:
-        self.clock += 1
-        self.last[node] = self.clock
-        bonus = self.theta * self.retention * math.log2(self.sightings[node])
-        self.leaves.set(node, self.clock + bonus)
+        rule = self.rule
+        self.last[node] = rule.tick()
+        self.leaves.set(node, rule.priority(self.sightings[node]))
 
     on_access = _touch
 
     def admit(self, node: int, pos: int) -> bool:
         if pos >= self._last_pos:
             return False
-        w = self._window
-        if w is not None and pos - self._hit >= w and self.sightings[node] == 1:
-            return self.state.size < self.state.capacity
-        return True
+        st = self.state
+        window = self.rule.window(st.size >= st.capacity)
+        return self.rule.admits(pos - self._hit, self.sightings[node], window)
 
     def on_insert(self, node: int) -> None:
         self.ghost.pop(node, None)
@@ -577,12 +560,9 @@ class PrefixStorePolicy(Policy):
 
     def on_evict(self, node: int) -> None:
         count = self.sightings[node]
-        if count == 1:
-            self.retention += self.retention_alpha * (
-                (self.clock - self.last[node]) - self.retention
-            )
+        self.rule.learn_eviction(self.last[node], count)
         self.ghost[node] = count
-        self._trim_ghost()
+        self.ghost.trim()
         p = self.state.parent[node]
         if p >= 0 and self.state.nchild[p] == 0:
             self.leaves.became_leaf(p)

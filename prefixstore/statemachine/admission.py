@@ -1,6 +1,7 @@
-"""Retention and admission for attention-only prefix caches: the simulator's
-``prefixstore`` policy (``prefixstore.replay.sim.PrefixStorePolicy``) ported to the
-engine. Pure: no I/O; it only counts what it is told and answers.
+"""Retention and admission for attention-only prefix caches: the engine's host of the
+shared ``prefixstore`` rule (``statemachine/retention.py``, ``RetentionRule``), which
+the simulator's ``prefixstore`` policy (``replay/sim.py``, ``PrefixStorePolicy``) drives
+too. Pure: no I/O; it only counts what it is told and answers.
 
 One object plays three roles:
 
@@ -14,25 +15,18 @@ One object plays three roles:
 - **Retention** (``VictimHeap.set_retention(obj, nodes)``): ``priority(node)`` is a
   leaf's eviction key and ``on_victim(node)`` learns from every leaf taken.
 
-The rules (see the simulator's docstring for why and what was measured):
+The rule itself (sightings, the eviction key ``t + theta * R * log2(sightings)``, the
+gated admission window) is ``RetentionRule``'s; see ``statemachine/retention.py``.
+What this host decides:
 
-- **Sightings**: how many requests held a block key, in a bounded LRU map of
+- **Sightings** are counted per block key in one bounded recency map of
   ``(ghost_factor + 1) * capacity_blocks`` keys (cached blocks are refreshed by every
   sighting; evicted and never-admitted ones are remembered as a *ghost* until pushed
   out). A node's count is its end block's (the deepest, least seen of its span).
-- **Eviction**: a leaf's key is ``t + theta * R * log2(sightings)``, frozen when the
-  node is touched: ``t`` is a clock in *block touches* (the hit blocks of each request
-  and the new blocks of each admitted store), ``R`` the cache's retention, a running
-  mean (weight ``retention_alpha``) of the age in block touches at which never-reused
-  leaves are taken (it starts at ``capacity_blocks``). A block used twice stays about
-  ``theta * R`` longer than one used once.
-- **Admission**: ``F`` is a running mean (weight ``gate_alpha``) over sightings of
-  blocks seen before of whether they were hits. Once the tier is full (a victim was
-  taken) and while ``F < gate``, a checkpoint may end at most ``window`` blocks past
-  the request's hit, and past that only over blocks seen before (``window = max(1,
-  window_share * capacity_blocks)``); the rest waits for a later sighting. Long
-  never-seen suffixes are the least likely to return soon, and admitting them
-  flushes everyone else.
+- **Clock**: it moves by the hit blocks of each request (``observe``) and the new
+  blocks of each admitted store (the hook). A leaf's key is fixed when the node is
+  touched (``priority`` is asked with a new ``last_used``).
+- **Full** means a victim was ever taken.
 
 Differences from the simulator, which works block by block: the engine evicts whole
 nodes (a node spans the blocks between two checkpoints), a node's count is its end
@@ -45,13 +39,12 @@ deadlock with the engine's lock, under which the hook and the heap call it).
 
 from __future__ import annotations
 
-import math
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from prefixstore.engine.errors import InvalidInputError
+from prefixstore.statemachine.retention import RetentionParams, RetentionRule, Sightings
 
 
 class _Node(Protocol):
@@ -67,7 +60,7 @@ class _Prefix(Protocol):
 
 
 class RetentionAdmission:
-    """The ported ``prefixstore`` retention and admission (see the module docstring)."""
+    """The engine's host of the shared ``prefixstore`` rule (see the module docstring)."""
 
     def __init__(
         self,
@@ -80,29 +73,46 @@ class RetentionAdmission:
         window_share: float = 0.001,
         gate_alpha: float = 0.001,
         admission: bool = True,
+        admit_window: int | None = None,
     ) -> None:
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 1:
             raise InvalidInputError(f"capacity_blocks must be a positive integer, got {capacity_blocks!r}")
-        if theta < 0 or ghost_factor < 0 or window_share < 0:
-            raise InvalidInputError("theta, ghost_factor and window_share must be >= 0")
-        if not (0 < retention_alpha <= 1 and 0 < gate_alpha <= 1):
-            raise InvalidInputError("retention_alpha and gate_alpha must be in (0, 1]")
+        params = RetentionParams(
+            theta=theta,
+            ghost_factor=ghost_factor,
+            retention_alpha=retention_alpha,
+            gate=gate,
+            window_share=window_share,
+            gate_alpha=gate_alpha,
+            admission=admission,
+            admit_window=admit_window,
+        )
+        self.rule = RetentionRule(params, capacity_blocks)
         self.capacity_blocks = capacity_blocks
-        self.theta = theta
-        self.retention_alpha = retention_alpha
-        self.gate = gate
-        self.gate_alpha = gate_alpha
-        self.admission = admission
-        self.window = max(1, int(window_share * capacity_blocks))
-        self.max_keys = max(1, int((ghost_factor + 1) * capacity_blocks))
-        self.retention = float(capacity_blocks)
-        self.reuse_hit_fraction = 1.0
         self.full = False
-        self.clock = 0
         self.refused = 0
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._seen = Sightings(self.rule.sighting_keys)
         self._touch: dict[int, tuple[int, int, float]] = {}  # node id -> (last_used, clock, key)
         self._lock = threading.Lock()
+
+    @property
+    def clock(self) -> int:
+        """Block touches so far: the hit blocks of each request and the new blocks of
+        each admitted store."""
+        return self.rule.clock
+
+    @property
+    def retention(self) -> float:
+        return self.rule.retention
+
+    @property
+    def reuse_hit_fraction(self) -> float:
+        return self.rule.reuse_hit_fraction
+
+    @property
+    def window(self) -> int:
+        """The gated window in blocks: ``max(1, window_share * capacity_blocks)``."""
+        return self.rule.auto_window
 
     # ------------------------------------------------------------------ request side
 
@@ -112,36 +122,27 @@ class RetentionAdmission:
             seen = self._seen
             returned = 0
             for i, k in enumerate(keys):
-                count = seen.pop(k, 0) + 1
-                seen[k] = count
+                count = seen.sight(k)
                 if i >= hit and count > 1:
                     returned += 1
-            while len(seen) > self.max_keys:
-                seen.popitem(last=False)
-            # F moves towards 1 once per hit block, towards 0 once per returning miss.
-            a, f = self.gate_alpha, self.reuse_hit_fraction
-            f = 1.0 - (1.0 - f) * (1.0 - a) ** hit
-            self.reuse_hit_fraction = f * (1.0 - a) ** returned
-            self.clock += hit
+            seen.trim()
+            self.rule.observe(hit, returned)
+            self.rule.tick(hit)
 
     @property
     def gated(self) -> bool:
         """Whether admission limits never-seen suffixes now."""
-        return self.admission and self.full and self.reuse_hit_fraction < self.gate
+        return self.rule.window(self.full) is not None
 
     def admit_limit(self, keys: Sequence[bytes], hit: int, end: int) -> int:
         """The deepest block (<= ``end``) a checkpoint of this request, whose first
         ``hit`` blocks were found in the tier, may end at."""
         with self._lock:
-            return end if not self.gated else self._limit(keys, hit, end)
+            return self._limit(keys, hit, end)
 
     def _limit(self, keys: Sequence[bytes], hit: int, end: int) -> int:
-        """``window`` blocks past ``hit``, then on while the blocks were seen before."""
         seen = self._seen
-        p = hit + self.window
-        while p < end and seen.get(keys[p], 0) > 1:
-            p += 1
-        return min(p, end)
+        return self.rule.limit(hit, end, lambda p: seen.get(keys[p], 0), self.full)
 
     def __call__(self, engine: Any, prefix: _Prefix, plan: Any) -> bool:
         """The engine's admission hook: whether to store the checkpoint at the end of
@@ -150,10 +151,10 @@ class RetentionAdmission:
         n = len(prefix)
         start = getattr(plan, "start", 0)
         with self._lock:
-            if self.gated and n > self._limit(prefix.keys, start, n):
+            if n > self._limit(prefix.keys, start, n):
                 self.refused += 1
                 return False
-            self.clock += max(0, n - start)
+            self.rule.tick(max(0, n - start))
             return True
 
     # ------------------------------------------------------------------ retention side
@@ -164,9 +165,8 @@ class RetentionAdmission:
             t = self._touch.get(node.id)
             if t is not None and t[0] == node.last_used:
                 return t[2]
-            count = self._seen.get(node.key, 1)
-            key = self.clock + self.theta * self.retention * math.log2(max(count, 1))
-            self._touch[node.id] = (node.last_used, self.clock, key)
+            key = self.rule.priority(self._seen.get(node.key, 1))
+            self._touch[node.id] = (node.last_used, self.rule.clock, key)
             return key
 
     def on_victim(self, node: _Node) -> None:
@@ -174,8 +174,8 @@ class RetentionAdmission:
         with self._lock:
             self.full = True
             t = self._touch.get(node.id)
-            if t is not None and self._seen.get(node.key, 1) <= 1:
-                self.retention += self.retention_alpha * ((self.clock - t[1]) - self.retention)
+            if t is not None:
+                self.rule.learn_eviction(t[1], self._seen.get(node.key, 1))
 
     def forget(self, live_ids: set[int]) -> None:
         """Drop touch records of nodes no longer in the tier (called on heap rebuilds)."""
@@ -185,8 +185,8 @@ class RetentionAdmission:
     def stats(self) -> dict[str, float | int | bool]:
         with self._lock:
             return {
-                "reuse_hit_fraction": round(self.reuse_hit_fraction, 4),
-                "retention_blocks": round(self.retention, 1),
+                "reuse_hit_fraction": round(self.rule.reuse_hit_fraction, 4),
+                "retention_blocks": round(self.rule.retention, 1),
                 "gated": self.gated,
                 "window_blocks": self.window,
                 "refused": self.refused,
