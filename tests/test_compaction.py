@@ -192,14 +192,41 @@ def test_prefix_diverging_inside_a_span_splits_without_a_snapshot(cache_dir, lay
         clean(eng)
 
 
-def test_split_of_a_pinned_row_is_skipped_until_unpinned(cache_dir, layout):
+def test_split_of_a_row_pinned_past_pin_wait_is_skipped_until_unpinned(cache_dir, layout):
     with Engine.open(cache_dir, layout, CAP) as eng:
+        eng.pin_wait_s = 0.2
         chain(eng, ends=(6,), retire=())
         with eng.pinned(eng.lookup(P(CONV[:24]))):
+            t0 = time.monotonic()
             res = store_tokens(eng, CONV[:16])
             assert (res.status, res.reason) == ("skipped", "pinned")
+            assert time.monotonic() - t0 >= 0.2  # it waited for the pin first
             assert spans(eng) == [(0, 6, True)]
         assert store_tokens(eng, CONV[:16]).status == "stored"
+        clean(eng)
+
+
+def test_split_of_a_row_a_restore_pins_waits_for_the_pin_and_keeps_its_bytes(cache_dir, layout):
+    """The split is prepared beside the pinned row and swapped once the pin goes: the
+    pinned reader keeps its generation, the store is not skipped."""
+    with Engine.open(cache_dir, layout, CAP) as eng:
+        chain(eng, ends=(6,), retire=())
+        m = eng.lookup(P(CONV[:24]))
+        assert eng.pin(m)
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("res", store_tokens(eng, CONV[:16])))
+        th.start()
+        time.sleep(0.1)
+        assert th.is_alive() and spans(eng) == [(0, 6, True)]  # waiting at the swap
+        r = eng.restore(m)  # the pinned match still restores its own generation
+        assert r is not None and r.end_tokens == 24
+        eng.unpin(m)
+        th.join(10)
+        assert out["res"].status == "stored", out["res"]
+        assert spans(eng) == [(0, 4, True), (4, 6, True)]
+        assert eng.restore(m) is None  # replaced: the old match is stale
+        for b in (4, 6):
+            assert_restores(eng, CONV[: b * BT], blocks=b)
         clean(eng)
 
 
