@@ -22,7 +22,7 @@ CAUGHT_BY = {
     "skip-dir-fsync": {"damaged", "miss", "audit:1"},
     "double-count-retire": {"audit:3", "capacity"},
     "evict-pinned": {"pin", "audit:6"},
-    "rename-over-live": {"audit:1", "damaged", "miss"},
+    "rename-over-live": {"audit:1", "audit:2", "damaged", "miss"},  # 2: a cached row no longer the catalog's
     "skip-orphan-cleanup": {"audit:3"},
     "skip-restore-checksum": {"bytes"},
     "skip-barrier": {"damaged", "miss", "audit:1"},
