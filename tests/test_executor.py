@@ -415,6 +415,46 @@ def test_crash_after_release_before_commit_leaves_the_store_absent(tmp_path, bac
         assert not eng.catalog.journal()
 
 
+def test_async_stores_queued_behind_a_crash_fail_typed_and_give_back_what_they_held(tmp_path):
+    """The engine dies while async stores wait in the commit queue: their tickets raise
+    EngineClosedError (not a bare CancelledError) and their staging buffers, fences
+    and in-flight slots go back, as if their jobs had run and failed."""
+    class CrashAtFirstWrite(FaultHook):  # outside the engine lock, unlike a commit
+        def __init__(self) -> None:
+            self.reached, self.go, self.armed = threading.Event(), threading.Event(), False
+
+        def before(self, op, target, rank):
+            if self.armed and op == "write" and not self.reached.is_set():
+                self.reached.set()
+                self.go.wait(10)
+                raise E.SimulatedCrash(f"crash before writing {target}")
+
+    L = make_layout()
+    hook = CrashAtFirstWrite()
+    eng = Engine.open(str(tmp_path / "c"), L, CAP, hook=hook)
+    base = tokens_for(30, 2)
+    assert store_tokens(eng, base).ok  # the async stores below fence it as their parent
+    hook.armed = True
+
+    def go_async(seed):
+        toks = base + tokens_for(seed, 2)
+        return eng.store_async(Prefix.from_tokens(toks, 4), seg_tensors(L, toks), snap_tensors(L, toks))
+
+    t1 = go_async(31)
+    assert hook.reached.wait(5)  # the commit worker is inside the first store
+    queued = [go_async(seed) for seed in (32, 33)]
+    assert eng._fences and eng.executor.pool.stats()["outstanding_bytes"] > 0
+    hook.go.set()
+    with pytest.raises(E.SimulatedCrash):
+        t1.result(10)
+    for t in queued:
+        with pytest.raises(E.EngineClosedError):
+            t.result(10)
+    assert eng._closed and not eng._fences
+    assert eng.executor.pool.stats()["outstanding_bytes"] == 0
+    assert eng.transfers._slots._value == 8  # Transfers(max_inflight_stores=8): every slot back
+
+
 def _async_scenario(root, ranks, backing, hook):
     L = make_layout(ranks=ranks)
     b = tokens_for(21, 6)

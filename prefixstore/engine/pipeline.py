@@ -29,13 +29,18 @@ import errno
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from prefixstore.engine.errors import InvalidInputError, ShardError, SimulatedCrash
+from prefixstore.engine.errors import (
+    EngineClosedError,
+    InvalidInputError,
+    ShardError,
+    SimulatedCrash,
+)
 from prefixstore.engine.results import DUPLICATE, QUEUED, REFUSED, StoreResult
 from prefixstore.gpu import shards
 from prefixstore.gpu.executor import Buffer, Copy, Staged
@@ -205,7 +210,10 @@ class StoreTicket:
         return self.released.wait(timeout)
 
     def result(self, timeout: float | None = None) -> StoreResult:
-        return self.committed.result(timeout)
+        try:
+            return self.committed.result(timeout)
+        except CancelledError:  # never ran: the engine stopped first
+            raise EngineClosedError("the engine closed before this store committed") from None
 
     def done(self) -> bool:
         return self.committed.done()
@@ -281,6 +289,14 @@ def store_async(
     for s in staged[1:]:
         released = released + s.copy
 
+    cleaned = threading.Lock()  # the job's finally, or its cancellation: exactly once
+
+    def cleanup() -> None:
+        if cleaned.acquire(blocking=False):
+            release(staged)
+            _unfence(eng, fenced)
+            tr._slots.release()
+
     def job() -> StoreResult:
         try:
             with eng._guard():
@@ -302,17 +318,15 @@ def store_async(
                     tr.schedule_retry(eng)
                 return res
         finally:
-            release(staged)
-            _unfence(eng, fenced)
-            tr._slots.release()
+            cleanup()
 
     try:
         fut = tr.commit.submit(job)
-    except RuntimeError:
-        release(staged)
-        _unfence(eng, fenced)
-        tr._slots.release()
-        raise
+    except RuntimeError as exc:  # the worker stopped: the engine closed or died meanwhile
+        cleanup()
+        raise EngineClosedError("the engine closed before this store was queued") from exc
+    # Cancelled unrun (the engine closed at once, or died): its buffers, fences and slot go back.
+    fut.add_done_callback(lambda f: cleanup() if f.cancelled() else None)
     return StoreTicket(released, fut)
 
 
