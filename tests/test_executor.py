@@ -783,3 +783,16 @@ def test_cuda_engine_round_trip(tmp_path, backing):
         assert torch.equal(r.snapshot[0]["s"], snap[0]["s"])
         assert eng.stats()["transfers"]["copies"]["host_copy_bytes"] == 0
         assert eng.audit().ok
+
+
+def test_close_from_inside_an_engine_worker_is_refused_not_a_hang(tmp_path):
+    """A job on the commit worker (as a queued store's valid() callback could be)
+    calling close() would wait for itself: it gets a typed error at once."""
+    with Engine.open(str(tmp_path / "c"), make_layout(), CAP) as eng:
+        fut = eng.transfers.commit.submit(eng.close)
+        with pytest.raises(E.InvalidInputError, match="worker"):
+            fut.result(10)
+        assert not eng._closed
+        toks = tokens_for(40, 2)
+        assert store_tokens(eng, toks).ok
+    assert eng._closed

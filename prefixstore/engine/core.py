@@ -561,6 +561,9 @@ class Engine:
         """
         if self._closed:
             return
+        if self.transfers.commit.current or self.transfers.retry.current:
+            # e.g. from a queued store's valid() callback: draining would wait for itself
+            raise InvalidInputError("close() cannot run inside the engine's own commit or retry worker")
         self.transfers.drain()  # outside the lock: queued async stores commit first
         if self.compactor is not None:
             self.compactor.stop()  # outside the lock: the worker may be waiting for it

@@ -70,6 +70,11 @@ class Worker:
             thread.join(timeout)
 
     @property
+    def current(self) -> bool:
+        """Whether the calling thread is this worker's (a job calling back in)."""
+        return self._thread is threading.current_thread()
+
+    @property
     def alive(self) -> bool:
         t = self._thread
         return t is not None and t.is_alive()
