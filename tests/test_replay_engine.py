@@ -228,6 +228,11 @@ RULE_KW = {"theta": 1.5, "retention_alpha": 0.3, "gate": 0.7, "window_share": 0.
         {"retention_alpha": 0.0},
         {"gate_alpha": 1.5},
         {"admit_window": -1},
+        {"gate": 1.5},
+        {"gate": -0.1},
+        {"theta": float("nan")},
+        {"window_share": float("inf")},
+        {"gate": "0.5"},
     ],
 )
 def test_sim_and_engine_validate_retention_params_in_one_place(bad) -> None:

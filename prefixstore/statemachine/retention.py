@@ -63,6 +63,13 @@ class RetentionParams:
     """A fixed window whenever the cache is full, whatever ``F`` (None: the gated one)."""
 
     def __attrs_post_init__(self) -> None:
+        floats = ("theta", "ghost_factor", "retention_alpha", "gate", "window_share", "gate_alpha")
+        for name in floats:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise InvalidInputError(f"{name} must be a finite number, got {v!r}")
+        if not 0 <= self.gate <= 1:
+            raise InvalidInputError(f"gate must be in [0, 1] (a reuse-hit fraction), got {self.gate}")
         if self.theta < 0 or self.ghost_factor < 0 or self.window_share < 0:
             raise InvalidInputError("theta, ghost_factor and window_share must be >= 0")
         if not (0 < self.retention_alpha <= 1 and 0 < self.gate_alpha <= 1):
