@@ -426,3 +426,10 @@ def test_counters_are_exposed_in_prometheus_stats_and_live_gauges(tmp_path, layo
     for key in ("capacity_bytes", "charged_bytes", "damaged_bytes", "garbage_bytes",
                 "snapshot_bytes_used", "pinned", "fenced", "pending_retries"):
         assert key in stats
+
+
+def test_admission_stats_report_the_window_in_force():
+    from prefixstore.statemachine.admission import RetentionAdmission
+
+    assert RetentionAdmission(1000, window_share=0.01).stats()["window_blocks"] == 10
+    assert RetentionAdmission(1000, window_share=0.01, admit_window=3).stats()["window_blocks"] == 3

@@ -111,8 +111,10 @@ class RetentionAdmission:
 
     @property
     def window(self) -> int:
-        """The gated window in blocks: ``max(1, window_share * capacity_blocks)``."""
-        return self.rule.auto_window
+        """The window in blocks a limited request gets: ``admit_window`` when set, else
+        the gated one, ``max(1, window_share * capacity_blocks)``."""
+        p = self.rule.params
+        return p.admit_window if p.admit_window is not None else self.rule.auto_window
 
     # ------------------------------------------------------------------ request side
 
