@@ -490,14 +490,17 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
             def upload_ready() -> None:
                 """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""
                 nonlocal move, move_cpu, moved, copies
-                tu, cu = clock(), cpu()
+                ops = []  # each node's rows land in their slice of the output
                 for i, item in ready:
                     x, r, _, o, cut, ntok = chunks[i]
                     src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
-                    for name, rb in seg_rows:  # each node's rows land in their slice of the output
-                        ex.upload_bytes(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb)
-                        moved += ntok * rb
-                        copies += 1
+                    ops += [(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb) for name, rb in seg_rows]
+                tu, cu = clock(), cpu()
+                ex.upload_batch(ops)
+                moved += sum(op[4] for op in ops)
+                copies += len(ops)
+                for i, item in ready:
+                    x, r = chunks[i][:2]
                     if x is end and L.has_snapshot:
                         for s in L.snapshots:
                             t = ex.empty(tuple(s.shape), s.torch_dtype)

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -316,6 +316,7 @@ class Executor(Protocol):
     def flat(self, dst: torch.Tensor) -> Any: ...
     def source(self, buf: Buffer) -> Any: ...
     def upload_bytes(self, dst: Any, dst_off: int, src: Any, src_off: int, nbytes: int) -> None: ...
+    def upload_batch(self, ops: Sequence[tuple[Any, int, Any, int, int]]) -> None: ...
     def record(self) -> Copy: ...
     def finish_uploads(self) -> None: ...
     def describe(self) -> str: ...
@@ -474,6 +475,12 @@ class CpuExecutor:
         The caller counts the bytes (``stats``), once per restore."""
         np.copyto(dst[dst_off : dst_off + nbytes], src[src_off : src_off + nbytes])
 
+    def upload_batch(self, ops: Sequence[tuple[np.ndarray, int, np.ndarray, int, int]]) -> None:
+        """``upload_bytes`` for each ``(dst, dst_off, src, src_off, nbytes)``, in order."""
+        up = self.upload_bytes
+        for op in ops:
+            up(*op)
+
     def record(self) -> Copy:
         return DONE
 
@@ -595,6 +602,12 @@ class CudaExecutor:
         """One H2D copy of ``nbytes`` on the H2D stream (the caller counts the bytes)."""
         with torch.cuda.stream(self.h2d):
             dst[dst_off : dst_off + nbytes].copy_(src[src_off : src_off + nbytes], non_blocking=True)
+
+    def upload_batch(self, ops: Sequence[tuple[torch.Tensor, int, torch.Tensor, int, int]]) -> None:
+        """``upload_bytes`` for each op, in order, under one H2D stream context."""
+        with torch.cuda.stream(self.h2d):
+            for dst, dst_off, src, src_off, nbytes in ops:
+                dst[dst_off : dst_off + nbytes].copy_(src[src_off : src_off + nbytes], non_blocking=True)
 
     def record(self) -> Copy:
         ev = torch.cuda.Event()
