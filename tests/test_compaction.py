@@ -192,41 +192,64 @@ def test_prefix_diverging_inside_a_span_splits_without_a_snapshot(cache_dir, lay
         clean(eng)
 
 
-def test_split_of_a_row_pinned_past_pin_wait_is_skipped_until_unpinned(cache_dir, layout):
+def test_split_of_a_row_held_by_pin_is_skipped_at_once_until_unpinned(cache_dir, layout):
+    """pin() is a request using the row: a split is not waited for, it is skipped."""
     with Engine.open(cache_dir, layout, CAP) as eng:
-        eng.pin_wait_s = 0.2
         chain(eng, ends=(6,), retire=())
         with eng.pinned(eng.lookup(P(CONV[:24]))):
             t0 = time.monotonic()
             res = store_tokens(eng, CONV[:16])
             assert (res.status, res.reason) == ("skipped", "pinned")
-            assert time.monotonic() - t0 >= 0.2  # it waited for the pin first
+            assert time.monotonic() - t0 < eng.pin_wait_s / 2  # not waited for
             assert spans(eng) == [(0, 6, True)]
         assert store_tokens(eng, CONV[:16]).status == "stored"
         clean(eng)
 
 
-def test_split_of_a_row_a_restore_pins_waits_for_the_pin_and_keeps_its_bytes(cache_dir, layout):
-    """The split is prepared beside the pinned row and swapped once the pin goes: the
-    pinned reader keeps its generation, the store is not skipped."""
-    with Engine.open(cache_dir, layout, CAP) as eng:
+class _BlockReads(FaultHook):
+    """Holds the first shard read (a restore in progress) until ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.armed, self.reached, self.go = False, threading.Event(), threading.Event()
+
+    def before(self, op, target, rank):
+        if self.armed and op == "read" and not self.reached.is_set():
+            self.reached.set()
+            self.go.wait(10)
+
+
+@pytest.mark.parametrize("pin_wait_s", [5.0, 0.2])
+def test_split_of_a_row_a_restore_pins_waits_for_the_restore(cache_dir, layout, pin_wait_s):
+    """The split is prepared beside a row a running restore pins and swapped once the
+    restore ends (it got the old generation's bytes); past pin_wait_s it is skipped."""
+    hook = _BlockReads()
+    with Engine.open(cache_dir, layout, CAP, hook=hook) as eng:
+        eng.pin_wait_s = pin_wait_s
         chain(eng, ends=(6,), retire=())
         m = eng.lookup(P(CONV[:24]))
-        assert eng.pin(m)
+        hook.armed = True
+        got = {}
+        reader = threading.Thread(target=lambda: got.setdefault("restored", eng.restore(m)))
+        reader.start()
+        assert hook.reached.wait(5)  # the restore holds its pin, mid-read
         out = {}
-        th = threading.Thread(target=lambda: out.setdefault("res", store_tokens(eng, CONV[:16])))
-        th.start()
-        time.sleep(0.1)
-        assert th.is_alive() and spans(eng) == [(0, 6, True)]  # waiting at the swap
-        r = eng.restore(m)  # the pinned match still restores its own generation
-        assert r is not None and r.end_tokens == 24
-        eng.unpin(m)
-        th.join(10)
-        assert out["res"].status == "stored", out["res"]
-        assert spans(eng) == [(0, 4, True), (4, 6, True)]
-        assert eng.restore(m) is None  # replaced: the old match is stale
-        for b in (4, 6):
-            assert_restores(eng, CONV[: b * BT], blocks=b)
+        writer = threading.Thread(target=lambda: out.setdefault("res", store_tokens(eng, CONV[:16])))
+        writer.start()
+        time.sleep(0.4)
+        hook.go.set()
+        reader.join(10)
+        writer.join(10)
+        r = got["restored"]
+        assert r is not None and r.end_tokens == 24  # the old generation, whole
+        if pin_wait_s > 1:
+            assert out["res"].status == "stored", out["res"]
+            assert spans(eng) == [(0, 4, True), (4, 6, True)]
+            assert eng.restore(m) is None  # replaced: the old match is stale
+            for b in (4, 6):
+                assert_restores(eng, CONV[: b * BT], blocks=b)
+        else:
+            assert (out["res"].status, out["res"].reason) == ("skipped", "pinned")
+            assert spans(eng) == [(0, 6, True)]
         clean(eng)
 
 

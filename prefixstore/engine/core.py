@@ -216,7 +216,8 @@ class Engine:
         self._calls_cv = threading.Condition(threading.Lock())
         self._local = threading.local()  # .depth: this thread's nested public calls
         self._lock_fd: int | None = None
-        self._pins: Counter[int] = Counter()
+        self._pins: Counter[int] = Counter()  # every pin: pin()'s and running restores'
+        self._held: Counter[int] = Counter()  # the pins taken by pin() (a request holds them)
         self._fences: Counter[int] = Counter()
         self._inflight_blocks: dict[bytes, int] = {}
         self._pending: deque[_Pending] = deque()
@@ -355,6 +356,7 @@ class Engine:
                 return False
             for nid, _ in match.path:
                 self._pins[nid] += 1
+                self._held[nid] += 1
             return True
 
     def unpin(self, match: Match) -> None:
@@ -362,12 +364,13 @@ class Engine:
         with self._guard():
             with self._lock:
                 for nid, _ in match.path:
-                    if self._pins[nid] <= 0:
+                    if self._held[nid] <= 0:
                         raise InvalidInputError(f"node {nid} is not pinned")
                 for nid, _ in match.path:
-                    self._pins[nid] -= 1
-                    if not self._pins[nid]:
-                        del self._pins[nid]
+                    for pins in (self._pins, self._held):
+                        pins[nid] -= 1
+                        if not pins[nid]:
+                            del pins[nid]
             self.retry_pending()
 
     @contextmanager
@@ -856,7 +859,8 @@ class Engine:
                 self.counters.inc("stores", FAILED)
                 return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), needed)
             # A refilled row pinned by a restore is never replaced under the pin
-            # (invariant 6): wait for the pin to go, up to pin_wait_s, else roll back.
+            # (invariant 6): wait for the pin to go, up to pin_wait_s, else roll back
+            # (at once when pin() holds it: a request's pin is not waited for).
             deadline = time.monotonic() + self.pin_wait_s
             while True:
                 with self._lock:
@@ -870,7 +874,7 @@ class Engine:
                         self.counters.inc("stores", status)
                         log.debug("stored", key=key.hex()[:12], blocks=n, node=node.id, bytes=needed)
                         return StoreResult(status, n, None, needed)
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() >= deadline or self._held[plan.existing.id]:
                         self._rollback(tid, "store", "INTENT", "failed")
                         res = StoreResult(SKIPPED, n, "pinned", needed)
                         self._count_store(res)

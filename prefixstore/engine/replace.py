@@ -182,9 +182,11 @@ def run(
     otherwise the caller must not hold it, and reads and writes run outside it.
     ``space``: 'make' (evict by policy to fit, as a store does), 'capacity' (fit under
     capacity), 'watermark' (fit under the high watermark: background work never
-    causes eviction). A row pinned at the swap is waited for up to ``pin_wait_s``;
-    ``wait_pinned``: a row pinned at the start does not abort the job either (a store's
-    split or refill: prepared beside the pinned row, swapped once the pin goes).
+    causes eviction). A row pinned at the swap is waited for up to ``pin_wait_s``.
+    ``wait_pinned`` (a store's split or refill, on the request's thread): a row a
+    running restore pins at the start does not abort the job either (it is prepared
+    beside the row and swapped once the pin goes), but a row ``pin()`` holds (a request
+    using it) is never waited for: the job is skipped at once.
     ``held``: old rows the caller fences itself (one fence each: an async store
     refilling them), not counted as another transaction's.
     """
@@ -192,6 +194,8 @@ def run(
     assert locked or not eng._lock._is_owned(), "run(locked=False) needs the engine lock released"
     with eng._lock:
         why = _check(eng, job, fences=0, pins=not wait_pinned, held=held)
+        if why is None and wait_pinned and any(eng._held[n.id] for n in job.old):
+            why = "pinned"  # held by pin(): a request is using it, not a restore in passing
         if why:
             return _abort(eng, job, why, "skipped")
         rows = {nid: _live_rows(eng, nid) for nid in job.reads}
@@ -225,7 +229,9 @@ def run(
             with eng._lock:
                 why = _check(eng, job, fences=1, pins=False, held=held)
                 pinned = any(eng._pins[n.id] for n in job.old)
-                if why or (pinned and time.monotonic() >= deadline):
+                # a store does not wait for a row pin() holds (a request using it)
+                in_use = wait_pinned and any(eng._held[n.id] for n in job.old)
+                if why or (pinned and (in_use or time.monotonic() >= deadline)):
                     eng._rollback(tid, KIND, "INTENT", "stale")
                     return _abort(eng, job, why or "pinned", "skipped")
                 if not pinned:

@@ -122,14 +122,16 @@ def check_tokens_from(eng: Engine, prefix: Prefix, tokens_from: int) -> None:
 
 
 def _busy(eng: Engine, node: Node, n: int, held: frozenset[int]) -> StoreResult | None:
-    """A skip when another transaction fences ``node``. A pinned node is not busy here:
-    the replacement is prepared beside it and its swap waits for the pins to go (up to
-    ``eng.pin_wait_s``; restores pin for milliseconds), so a row that concurrent
+    """A skip when ``pin()`` holds ``node`` (a request uses it) or another transaction
+    fences it. A node only running restores pin is not busy: the replacement is
+    prepared beside it and its swap waits for those pins to go (up to
+    ``eng.pin_wait_s``; a restore pins for milliseconds), so a row that concurrent
     requests keep restoring can still be split."""
-    if eng._fenced(node.id, held):
-        res = StoreResult(SKIPPED, n, "fenced")
-        eng._count_store(res)
-        return res
+    for why, busy in (("pinned", eng._held[node.id]), ("fenced", eng._fenced(node.id, held))):
+        if busy:
+            res = StoreResult(SKIPPED, n, why)
+            eng._count_store(res)
+            return res
     return None
 
 
