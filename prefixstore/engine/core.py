@@ -217,7 +217,7 @@ class Engine:
         self._local = threading.local()  # .depth: this thread's nested public calls
         self._lock_fd: int | None = None
         self._pins: Counter[int] = Counter()  # every pin: pin()'s and running restores'
-        self._held: Counter[int] = Counter()  # the pins taken by pin() (a request holds them)
+        self._request_pins: Counter[int] = Counter()  # the pins taken by pin() (a request holds them)
         self._fences: Counter[int] = Counter()
         self._inflight_blocks: dict[bytes, int] = {}
         self._pending: deque[_Pending] = deque()
@@ -356,7 +356,7 @@ class Engine:
                 return False
             for nid, _ in match.path:
                 self._pins[nid] += 1
-                self._held[nid] += 1
+                self._request_pins[nid] += 1
             return True
 
     def unpin(self, match: Match) -> None:
@@ -364,10 +364,10 @@ class Engine:
         with self._guard():
             with self._lock:
                 for nid, _ in match.path:
-                    if self._held[nid] <= 0:
+                    if self._request_pins[nid] <= 0:
                         raise InvalidInputError(f"node {nid} is not pinned")
                 for nid, _ in match.path:
-                    for pins in (self._pins, self._held):
+                    for pins in (self._pins, self._request_pins):
                         pins[nid] -= 1
                         if not pins[nid]:
                             del pins[nid]
@@ -874,7 +874,7 @@ class Engine:
                         self.counters.inc("stores", status)
                         log.debug("stored", key=key.hex()[:12], blocks=n, node=node.id, bytes=needed)
                         return StoreResult(status, n, None, needed)
-                    if time.monotonic() >= deadline or self._held[plan.existing.id]:
+                    if time.monotonic() >= deadline or self._request_pins[plan.existing.id]:
                         self._rollback(tid, "store", "INTENT", "failed")
                         res = StoreResult(SKIPPED, n, "pinned", needed)
                         self._count_store(res)

@@ -194,7 +194,7 @@ def run(
     assert locked or not eng._lock._is_owned(), "run(locked=False) needs the engine lock released"
     with eng._lock:
         why = _check(eng, job, fences=0, pins=not wait_pinned, held=held)
-        if why is None and wait_pinned and any(eng._held[n.id] for n in job.old):
+        if why is None and wait_pinned and any(eng._request_pins[n.id] for n in job.old):
             why = "pinned"  # held by pin(): a request is using it, not a restore in passing
         if why:
             return _abort(eng, job, why, "skipped")
@@ -230,7 +230,7 @@ def run(
                 why = _check(eng, job, fences=1, pins=False, held=held)
                 pinned = any(eng._pins[n.id] for n in job.old)
                 # a store does not wait for a row pin() holds (a request using it)
-                in_use = wait_pinned and any(eng._held[n.id] for n in job.old)
+                in_use = wait_pinned and any(eng._request_pins[n.id] for n in job.old)
                 if why or (pinned and (in_use or time.monotonic() >= deadline)):
                     eng._rollback(tid, KIND, "INTENT", "stale")
                     return _abort(eng, job, why or "pinned", "skipped")

@@ -127,7 +127,7 @@ def _busy(eng: Engine, node: Node, n: int, held: frozenset[int]) -> StoreResult 
     prepared beside it and its swap waits for those pins to go (up to
     ``eng.pin_wait_s``; a restore pins for milliseconds), so a row that concurrent
     requests keep restoring can still be split."""
-    for why, busy in (("pinned", eng._held[node.id]), ("fenced", eng._fenced(node.id, held))):
+    for why, busy in (("pinned", eng._request_pins[node.id]), ("fenced", eng._fenced(node.id, held))):
         if busy:
             res = StoreResult(SKIPPED, n, why)
             eng._count_store(res)
