@@ -46,6 +46,8 @@ from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
 
 if TYPE_CHECKING:
+    from collections import Counter
+
     from prefixstore.engine.core import Engine
 
 KIND = "compact"
@@ -193,9 +195,8 @@ def run(
     use = job.use
     assert locked or not eng._lock._is_owned(), "run(locked=False) needs the engine lock released"
     with eng._lock:
-        why = _check(eng, job, fences=0, pins=not wait_pinned, held=held)
-        if why is None and wait_pinned and any(eng._request_pins[n.id] for n in job.old):
-            why = "pinned"  # held by pin(): a request is using it, not a restore in passing
+        # a store's job (wait_pinned) is refused only by pin()'s pins, not a restore's
+        why = _check(eng, job, fences=0, pins=eng._request_pins if wait_pinned else eng._pins, held=held)
         if why:
             return _abort(eng, job, why, "skipped")
         rows = {nid: _live_rows(eng, nid) for nid in job.reads}
@@ -227,11 +228,10 @@ def run(
         deadline = time.monotonic() + (0 if locked else pin_wait_s)
         while True:
             with eng._lock:
-                why = _check(eng, job, fences=1, pins=False, held=held)
-                pinned = any(eng._pins[n.id] for n in job.old)
                 # a store does not wait for a row pin() holds (a request using it)
-                in_use = wait_pinned and any(eng._request_pins[n.id] for n in job.old)
-                if why or (pinned and (in_use or time.monotonic() >= deadline)):
+                why = _check(eng, job, fences=1, pins=eng._request_pins if wait_pinned else None, held=held)
+                pinned = any(eng._pins[n.id] for n in job.old)
+                if why or (pinned and time.monotonic() >= deadline):
                     eng._rollback(tid, KIND, "INTENT", "stale")
                     return _abort(eng, job, why or "pinned", "skipped")
                 if not pinned:
@@ -270,13 +270,16 @@ def _abort(eng: Engine, job: Job, why: str, status: str) -> Outcome:
     return Outcome(False, why, 0, status)
 
 
-def _check(eng: Engine, job: Job, fences: int, pins: bool = True, held: frozenset[int] = frozenset()) -> str | None:
-    """Why the old rows cannot be replaced now (None: they can): ``fences`` is the
-    run's own count, plus one on each row in ``held``. Caller holds the lock."""
+def _check(
+    eng: Engine, job: Job, fences: int, pins: Counter[int] | None, held: frozenset[int] = frozenset()
+) -> str | None:
+    """Why the old rows cannot be replaced now (None: they can): ``pins`` is the pin
+    count that refuses them (None: none does), ``fences`` the run's own count, plus
+    one on each row in ``held``. Caller holds the lock."""
     for n in job.old:
         if eng.index.get(n.id) is not n:
             return "stale"
-        if pins and eng._pins[n.id]:
+        if pins is not None and pins[n.id]:
             return "pinned"
         if eng._fences[n.id] != fences + (n.id in held):
             return "fenced"
