@@ -271,9 +271,17 @@ def store_async(
         # (then the plan's shard is staged again at the commit, from these host rows).
         meta = eng._shard_meta(key, gen, first, n, L.has_snapshot)
         lo, hi = first * bt - tokens_from, n * bt - tokens_from
+        staged: list[Staged] = []
+        cleaned = threading.Lock()  # a failed staging, the job's finally, or its cancellation: once
+
+        def cleanup() -> None:
+            if cleaned.acquire(blocking=False):
+                release(staged)
+                _unfence(eng, fenced)
+                tr._slots.release()
+
         tr._slots.acquire()
         try:
-            staged = []
             for r in range(L.ranks):
                 tensors = {f"seg.{k}": v[lo:hi] for k, v in segs[r].items()}
                 if snaps is not None:
@@ -281,21 +289,11 @@ def store_async(
                 plan_r = shards.plan_for_layout(L, hi - lo, L.has_snapshot, {**meta, "rank": str(r)})
                 staged.append(eng.executor.stage(plan_r, tensors, background=True))
         except BaseException:
-            release(staged)
-            _unfence(eng, fenced)
-            tr._slots.release()
+            cleanup()
             raise
     released = staged[0].copy
     for s in staged[1:]:
         released = released + s.copy
-
-    cleaned = threading.Lock()  # the job's finally, or its cancellation: exactly once
-
-    def cleanup() -> None:
-        if cleaned.acquire(blocking=False):
-            release(staged)
-            _unfence(eng, fenced)
-            tr._slots.release()
 
     def job() -> StoreResult:
         try:
