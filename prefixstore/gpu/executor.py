@@ -241,21 +241,6 @@ class StagingPool:
 # ------------------------------------------------------------------------------ priority
 
 
-class _Foreground:
-    """``ForegroundGate.foreground()``'s context (a class: cheap on the request path)."""
-
-    __slots__ = ("gate",)
-
-    def __init__(self, gate: ForegroundGate) -> None:
-        self.gate = gate
-
-    def __enter__(self) -> None:
-        self.gate._enter()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.gate._exit()
-
-
 class ForegroundGate:
     """Restores run in the foreground; background copy work yields to them (bounded)."""
 
@@ -263,17 +248,17 @@ class ForegroundGate:
         self.max_wait_s = max_wait_s
         self._cv = threading.Condition()
         self._active = 0
-        self._fg = _Foreground(self)
 
-    def foreground(self) -> _Foreground:
-        """Context: a restore is running (background copies yield until it ends)."""
-        return self._fg
+    def foreground(self) -> ForegroundGate:
+        """Context: a restore is running (background copies yield until it ends). The
+        gate is its own context manager (cheaper than a generator on the request path)."""
+        return self
 
-    def _enter(self) -> None:
+    def __enter__(self) -> None:
         with self._cv:
             self._active += 1
 
-    def _exit(self) -> None:
+    def __exit__(self, *exc: Any) -> None:
         with self._cv:
             self._active -= 1
             if not self._active:
@@ -600,8 +585,7 @@ class CudaExecutor:
 
     def upload_bytes(self, dst: torch.Tensor, dst_off: int, src: torch.Tensor, src_off: int, nbytes: int) -> None:
         """One H2D copy of ``nbytes`` on the H2D stream (the caller counts the bytes)."""
-        with torch.cuda.stream(self.h2d):
-            dst[dst_off : dst_off + nbytes].copy_(src[src_off : src_off + nbytes], non_blocking=True)
+        self.upload_batch([(dst, dst_off, src, src_off, nbytes)])
 
     def upload_batch(self, ops: Sequence[tuple[torch.Tensor, int, torch.Tensor, int, int]]) -> None:
         """``upload_bytes`` for each op, in order, under one H2D stream context."""
