@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 from prefixstore.engine.errors import InvalidInputError
 from prefixstore.replay.trace import BLOCK_TOKENS, Request
-from prefixstore.statemachine.retention import RetentionParams, RetentionRule, Sightings
+from prefixstore.statemachine.retention import RetentionParams, RetentionRule, RuleHost, Sightings
 
 PrefillFn = Callable[[int], float]
 
@@ -439,7 +439,7 @@ class LRU(Policy):
         del self.order[node]
 
 
-class PrefixStorePolicy(Policy):
+class PrefixStorePolicy(RuleHost, Policy):
     """Leaf eviction by recency plus a frequency-earned retention bonus, fed by a
     bounded ghost history, with admission that throttles speculative stores when the
     cache is too small to keep what comes back.
@@ -507,18 +507,6 @@ class PrefixStorePolicy(Policy):
         self.ghost = Sightings(self.rule.ghost_keys)
         self._last_pos = -1
         self._hit = 0
-
-    @property
-    def clock(self) -> int:
-        return self.rule.clock
-
-    @property
-    def retention(self) -> float:
-        return self.rule.retention
-
-    @property
-    def reuse_hit_fraction(self) -> float:
-        return self.rule.reuse_hit_fraction
 
     def begin_request(self, req: int, path: Sequence[int], hit: int, input_length: int) -> None:
         n = len(path)

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from prefixstore.engine.errors import InvalidInputError
-from prefixstore.statemachine.retention import RetentionParams, RetentionRule, Sightings
+from prefixstore.statemachine.retention import RetentionParams, RetentionRule, RuleHost, Sightings
 
 
 class _Node(Protocol):
@@ -59,7 +59,7 @@ class _Prefix(Protocol):
     def __len__(self) -> int: ...
 
 
-class RetentionAdmission:
+class RetentionAdmission(RuleHost):
     """The engine's host of the shared ``prefixstore`` rule (see the module docstring)."""
 
     def __init__(
@@ -94,20 +94,6 @@ class RetentionAdmission:
         self._seen = Sightings(self.rule.sighting_keys)
         self._touch: dict[int, tuple[int, int, float]] = {}  # node id -> (last_used, clock, key)
         self._lock = threading.Lock()
-
-    @property
-    def clock(self) -> int:
-        """Block touches so far: the hit blocks of each request and the new blocks of
-        each admitted store."""
-        return self.rule.clock
-
-    @property
-    def retention(self) -> float:
-        return self.rule.retention
-
-    @property
-    def reuse_hit_fraction(self) -> float:
-        return self.rule.reuse_hit_fraction
 
     @property
     def window(self) -> int:

@@ -186,3 +186,23 @@ class RetentionRule:
         if sightings <= 1:
             a = self.params.retention_alpha
             self.retention += a * ((self.clock - touched_at) - self.retention)
+
+
+class RuleHost:
+    """What every host of a ``RetentionRule`` reads through to it (the simulator's
+    ``PrefixStorePolicy`` and the engine's ``RetentionAdmission``)."""
+
+    rule: RetentionRule
+
+    @property
+    def clock(self) -> int:
+        """Block touches so far: the hit blocks of each request and each stored block."""
+        return self.rule.clock
+
+    @property
+    def retention(self) -> float:
+        return self.rule.retention
+
+    @property
+    def reuse_hit_fraction(self) -> float:
+        return self.rule.reuse_hit_fraction
