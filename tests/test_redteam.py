@@ -433,6 +433,22 @@ def test_a_simulated_crash_in_a_retry_still_propagates(tmp_path):
 # --------------------------------------------------------------------------- close
 
 
+def _store_on_a_thread(eng: Engine, tokens: list[int]) -> tuple[threading.Thread, dict[str, object]]:
+    """``store_tokens`` started on a thread named 'storer'; ``out['store']`` gets its
+    result, or what it raised."""
+    out: dict[str, object] = {}
+
+    def run_store():
+        try:
+            out["store"] = store_tokens(eng, tokens)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["store"] = exc
+
+    storer = threading.Thread(name="storer", target=run_store)
+    storer.start()
+    return storer, out
+
+
 def test_close_waits_for_an_in_flight_store_and_refuses_new_calls(cache_dir):
     L = make_layout()
     gate = Gate()
@@ -440,16 +456,7 @@ def test_close_waits_for_an_in_flight_store_and_refuses_new_calls(cache_dir):
     a = tokens_for(1, 4)
     hook = _BlockOnce("storer")
     gate.arm(hook)
-    out: dict[str, object] = {}
-
-    def run_store():
-        try:
-            out["store"] = store_tokens(eng, a)
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            out["store"] = exc
-
-    storer = threading.Thread(name="storer", target=run_store)
-    storer.start()
+    storer, out = _store_on_a_thread(eng, a)
     assert hook.reached.wait(WAIT)
     closer = threading.Thread(name="closer", target=eng.close)
     closer.start()
@@ -488,16 +495,7 @@ def test_a_call_outliving_close_gets_a_typed_error_and_loses_nothing(cache_dir, 
     eng.close_wait_s = 0.2  # close gives up waiting for the blocked store
     hook = _BlockOnce("storer", op)
     gate.arm(hook)
-    out: dict[str, object] = {}
-
-    def run_store():
-        try:
-            out["store"] = store_tokens(eng, b)
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            out["store"] = exc
-
-    storer = threading.Thread(name="storer", target=run_store)
-    storer.start()
+    storer, out = _store_on_a_thread(eng, b)
     assert hook.reached.wait(WAIT)
     closer = threading.Thread(name="closer", target=eng.close)
     closer.start()
