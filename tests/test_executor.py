@@ -15,6 +15,7 @@ import tracemalloc
 import pytest
 import torch
 from conftest import (
+    Gate,
     assert_restores,
     make_layout,
     seg_tensors,
@@ -459,10 +460,10 @@ def _async_scenario(root, ranks, backing, hook):
     L = make_layout(ranks=ranks)
     b = tokens_for(21, 6)
     a = b[:8]
-    gate = _Gate()
+    gate = Gate()
     eng = Engine.open(root, L, CAP, hook=gate, backing=backing, **fast())
     assert store_tokens(eng, a).status == "stored"
-    gate.inner = hook
+    gate.arm(hook)
     result = None
     try:
         t = eng.store_async(Prefix.from_tokens(b[:16], 4), [{k: v[8:] for k, v in s.items()} for s in seg_tensors(L, b[:16])],
@@ -470,22 +471,10 @@ def _async_scenario(root, ranks, backing, hook):
         result = t.result(10)
     except E.SimulatedCrash:
         pass
-    gate.inner = None
+    gate.disarm()
     if not eng._closed:
         eng.close()
     return L, a, b, result
-
-
-class _Gate(FaultHook):
-    inner = None
-
-    def before(self, op, target, rank):
-        if self.inner is not None:
-            self.inner.before(op, target, rank)
-
-    def after(self, op, target, rank):
-        if self.inner is not None:
-            self.inner.after(op, target, rank)
 
 
 @pytest.mark.parametrize(("ranks", "backing"), [(1, "disk"), (2, "disk"), (2, "composite"), (2, "memory")])
