@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -83,26 +84,12 @@ def request_overhead(backing: str, sizes: list[int], reps: int, ranks: int, work
             ids = conversation(eng, 1, top, every=every, ranks=ranks, device=device)  # a turn per `every` tokens
             for tokens in sizes:
                 prefix = Prefix.from_ids(ids[: tokens // BLOCK])
-                ratios, cpu_s, wall_ratios = [], [], []
-                modeled = None
-                for i in range(reps + 1):
-                    c0, t0 = time.thread_time(), time.perf_counter()
-                    m = eng.lookup(prefix, total_tokens=tokens)
-                    assert m.hit, m
-                    eng.pin(m)
-                    r = eng.restore(m)
-                    eng.unpin(m)
-                    c1, t1 = time.thread_time(), time.perf_counter()
-                    assert r is not None
-                    last = eng.transfers.last_restore
-                    own = (c1 - c0) - last["move_cpu_s"]
-                    own_wall = (t1 - t0) - last["move_s"]
-                    modeled = m.transfer_s
-                    if i:  # the first one warms caches
-                        cpu_s.append(own)
-                        ratios.append(own / modeled)
-                        wall_ratios.append(own_wall / modeled)
-                    del r
+                timed = _requests(eng, prefix, tokens, reps)
+                m = timed[-1][2]
+                modeled = m.transfer_s
+                cpu_s = [own for own, _, _ in timed]
+                ratios = [own / modeled for own in cpu_s]
+                wall_ratios = [own_wall / modeled for _, own_wall, _ in timed]
                 elided = _elided_cpu(eng, prefix, tokens, reps) if device == "cpu" else None
                 out.append({
                     "backing": backing, "tokens": tokens, "bytes": m.nbytes, "nodes": len(m.path),
@@ -120,6 +107,27 @@ def request_overhead(backing: str, sizes: list[int], reps: int, ranks: int, work
     return out
 
 
+def _requests(eng: Engine, prefix: Prefix, tokens: int, reps: int) -> list[tuple[float, float, Any]]:
+    """``reps`` requests (lookup, pin, restore, unpin) after one that warms the caches:
+    per request, the CPU and wall seconds the engine spent on its own (the time it
+    spent moving bytes taken out) and its match."""
+    out = []
+    for i in range(reps + 1):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        m = eng.lookup(prefix, total_tokens=tokens)
+        assert m.hit, m
+        eng.pin(m)
+        r = eng.restore(m)
+        eng.unpin(m)
+        c1, t1 = time.thread_time(), time.perf_counter()
+        assert r is not None
+        last = eng.transfers.last_restore
+        if i:  # the first one warms caches
+            out.append(((c1 - c0) - last["move_cpu_s"], (t1 - t0) - last["move_s"], m))
+        del r
+    return out
+
+
 def _elided_cpu(eng: Engine, prefix: Prefix, tokens: int, reps: int) -> float:
     """Median CPU seconds of the same request with the CPU executor's upload copies
     elided (the bytes are not moved; the engine does everything else).
@@ -133,21 +141,9 @@ def _elided_cpu(eng: Engine, prefix: Prefix, tokens: int, reps: int) -> float:
     real = ex.upload_bytes
     ex.upload_bytes = lambda *a: None
     try:
-        cpu_s = []
-        for i in range(reps + 1):
-            c0 = time.thread_time()
-            m = eng.lookup(prefix, total_tokens=tokens)
-            eng.pin(m)
-            r = eng.restore(m)
-            eng.unpin(m)
-            c1 = time.thread_time()
-            assert r is not None
-            if i:
-                cpu_s.append(c1 - c0 - eng.transfers.last_restore["move_cpu_s"])
-            del r
+        return statistics.median(own for own, _, _ in _requests(eng, prefix, tokens, reps))
     finally:
         ex.upload_bytes = real
-    return statistics.median(cpu_s)
 
 
 def interference(tokens: int, bg_tokens: int, rounds: int, per_phase: int, ranks: int, workdir: str,
