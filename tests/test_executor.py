@@ -451,7 +451,7 @@ def test_async_stores_queued_behind_a_crash_fail_typed_and_give_back_what_they_h
     for t in queued:
         with pytest.raises(E.EngineClosedError):
             t.result(10)
-    assert eng._closed and not eng._fences
+    assert eng._closed and not eng._fences and not eng._reserved
     assert eng.executor.pool.stats()["outstanding_bytes"] == 0
     assert eng.transfers._slots._value == 8  # Transfers(max_inflight_stores=8): every slot back
 
@@ -525,6 +525,39 @@ def test_async_stores_commit_in_order_and_restage_when_the_plan_moved(tmp_path):
         assert_restores(eng, toks, blocks=8)
         assert_restores(eng, toks[:16], blocks=4)
         assert eng.audit().ok
+
+
+def test_a_queued_split_never_waits_for_an_extension_queued_behind_it(tmp_path):
+    """Two async stores on one conversation, queued in this order: one landing inside a
+    stored row (a split), one extending that row (which reserves it as its parent at
+    submit). The split runs first and must not wait for the reservation of the store
+    queued behind it: both commit at once, the split as a split."""
+    L = make_layout()
+    toks = tokens_for(35, 12)
+    root = str(tmp_path / "c")
+    Engine.open(root, L, CAP).close()  # the cache exists before its rank objects
+    rank = WaitRank(0, os.path.join(root, "rank0"))
+    with Engine.open(root, L, CAP, ranks=[rank], inflight_wait_s=5.0) as eng:
+        p = Prefix.from_tokens
+        assert store_tokens(eng, toks[:32]).status == "stored"  # one row (0, 8]
+        rank.hold = True
+        other = tokens_for(36, 2)
+        t0 = eng.store_async(p(other, 4), seg_tensors(L, other), snap_tensors(L, other))
+        assert rank.reached.wait(5)  # the commit worker is busy: the next two queue
+        split = eng.store_async(p(toks[:16], 4), seg_tensors(L, toks[:16]), snap_tensors(L, toks[:16]))
+        extend = eng.store_async(p(toks, 4), seg_tensors(L, toks), snap_tensors(L, toks))
+        assert not split.done() and not extend.done()
+        rank.hold = False
+        rank.go.set()
+        t = time.monotonic()
+        assert t0.result(5).status == "stored"
+        assert split.result(2).status == "stored"  # before: 5 s (inflight_wait_s), then "fenced"
+        assert extend.result(2).status == "stored"
+        assert time.monotonic() - t < 2
+        assert eng.stats()["counters"].get("replaces.split") == 1
+        for blocks, prefix in ((4, toks[:16]), (8, toks[:32]), (12, toks)):
+            assert_restores(eng, prefix, blocks=blocks)
+        assert eng.audit().ok and not eng._fences and not eng._reserved
 
 
 def test_async_store_refused_for_space_is_retried_from_its_host_copy(tmp_path):
