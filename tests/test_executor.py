@@ -757,6 +757,18 @@ def test_isolation_bench_smoke_runs(tmp_path):
     assert res["interference"]["background_stores"] > 0
 
 
+def test_async_convoy_bench_quick_runs(tmp_path):
+    argv = ["--quick", "--threads", "8", "--inflight-wait-s", "10", "--out-dir", str(tmp_path)]
+    assert _bench_module("bench_async_convoy").main(argv) == 0
+    res = json.loads((tmp_path / "async_convoy_quick.json").read_text())
+    s = res["summary"]
+    assert s["all_audits_ok"] and not s["errors"]
+    assert s["sync"]["stores"] == s["async"]["stores"] == 8 * 2
+    assert s["async"]["max_s"] < 10  # no store waited out inflight_wait_s
+    assert s["p99_ratio"] > 0 and all(p["restores_verified"] > 0 for p in res["phases"])
+    assert (tmp_path / "async_convoy_quick.md").exists()
+
+
 # ------------------------------------------------------------------ CUDA
 
 
