@@ -527,6 +527,17 @@ def test_async_stores_commit_in_order_and_restage_when_the_plan_moved(tmp_path):
         assert eng.audit().ok
 
 
+def _busy_commit_worker(eng, rank, L):
+    """Queue an unrelated async store whose write waits for ``rank.go``: the commit
+    worker is busy until then, and later async stores wait in its queue."""
+    other = tokens_for(36, 2)
+    rank.hold = True
+    t = eng.store_async(Prefix.from_tokens(other, 4), seg_tensors(L, other), snap_tensors(L, other))
+    assert rank.reached.wait(5)
+    rank.hold = False  # only that write waits
+    return t
+
+
 def test_a_queued_split_never_waits_for_an_extension_queued_behind_it(tmp_path):
     """Two async stores on one conversation, queued in this order: one landing inside a
     stored row (a split), one extending that row (which reserves it as its parent at
@@ -540,14 +551,10 @@ def test_a_queued_split_never_waits_for_an_extension_queued_behind_it(tmp_path):
     with Engine.open(root, L, CAP, ranks=[rank], inflight_wait_s=5.0) as eng:
         p = Prefix.from_tokens
         assert store_tokens(eng, toks[:32]).status == "stored"  # one row (0, 8]
-        rank.hold = True
-        other = tokens_for(36, 2)
-        t0 = eng.store_async(p(other, 4), seg_tensors(L, other), snap_tensors(L, other))
-        assert rank.reached.wait(5)  # the commit worker is busy: the next two queue
+        t0 = _busy_commit_worker(eng, rank, L)  # the next two queue behind it, in this order
         split = eng.store_async(p(toks[:16], 4), seg_tensors(L, toks[:16]), snap_tensors(L, toks[:16]))
         extend = eng.store_async(p(toks, 4), seg_tensors(L, toks), snap_tensors(L, toks))
         assert not split.done() and not extend.done()
-        rank.hold = False
         rank.go.set()
         t = time.monotonic()
         assert t0.result(5).status == "stored"
@@ -557,6 +564,55 @@ def test_a_queued_split_never_waits_for_an_extension_queued_behind_it(tmp_path):
         assert eng.stats()["counters"].get("replaces.split") == 1
         for blocks, prefix in ((4, toks[:16]), (8, toks[:32]), (12, toks)):
             assert_restores(eng, prefix, blocks=blocks)
+        assert eng.audit().ok and not eng._fences and not eng._reserved
+
+
+def test_a_store_on_another_thread_never_waits_for_a_queued_async_store(tmp_path):
+    """A queued async store's reservation of its parent is no transaction in flight:
+    a synchronous split of that row goes ahead at once, and the queued store then
+    lands under the row's upper half."""
+    L = make_layout()
+    toks = tokens_for(37, 12)
+    root = str(tmp_path / "c")
+    Engine.open(root, L, CAP).close()
+    rank = WaitRank(0, os.path.join(root, "rank0"))
+    with Engine.open(root, L, CAP, ranks=[rank], inflight_wait_s=5.0) as eng:
+        p = Prefix.from_tokens
+        assert store_tokens(eng, toks[:32]).status == "stored"
+        t0 = _busy_commit_worker(eng, rank, L)
+        extend = eng.store_async(p(toks, 4), seg_tensors(L, toks), snap_tensors(L, toks))
+        t = time.monotonic()
+        assert store_tokens(eng, toks[:16]).status == "stored"  # before: 5 s, then "fenced"
+        assert time.monotonic() - t < 2
+        assert not extend.done()
+        rank.go.set()
+        assert t0.result(5).status == "stored" and extend.result(5).status == "stored"
+        upper = eng.index.nodes[eng.index.by_key[p(toks[:32], 4).keys[-1]]]
+        child = eng.index.nodes[eng.index.by_key[p(toks, 4).keys[-1]]]
+        assert (upper.start, upper.end, child.parent) == (4, 8, upper.id)
+        for blocks, prefix in ((4, toks[:16]), (8, toks[:32]), (12, toks)):
+            assert_restores(eng, prefix, blocks=blocks)
+        assert eng.audit().ok and not eng._fences and not eng._reserved
+
+
+def test_a_queued_async_store_keeps_its_parent_from_eviction(tmp_path):
+    """The reservation still protects: a store that could only fit by evicting the
+    parent of a queued async store is refused, and the queued store lands under it."""
+    L = make_layout()
+    a, big = tokens_for(38, 4), tokens_for(39, 4)
+    root = str(tmp_path / "c")
+    Engine.open(root, L, CAP).close()
+    rank = WaitRank(0, os.path.join(root, "rank0"))
+    with Engine.open(root, L, 1800, ranks=[rank]) as eng:  # N + the busy store + one 2-block node fit
+        p = Prefix.from_tokens
+        assert store_tokens(eng, a[:8]).status == "stored"  # N (0, 2], 568 bytes
+        t0 = _busy_commit_worker(eng, rank, L)  # 568 more, charged at its intent
+        extend = eng.store_async(p(a, 4), seg_tensors(L, a), snap_tensors(L, a))
+        res = store_tokens(eng, big)  # 768 bytes: fits only without N, which is reserved
+        assert (res.status, res.reason) == ("refused", "no_space")
+        rank.go.set()
+        assert t0.result(5).status == "stored" and extend.result(5).status == "stored"
+        assert_restores(eng, a, blocks=4)
         assert eng.audit().ok and not eng._fences and not eng._reserved
 
 

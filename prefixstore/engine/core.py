@@ -781,8 +781,8 @@ class Engine:
     ) -> StoreResult:
         """``staged``: shards already staged by ``store_async`` for the plan it saw (the
         caller releases them); used when the plan still matches, else staged again.
-        ``held``: nodes ``store_async`` fenced at its peek (one fence each, its own):
-        the store refills or replaces them as ``store`` would."""
+        ``held``: nodes ``store_async`` reserved at its peek, fenced by its job (one
+        fence each, its own): the store refills or replaces them as ``store`` would."""
         L = self.layout
         n = len(prefix)
         from prefixstore.engine import spans  # split / republish / row refill (compact-replace)
