@@ -6,17 +6,18 @@ taken over that buffer and the file is written from it (``write_shard``), or a R
 tier adopts the buffer as its copy. No other host copy is made.
 
 Asynchronous store (``store_async``): the caller's thread validates, peeks at the
-plan as ``store`` decides it, reserves the parent and the row it refills (a fence that
-is only a reservation while the job is queued: nothing evicts or merges the row away,
-so the plan cannot move earlier, but no transaction is in flight on it, so nothing
-waits for it or is refused by it; when the job starts the reservations become its own
-fences, which the commit passes to ``Engine._store`` as held) and enqueues the device
-to host copies; the returned ``StoreTicket`` says when they
-are done (``released``: the GPU blocks may be reused) and, later, the store's result
-(``result()``), which the commit worker produces by running the ordinary journaled
-store (intent, durable writes, publish) on the staged bytes. The journal rules are unchanged: a crash after
-the release and before the publish commit leaves an INTENT (or nothing) that
-recovery rolls back: the store is simply absent.
+plan as ``store`` decides it, reserves the parent and the row it refills, and enqueues
+the device to host copies. A reservation (``Engine._reserved``, counted in the fences)
+keeps eviction and merges from removing the row, so the plan cannot move earlier; but
+no transaction is in flight on it, so a store or compact-replace that keeps the row
+(a split or refill by a job queued ahead on the commit worker, or by a store on
+another thread) neither waits for it nor is refused by it. When the job starts, its reservations become its own
+fences, which it passes to ``Engine._store`` as ``held``. The returned ``StoreTicket``
+says when the copies are done (``released``: the GPU blocks may be reused) and, later,
+the store's result (``result()``), which the commit worker produces by running the
+ordinary journaled store (intent, durable writes, publish) on the staged bytes. The
+journal rules are unchanged: a crash after the release and before the publish commit
+leaves an INTENT (or nothing) that recovery rolls back: the store is simply absent.
 
 Restore (``restore_nodes``): the output tensors are allocated once on the device;
 shards are fetched in order (a RAM-tier buffer is used in place; a file is read by a
@@ -261,13 +262,13 @@ def store_async(
                     raise InvalidInputError(
                         f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
                     )
-                # Reserved while queued, then fenced by the job, which passes them to _store (held).
-                fenced = [x.id for x in (plan.parent, plan.existing) if x is not None]
+                # Reserved while queued; the job's own fences once it runs (passed to _store).
+                held = [x.id for x in (plan.parent, plan.existing) if x is not None]
                 first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
             else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
-                start, gen, fenced = tokens_from // bt, 1, []
+                start, gen, held = tokens_from // bt, 1, []
                 first = start
-            for nid in fenced:
+            for nid in held:
                 eng._fences[nid] += 1
                 eng._reserved[nid] += 1
         key = prefix.keys[-1]
@@ -282,7 +283,7 @@ def store_async(
         def cleanup() -> None:
             if cleaned.acquire(blocking=False):
                 release(staged)
-                _unfence(eng, fenced, reserved=not started.is_set())
+                _unfence(eng, held, reserved=not started.is_set())
                 tr._slots.release()
 
         tr._slots.acquire()
@@ -302,7 +303,7 @@ def store_async(
 
     def job() -> StoreResult:
         try:
-            _start(eng, fenced, started)
+            _start(eng, held, started)
             with eng._guard():
                 ex = eng.executor
                 for s in staged:
@@ -312,7 +313,7 @@ def store_async(
                 host_segs = [{k[4:]: v for k, v in vw.items() if k.startswith("seg.")} for vw in views]
                 host_snaps = ([{k[5:]: v for k, v in vw.items() if k.startswith("snap.")} for vw in views]
                               if snaps is not None else None)
-                res = eng._store(prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(fenced))
+                res = eng._store(prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(held))
                 if res.status == REFUSED and valid is not None:
                     for s in staged:
                         s.detach()  # the queued retry keeps views of these buffers
