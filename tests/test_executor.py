@@ -451,7 +451,7 @@ def test_async_stores_queued_behind_a_crash_fail_typed_and_give_back_what_they_h
     for t in queued:
         with pytest.raises(E.EngineClosedError):
             t.result(10)
-    assert eng._closed and not eng._fences
+    assert eng._closed and not eng._fences and not eng._reserved
     assert eng.executor.pool.stats()["outstanding_bytes"] == 0
     assert eng.transfers._slots._value == 8  # Transfers(max_inflight_stores=8): every slot back
 
@@ -525,6 +525,95 @@ def test_async_stores_commit_in_order_and_restage_when_the_plan_moved(tmp_path):
         assert_restores(eng, toks, blocks=8)
         assert_restores(eng, toks[:16], blocks=4)
         assert eng.audit().ok
+
+
+def _busy_commit_worker(eng, rank, L):
+    """Queue an unrelated async store whose write waits for ``rank.go``: the commit
+    worker is busy until then, and later async stores wait in its queue."""
+    other = tokens_for(36, 2)
+    rank.hold = True
+    t = eng.store_async(Prefix.from_tokens(other, 4), seg_tensors(L, other), snap_tensors(L, other))
+    assert rank.reached.wait(5)
+    rank.hold = False  # only that write waits
+    return t
+
+
+def test_a_queued_split_never_waits_for_an_extension_queued_behind_it(tmp_path):
+    """Two async stores on one conversation, queued in this order: one landing inside a
+    stored row (a split), one extending that row (which reserves it as its parent at
+    submit). The split runs first and must not wait for the reservation of the store
+    queued behind it: both commit at once, the split as a split."""
+    L = make_layout()
+    toks = tokens_for(35, 12)
+    root = str(tmp_path / "c")
+    Engine.open(root, L, CAP).close()  # the cache exists before its rank objects
+    rank = WaitRank(0, os.path.join(root, "rank0"))
+    with Engine.open(root, L, CAP, ranks=[rank], inflight_wait_s=5.0) as eng:
+        p = Prefix.from_tokens
+        assert store_tokens(eng, toks[:32]).status == "stored"  # one row (0, 8]
+        t0 = _busy_commit_worker(eng, rank, L)  # the next two queue behind it, in this order
+        split = eng.store_async(p(toks[:16], 4), seg_tensors(L, toks[:16]), snap_tensors(L, toks[:16]))
+        extend = eng.store_async(p(toks, 4), seg_tensors(L, toks), snap_tensors(L, toks))
+        assert not split.done() and not extend.done()
+        rank.go.set()
+        t = time.monotonic()
+        assert t0.result(5).status == "stored"
+        assert split.result(2).status == "stored"  # before: 5 s (inflight_wait_s), then "fenced"
+        assert extend.result(2).status == "stored"
+        assert time.monotonic() - t < 2
+        assert eng.stats()["counters"].get("replaces.split") == 1
+        for blocks, prefix in ((4, toks[:16]), (8, toks[:32]), (12, toks)):
+            assert_restores(eng, prefix, blocks=blocks)
+        assert eng.audit().ok and not eng._fences and not eng._reserved
+
+
+def test_a_store_on_another_thread_never_waits_for_a_queued_async_store(tmp_path):
+    """A queued async store's reservation of its parent is no transaction in flight:
+    a synchronous split of that row goes ahead at once, and the queued store then
+    lands under the row's upper half."""
+    L = make_layout()
+    toks = tokens_for(37, 12)
+    root = str(tmp_path / "c")
+    Engine.open(root, L, CAP).close()
+    rank = WaitRank(0, os.path.join(root, "rank0"))
+    with Engine.open(root, L, CAP, ranks=[rank], inflight_wait_s=5.0) as eng:
+        p = Prefix.from_tokens
+        assert store_tokens(eng, toks[:32]).status == "stored"
+        t0 = _busy_commit_worker(eng, rank, L)
+        extend = eng.store_async(p(toks, 4), seg_tensors(L, toks), snap_tensors(L, toks))
+        t = time.monotonic()
+        assert store_tokens(eng, toks[:16]).status == "stored"  # before: 5 s, then "fenced"
+        assert time.monotonic() - t < 2
+        assert not extend.done()
+        rank.go.set()
+        assert t0.result(5).status == "stored" and extend.result(5).status == "stored"
+        upper = eng.index.nodes[eng.index.by_key[p(toks[:32], 4).keys[-1]]]
+        child = eng.index.nodes[eng.index.by_key[p(toks, 4).keys[-1]]]
+        assert (upper.start, upper.end, child.parent) == (4, 8, upper.id)
+        for blocks, prefix in ((4, toks[:16]), (8, toks[:32]), (12, toks)):
+            assert_restores(eng, prefix, blocks=blocks)
+        assert eng.audit().ok and not eng._fences and not eng._reserved
+
+
+def test_a_queued_async_store_keeps_its_parent_from_eviction(tmp_path):
+    """The reservation still protects: a store that could only fit by evicting the
+    parent of a queued async store is refused, and the queued store lands under it."""
+    L = make_layout()
+    a, big = tokens_for(38, 4), tokens_for(39, 4)
+    root = str(tmp_path / "c")
+    Engine.open(root, L, CAP).close()
+    rank = WaitRank(0, os.path.join(root, "rank0"))
+    with Engine.open(root, L, 1800, ranks=[rank]) as eng:  # N + the busy store + one 2-block node fit
+        p = Prefix.from_tokens
+        assert store_tokens(eng, a[:8]).status == "stored"  # N (0, 2], 568 bytes
+        t0 = _busy_commit_worker(eng, rank, L)  # 568 more, charged at its intent
+        extend = eng.store_async(p(a, 4), seg_tensors(L, a), snap_tensors(L, a))
+        res = store_tokens(eng, big)  # 768 bytes: fits only without N, which is reserved
+        assert (res.status, res.reason) == ("refused", "no_space")
+        rank.go.set()
+        assert t0.result(5).status == "stored" and extend.result(5).status == "stored"
+        assert_restores(eng, a, blocks=4)
+        assert eng.audit().ok and not eng._fences and not eng._reserved
 
 
 def test_async_store_refused_for_space_is_retried_from_its_host_copy(tmp_path):
@@ -722,6 +811,18 @@ def test_isolation_bench_smoke_runs(tmp_path):
     assert {r["backing"] for r in res["overhead"]} == {"disk", "memory", "composite"}
     assert all(r["ratio_median"] > 0 and r["calibration"] in ("measured", "cached") for r in res["overhead"])
     assert res["interference"]["background_stores"] > 0
+
+
+def test_async_convoy_bench_quick_runs(tmp_path):
+    argv = ["--quick", "--threads", "8", "--inflight-wait-s", "10", "--out-dir", str(tmp_path)]
+    assert _bench_module("bench_async_convoy").main(argv) == 0
+    res = json.loads((tmp_path / "async_convoy_quick.json").read_text())
+    s = res["summary"]
+    assert s["all_audits_ok"] and not s["errors"]
+    assert s["sync"]["stores"] == s["async"]["stores"] == 8 * 2
+    assert s["async"]["max_s"] < 10  # no store waited out inflight_wait_s
+    assert s["p99_ratio"] > 0 and all(p["restores_verified"] > 0 for p in res["phases"])
+    assert (tmp_path / "async_convoy_quick.md").exists()
 
 
 # ------------------------------------------------------------------ CUDA

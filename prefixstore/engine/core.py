@@ -219,6 +219,10 @@ class Engine:
         self._pins: Counter[int] = Counter()  # every pin: pin()'s and running restores'
         self._request_pins: Counter[int] = Counter()  # the pins taken by pin() (a request holds them)
         self._fences: Counter[int] = Counter()
+        # The part of _fences that queued async stores hold as reservations of the rows
+        # they build on: no eviction or merge removes such a row, but no transaction is in
+        # flight on it, so no store or compact-replace that keeps the row waits for it.
+        self._reserved: Counter[int] = Counter()
         self._inflight_blocks: dict[bytes, int] = {}
         self._pending: deque[_Pending] = deque()
         self._retrying = False
@@ -777,8 +781,8 @@ class Engine:
     ) -> StoreResult:
         """``staged``: shards already staged by ``store_async`` for the plan it saw (the
         caller releases them); used when the plan still matches, else staged again.
-        ``held``: nodes ``store_async`` fenced at its peek (one fence each, its own):
-        the store refills or replaces them as ``store`` would."""
+        ``held``: nodes ``store_async`` reserved at its peek, fenced by its job (one
+        fence each, its own): the store refills or replaces them as ``store`` would."""
         L = self.layout
         n = len(prefix)
         from prefixstore.engine import spans  # split / republish / row refill (compact-replace)
@@ -897,8 +901,8 @@ class Engine:
 
     def _fenced(self, nid: int, held: frozenset[int] = frozenset()) -> bool:
         """Whether a transaction other than the caller's fences node ``nid`` (the
-        caller holds one fence on each node in ``held``)."""
-        return self._fences[nid] > (nid in held)
+        caller holds one fence on each node in ``held``; reservations do not count)."""
+        return self._fences[nid] - self._reserved[nid] > (nid in held)
 
     def _count_store(self, res: StoreResult) -> None:
         if res.status in (SKIPPED, DUPLICATE, REFUSED):

@@ -6,14 +6,18 @@ taken over that buffer and the file is written from it (``write_shard``), or a R
 tier adopts the buffer as its copy. No other host copy is made.
 
 Asynchronous store (``store_async``): the caller's thread validates, peeks at the
-plan as ``store`` decides it, fences the parent and the row it refills (so the plan
-cannot move earlier; the commit passes these fences to ``Engine._store`` as its own)
-and enqueues the device to host copies; the returned ``StoreTicket`` says when they
-are done (``released``: the GPU blocks may be reused) and, later, the store's result
-(``result()``), which the commit worker produces by running the ordinary journaled
-store (intent, durable writes, publish) on the staged bytes. The journal rules are unchanged: a crash after
-the release and before the publish commit leaves an INTENT (or nothing) that
-recovery rolls back: the store is simply absent.
+plan as ``store`` decides it, reserves the parent and the row it refills, and enqueues
+the device to host copies. A reservation (``Engine._reserved``, counted in the fences)
+keeps eviction and merges from removing the row, so the plan cannot move earlier; but
+no transaction is in flight on it, so a store or compact-replace that keeps the row
+(a split or refill by a job queued ahead on the commit worker, or by a store on
+another thread) neither waits for it nor is refused by it. When the job starts, its reservations become its own
+fences, which it passes to ``Engine._store`` as ``held``. The returned ``StoreTicket``
+says when the copies are done (``released``: the GPU blocks may be reused) and, later,
+the store's result (``result()``), which the commit worker produces by running the
+ordinary journaled store (intent, durable writes, publish) on the staged bytes. The
+journal rules are unchanged: a crash after the release and before the publish commit
+leaves an INTENT (or nothing) that recovery rolls back: the store is simply absent.
 
 Restore (``restore_nodes``): the output tensors are allocated once on the device;
 shards are fetched in order (a RAM-tier buffer is used in place; a file is read by a
@@ -258,14 +262,15 @@ def store_async(
                     raise InvalidInputError(
                         f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
                     )
-                # Fenced until the commit, which passes them to _store as its own (held).
-                fenced = [x.id for x in (plan.parent, plan.existing) if x is not None]
+                # Reserved while queued; the job's own fences once it runs (passed to _store).
+                held = [x.id for x in (plan.parent, plan.existing) if x is not None]
                 first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
             else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
-                start, gen, fenced = tokens_from // bt, 1, []
+                start, gen, held = tokens_from // bt, 1, []
                 first = start
-            for nid in fenced:
+            for nid in held:
                 eng._fences[nid] += 1
+                eng._reserved[nid] += 1
         key = prefix.keys[-1]
         # Staged from ``first``: the rows of damaged ancestors the commit refills, too
         # (then the plan's shard is staged again at the commit, from these host rows).
@@ -273,11 +278,12 @@ def store_async(
         lo, hi = first * bt - tokens_from, n * bt - tokens_from
         staged: list[Staged] = []
         cleaned = threading.Lock()  # a failed staging, the job's finally, or its cancellation: once
+        started = threading.Event()  # the job runs: its reservations are fences of its transaction
 
         def cleanup() -> None:
             if cleaned.acquire(blocking=False):
                 release(staged)
-                _unfence(eng, fenced)
+                _unfence(eng, held, reserved=not started.is_set())
                 tr._slots.release()
 
         tr._slots.acquire()
@@ -297,6 +303,7 @@ def store_async(
 
     def job() -> StoreResult:
         try:
+            _start(eng, held, started)
             with eng._guard():
                 ex = eng.executor
                 for s in staged:
@@ -306,7 +313,7 @@ def store_async(
                 host_segs = [{k[4:]: v for k, v in vw.items() if k.startswith("seg.")} for vw in views]
                 host_snaps = ([{k[5:]: v for k, v in vw.items() if k.startswith("snap.")} for vw in views]
                               if snaps is not None else None)
-                res = eng._store(prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(fenced))
+                res = eng._store(prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(held))
                 if res.status == REFUSED and valid is not None:
                     for s in staged:
                         s.detach()  # the queued retry keeps views of these buffers
@@ -328,15 +335,29 @@ def store_async(
     return StoreTicket(released, fut)
 
 
-def _unfence(eng: Engine, ids: list[int]) -> None:
+def _start(eng: Engine, ids: list[int], started: threading.Event) -> None:
+    """A queued store's job begins: its reservations on ``ids`` become plain fences."""
+    with eng._lock:
+        _drop(eng._reserved, ids)
+        started.set()
+
+
+def _unfence(eng: Engine, ids: list[int], reserved: bool) -> None:
+    """Drop the fences on ``ids`` (``reserved``: still the reservations of a queued job)."""
     if not ids:
         return
     with eng._lock:
-        for nid in ids:
-            eng._fences[nid] -= 1
-            if not eng._fences[nid]:
-                del eng._fences[nid]
+        _drop(eng._fences, ids)
+        if reserved:
+            _drop(eng._reserved, ids)
         eng._settled.notify_all()
+
+
+def _drop(counts: Any, ids: list[int]) -> None:
+    for nid in ids:
+        counts[nid] -= 1
+        if not counts[nid]:
+            del counts[nid]
 
 
 # ------------------------------------------------------------------------------ restore

@@ -275,13 +275,16 @@ def _check(
 ) -> str | None:
     """Why the old rows cannot be replaced now (None: they can): ``pins`` is the pin
     count that refuses them (None: none does), ``fences`` the run's own count, plus
-    one on each row in ``held``. Caller holds the lock."""
+    one on each row in ``held``. A queued async store's reservation refuses only a job
+    that deletes the row (its key disappears). Caller holds the lock."""
+    dropped = {n.id for n in job.dropped}
     for n in job.old:
         if eng.index.get(n.id) is not n:
             return "stale"
         if pins is not None and pins[n.id]:
             return "pinned"
-        if eng._fences[n.id] != fences + (n.id in held):
+        in_flight = eng._fences[n.id] - (0 if n.id in dropped else eng._reserved[n.id])
+        if in_flight != fences + (n.id in held):
             return "fenced"
         if n.state != job.state:
             return "damaged" if n.state == "damaged" else "stale"
