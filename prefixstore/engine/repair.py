@@ -275,6 +275,8 @@ def repair(
         capacity = int(rows.meta["capacity"])
     except (KeyError, ValueError) as exc:
         raise NotACacheError(f"{root}: catalog records no usable layout or capacity: {exc}") from exc
+    volatile = rows.meta.get("backing") == "memory"  # its rows describe RAM, not the directories
+    check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)  # before any byte is written
     rep = RepairReport()
     fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -283,8 +285,6 @@ def repair(
         except BlockingIOError:
             raise LockedError(f"{root} is open in an engine; stop it before repairing") from None
         rows = read_catalog(root, live=True)  # again, now that no engine can start
-        volatile = rows.meta.get("backing") == "memory"  # its rows describe RAM, not the directories
-        check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)
         rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks)
         if not rep.catalog.empty:
             apply_catalog_fix(root, rep.catalog, hook)
