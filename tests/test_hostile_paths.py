@@ -284,3 +284,31 @@ def test_the_file_layer_never_follows_a_symlink_or_waits_on_a_fifo(tmp_path, fif
     rank = LocalRank(0, str(d))
     assert rank.remove("link") and rank.remove("fifo")  # the entries go, their targets stay
     assert os.listdir(d) == [] and (outside / "secret").read_bytes() == b"keep me"
+
+
+def test_a_rank_process_reports_a_path_that_is_not_a_regular_file_as_such(tmp_path, fifos):
+    """Over the wire the refusal keeps its type, so a remote rank's FIFO is damage too."""
+    from prefixstore.gpu.distributed import RankGroup
+    from prefixstore.gpu.rank_server import RankServer
+
+    d = tmp_path / "host0" / "rank0"
+    group = RankGroup(op_timeout=20, connect_timeout=20, gloo_host="127.0.0.1")
+    server = RankServer(0, str(d), "127.0.0.1", group.port, connect_timeout=20, gloo_host="127.0.0.1")
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        (rr,) = group.connect([0], timeout=20)
+        os.mkfifo(d / "a.st")
+        fifos.append(str(d / "a.st"))
+        (tmp_path / "secret").write_bytes(b"keep me")
+        os.symlink(tmp_path / "secret", d / "b.st")
+        for name in ("a.st", "b.st"):
+            with pytest.raises(E.NotRegularFileError):
+                on_thread(lambda name=name: rr.read_shard(name))
+            assert rr.size(name) is None
+            assert rr.remove(name)
+        assert rr.listdir() == [] and (tmp_path / "secret").read_bytes() == b"keep me"
+    finally:
+        group.close()
+    thread.join(PROMPT_S)
+    assert not thread.is_alive()
