@@ -6,18 +6,16 @@ each effect before and after it runs (crash points). Operations are file-granula
 ``write_new`` creates a file that must not exist, ``fsync`` syncs a named file,
 ``fsync_dir`` makes creates/renames/unlinks in a directory durable.
 
-``OsFS`` never follows a symlink, neither a file's nor its directory's, and reads only
-regular files, opened without blocking (``open_regular``): a shard path replaced by a
-symlink, FIFO or device raises ``NotRegularFileError`` (damage) at once.
+``OsFS`` opens files ``O_NOFOLLOW``, refuses a path whose directory is a symlink, and
+reads only regular files, opened without blocking (``open_regular``): a shard path
+replaced by a symlink, FIFO or device raises ``NotRegularFileError`` (damage) at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
 from typing import Protocol
 
 from prefixstore.engine.errors import NotRegularFileError
@@ -42,22 +40,13 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-@contextlib.contextmanager
-def _dir_of(path: str) -> Iterator[tuple[int, str]]:
-    """A descriptor of ``path``'s directory, opened without following a symlink, and
-    the entry's name in it; NotRegularFileError when that directory is a symlink or
-    not a directory."""
-    d, name = os.path.split(path)
-    try:
-        dfd = os.open(d or ".", _DIR_FLAGS)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise NotRegularFileError(exc.errno, "its directory is a symlink or not a directory", path) from None
-        raise
-    try:
-        yield dfd, name
-    finally:
-        os.close(dfd)
+def _check_dir_of(path: str) -> None:
+    """NotRegularFileError when the directory holding ``path`` is a symlink or not a
+    directory (a missing one raises FileNotFoundError)."""
+    d = os.path.dirname(path) or "."
+    mode = os.lstat(d).st_mode
+    if not stat.S_ISDIR(mode):
+        raise NotRegularFileError(errno.ENOTDIR, "its directory is a symlink or not a directory", path)
 
 
 def _not_regular(mode: int) -> str:
@@ -70,21 +59,21 @@ def open_regular(path: str, flags: int = 0) -> int:
     """Open the regular file ``path`` for reading; return its descriptor.
 
     Never follows a symlink (neither the file nor its directory), never blocks (a FIFO
-    is refused, not waited on) and never opens a device: the entry is lstat'ed, opened
-    ``O_NOFOLLOW | O_NONBLOCK`` and its descriptor fstat'ed. Anything but a regular file
-    raises NotRegularFileError; a missing one FileNotFoundError. ``flags`` are added to
-    the open (e.g. ``O_NOATIME``).
+    is refused, not waited on) and never opens a device: the directory and the entry
+    are lstat'ed, the file opened ``O_NOFOLLOW | O_NONBLOCK`` and its descriptor
+    fstat'ed. Anything but a regular file raises NotRegularFileError; a missing one
+    FileNotFoundError. ``flags`` are added to the open (e.g. ``O_NOATIME``).
     """
-    with _dir_of(path) as (dfd, name):
-        mode = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFileError(errno.EINVAL, _not_regular(mode), path)
-        try:
-            fd = os.open(name, _READ_FLAGS | flags, dir_fd=dfd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
-                raise NotRegularFileError(exc.errno, _not_regular(stat.S_IFLNK), path) from None
-            raise
+    _check_dir_of(path)
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise NotRegularFileError(errno.EINVAL, _not_regular(mode), path)
+    try:
+        fd = os.open(path, _READ_FLAGS | flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
+            raise NotRegularFileError(exc.errno, _not_regular(stat.S_IFLNK), path) from None
+        raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -105,13 +94,14 @@ def _read_fd(fd: int) -> bytes:
 
 
 class OsFS:
-    """The real file system. Every path is an entry of a directory that is opened
-    without following a symlink; files are read through ``open_regular``."""
+    """The real file system. No call follows a symlink: the directory holding a path
+    must be a real directory, and files are opened ``O_NOFOLLOW`` (reads through
+    ``open_regular``). The calls are the plain path-based ones (open, rename, unlink),
+    which libfiu's preload wraps (``prefixstore.fuzz.fiu``)."""
 
     def write_new(self, path: str, data: bytes | memoryview) -> None:
-        with _dir_of(path) as (dfd, name):
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                         dir_fd=dfd)
+        _check_dir_of(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(data).cast("B")
             while view:
@@ -128,15 +118,12 @@ class OsFS:
             os.close(fd)
 
     def rename_new(self, src: str, dst: str) -> None:
-        with _dir_of(src) as (sfd, sname), _dir_of(dst) as (dfd, dname):
-            # Files are never overwritten in place: refuse to rename over a live file.
-            try:
-                os.stat(dname, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                pass
-            else:
-                raise FileExistsError(errno.EEXIST, "refusing to rename over an existing file", dst)
-            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+        _check_dir_of(src)
+        _check_dir_of(dst)
+        # Files are never overwritten in place: refuse to rename over a live file.
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "refusing to rename over an existing file", dst)
+        os.rename(src, dst)
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, _DIR_FLAGS)
@@ -147,8 +134,8 @@ class OsFS:
 
     def unlink(self, path: str) -> None:
         """Remove the entry itself (a symlink, not what it points to)."""
-        with _dir_of(path) as (dfd, name):
-            os.unlink(name, dir_fd=dfd)
+        _check_dir_of(path)
+        os.unlink(path)
 
     def read(self, path: str) -> bytes:
         fd = open_regular(path)
@@ -177,8 +164,8 @@ class OsFS:
     def size(self, path: str) -> int | None:
         """The size of the regular file ``path``; None if it is missing or not a regular file."""
         try:
-            with _dir_of(path) as (dfd, name):
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            _check_dir_of(path)
+            st = os.lstat(path)
         except (FileNotFoundError, NotRegularFileError):
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
@@ -186,11 +173,10 @@ class OsFS:
     def exists(self, path: str) -> bool:
         """Whether the entry ``path`` exists, whatever it is (a symlink counts, dangling or not)."""
         try:
-            with _dir_of(path) as (dfd, name):
-                os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            _check_dir_of(path)
         except FileNotFoundError:
             return False
-        return True
+        return os.path.lexists(path)
 
     def listdir(self, path: str) -> list[str]:
         try:
