@@ -281,9 +281,13 @@ def test_the_file_layer_never_follows_a_symlink_or_waits_on_a_fifo(tmp_path, fif
         fs.listdir(str(tmp_path / "dirlink"))
     assert (outside / "secret").read_bytes() == b"keep me" and sorted(os.listdir(outside)) == ["secret"]
 
+    (d / "dir.st").mkdir()
+    (d / "dir.st" / "inner").write_bytes(b"x")
     rank = LocalRank(0, str(d))
     assert rank.remove("link") and rank.remove("fifo")  # the entries go, their targets stay
+    assert rank.remove("dir.st")  # a directory is moved aside whole
     assert os.listdir(d) == [] and (outside / "secret").read_bytes() == b"keep me"
+    assert (tmp_path / "lost+found" / "rank0" / "dir.st" / "inner").read_bytes() == b"x"
 
 
 def test_a_rank_process_reports_a_path_that_is_not_a_regular_file_as_such(tmp_path, fifos):

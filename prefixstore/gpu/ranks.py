@@ -96,7 +96,8 @@ class LocalRank:
         return self.fs.copies_on_read
 
     def remove(self, name: str) -> bool:
-        """Unlink ``name`` and its temporary; a file already missing is success.
+        """Unlink ``name`` and its temporary (the entries themselves, whatever they are; a
+        directory in their place goes to ``lost+found``); a file already missing is success.
 
         Returns True when something was unlinked. Does not fsync the directory:
         call ``sync_dir`` once after a batch.
@@ -104,6 +105,10 @@ class LocalRank:
         removed = False
         for p in (self.path(name), self.path(name) + TMP_SUFFIX):
             if not self.fs.exists(p):  # a symlink or FIFO in its place is unlinked too
+                continue
+            if os.path.isdir(p) and not os.path.islink(p):  # a directory in its place: moved aside whole
+                self.quarantine(os.path.basename(p))
+                removed = True
                 continue
             try:
                 self.fs.unlink(p)
