@@ -52,10 +52,18 @@ from urllib.parse import quote
 import attrs
 
 from prefixstore.engine import structure as S
+from prefixstore.engine.cachedirs import own_dir_problems
 from prefixstore.engine.catalog import CATALOG_NAME, FORMAT_MARKER, SCHEMA_VERSION, catalog_path
-from prefixstore.engine.errors import LayoutError, NotACacheError, SchemaVersionError, ShardError
+from prefixstore.engine.errors import (
+    LayoutError,
+    NotACacheError,
+    NotRegularFileError,
+    SchemaVersionError,
+    ShardError,
+)
 from prefixstore.engine.layout import Layout
 from prefixstore.gpu import shards
+from prefixstore.gpu.fileio import open_regular
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES, RECOVERY_EVENT, recovery_direction
 
@@ -239,16 +247,16 @@ def _read_rows(conn: sqlite3.Connection, root: str, source: str) -> CatalogRows:
 
 
 def read_shard_bytes(path: str) -> bytes:
-    """Read a file without updating its access time where the OS allows it."""
-    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+    """Read a regular file (``open_regular``: no symlink followed, no FIFO waited on)
+    without updating its access time where the OS allows it."""
     try:
-        fd = os.open(path, flags)
+        fd = open_regular(path, getattr(os, "O_NOATIME", 0))
     except PermissionError:
-        fd = os.open(path, os.O_RDONLY)  # O_NOATIME needs ownership
+        fd = open_regular(path)  # O_NOATIME needs ownership
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno != errno.EINVAL or isinstance(exc, NotRegularFileError):
             raise
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
     try:
         chunks = []
         while True:
@@ -348,9 +356,16 @@ def audit_rows(
     except LayoutError as exc:
         raise NotACacheError(f"{root}: catalog layout unreadable: {exc}") from exc
     capacity = int(rows.meta.get("capacity", "0") or 0)
-    dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
+    if rank_dirs:  # named by the caller: a symlink to one is followed, once
+        dirs = [os.path.realpath(d) if isinstance(d, str) else d for d in rank_dirs]
+    else:
+        dirs = [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
     if len(dirs) != layout.ranks:
         raise NotACacheError(f"{len(dirs)} rank directories given, the layout has {layout.ranks} ranks")
+    for problem in own_dir_problems(root, 0 if rank_dirs else layout.ranks):
+        rep.add(3, f"{problem}: not read; an engine refuses to open the cache (name rank directories "
+                   "kept elsewhere with --rank-dir)")
+        rep.recovery.append(f"refuse to open: {problem}")
     nodes, files = rows.nodes, rows.files
     rep.nodes = len(nodes)
     rep.damaged_nodes = sorted(n for n, r in nodes.items() if r[S.STATE] != "ready")
@@ -454,11 +469,19 @@ def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, fil
         info: dict[str, Any] = {"rank": r, "dir": d if view is None else f"ram:rank{r}",
                                 "files": 0, "bytes": 0, "unknown": []}
         try:
+            if view is None and os.path.islink(d):
+                raise FileNotFoundError(d)  # a cache's own directory that is a symlink: never read
             entries = sorted(os.listdir(d) if view is None else view.listdir())
         except FileNotFoundError:
             entries = []
             info["missing"] = True
-            if any(f[0] == r for f in files):
+            live = sum(1 for f in files if f[0] == r and f[6] == "live")
+            if live and not os.path.islink(d):
+                rep.notes.append(
+                    f"rank directory {d} is missing, yet the catalog records {live} shards on rank {r}: "
+                    "if the ranks are kept elsewhere, name them with --rank-dir (once per rank); "
+                    "--repair refuses until then")
+            elif any(f[0] == r for f in files):
                 rep.notes.append(f"rank directory {d} is missing")
         except OSError as exc:
             raise NotACacheError(f"cannot list rank directory {d}: {exc}") from exc

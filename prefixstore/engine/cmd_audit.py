@@ -18,7 +18,9 @@ are never removed.
 
 Exit status: 0 when every invariant holds (after repair, with --repair), 1 when any
 is violated, 2 when the directory cannot be read as a cache (not a cache, newer
-schema, unreadable, or locked by an engine for --repair).
+schema, unreadable, or locked by an engine for --repair; for --repair also a rank or
+lost+found directory that is a symlink, or a rank directory holding cataloged shards
+that is missing: name rank directories kept elsewhere with --rank-dir).
 """
 
 from __future__ import annotations

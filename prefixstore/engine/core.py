@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine import pipeline, recovery
+from prefixstore.engine import cachedirs, pipeline, recovery
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
@@ -37,6 +37,7 @@ from prefixstore.engine.errors import (
     LayoutMismatchError,
     LockedError,
     NotACacheError,
+    NotRegularFileError,
     PrefixStoreError,
     RankUnavailableError,
     ShapeError,
@@ -151,7 +152,10 @@ class Engine:
         deepest match), ``high_watermark`` / ``low_watermark`` (fractions of
         capacity: when a store would pass the high one, evict down to the low one),
         ``create`` (False refuses to create a new cache), ``fs`` / ``hook`` (effect
-        layer for fault injection), ``ranks`` (RankIO objects, e.g. rank processes),
+        layer for fault injection), ``ranks`` (RankIO objects, e.g. rank processes,
+        or ``LocalRank(r, path)`` for rank directories kept elsewhere: the only way a
+        rank directory may be a symlink; ``rankR/`` and ``lost+found/`` inside ``path``
+        must be real directories, else UnsafeDirectoryError with nothing touched),
         ``registry`` (a prometheus CollectorRegistry), ``admission`` (callable
         deciding whether to admit a store), ``inflight_wait_s`` (how long a store waits
         for an overlapping store in flight before it is skipped as 'in_flight'),
@@ -235,6 +239,8 @@ class Engine:
         self._check_root(create)
         self._take_lock()
         try:
+            # before the catalog opens: a symlinked own directory is refused with nothing touched
+            cachedirs.check_own_dirs(root, layout.ranks if ranks is None and backing != "memory" else 0)
             self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create)
             try:
                 self._check_layout()
@@ -1089,6 +1095,8 @@ class Engine:
                 data = self.ranks[r].read_shard(name)
             except FileNotFoundError:
                 return f"rank {r}: shard {name} missing"
+            except NotRegularFileError as exc:
+                return f"rank {r}: shard {name} {exc.strerror}"
             except OSError:
                 self.counters.inc("faults", "verify")
                 return None
@@ -1497,6 +1505,8 @@ class Engine:
                 data = self.ranks[r].read_shard(name)
             except FileNotFoundError:  # the rank answered: the file is not there
                 return f"rank {r}: shard missing"
+            except NotRegularFileError as exc:  # a symlink, FIFO or device in its place
+                return f"rank {r}: shard {exc.strerror}"
             except OSError as exc:  # an I/O error or a rank process down: a miss, not damage
                 self.counters.inc("faults", "rank_unavailable" if isinstance(exc, RankUnavailableError) else "read")
                 return None

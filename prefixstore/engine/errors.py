@@ -88,3 +88,15 @@ class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error
     that sees it abandons itself (releases its catalog connection and lock without
     committing anything more); reopen the directory to recover.
     """
+
+
+class NotRegularFileError(ShardError, OSError):
+    """A shard path is a symlink, FIFO, device or directory, or lies in one: never read, always damage."""
+
+
+class UnsafeDirectoryError(NotACacheError):
+    """A cache's own directory (rankR/, lost+found/) is a symlink or not a directory; nothing was touched."""
+
+
+class RankDirMissingError(NotACacheError):
+    """A rank directory holding cataloged shards is missing (kept elsewhere?): name it explicitly."""

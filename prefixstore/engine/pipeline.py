@@ -42,6 +42,7 @@ import torch
 from prefixstore.engine.errors import (
     EngineClosedError,
     InvalidInputError,
+    NotRegularFileError,
     ShardError,
     SimulatedCrash,
 )
@@ -412,6 +413,9 @@ def _fetch(eng: Engine, x: Node, r: int, row: tuple[str, int, str], from_ram: bo
         except FileNotFoundError:
             buf.release()
             return f"rank {r}: shard missing"
+        except NotRegularFileError as exc:
+            buf.release()
+            return f"rank {r}: shard {exc.strerror}"
         except OSError:
             buf.release()
             eng.counters.inc("faults", "read")

@@ -41,11 +41,18 @@ from prefixstore.engine.audit import (
     read_catalog,
     verify_bytes,
 )
+from prefixstore.engine.cachedirs import check_own_dirs, missing_rank_dirs
 from prefixstore.engine.catalog import Catalog
-from prefixstore.engine.errors import LockedError, NotACacheError, SimulatedCrash
+from prefixstore.engine.errors import (
+    LockedError,
+    NotACacheError,
+    NotRegularFileError,
+    RankDirMissingError,
+    SimulatedCrash,
+)
 from prefixstore.engine.keys import ROOT
 from prefixstore.engine.layout import Layout
-from prefixstore.gpu.ranks import LocalRank
+from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES
 
 if TYPE_CHECKING:
@@ -254,7 +261,9 @@ def repair(
     """Repair the cache at ``root`` (no engine may hold it); return what changed and the audit.
 
     Raises LockedError while an engine holds the directory, NotACacheError /
-    SchemaVersionError when it cannot be read (nothing is changed then).
+    SchemaVersionError when it cannot be read, UnsafeDirectoryError when a cache's own
+    directory is a symlink, RankDirMissingError when a rank directory holding shards is
+    not there (kept elsewhere: pass ``rank_dirs``); nothing is changed then.
     """
     from prefixstore.engine.core import Engine
 
@@ -266,6 +275,8 @@ def repair(
         capacity = int(rows.meta["capacity"])
     except (KeyError, ValueError) as exc:
         raise NotACacheError(f"{root}: catalog records no usable layout or capacity: {exc}") from exc
+    volatile = rows.meta.get("backing") == "memory"  # its rows describe RAM, not the directories
+    check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)  # before any byte is written
     rep = RepairReport()
     fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -305,6 +316,21 @@ def repair(
     return rep, final
 
 
+def check_rank_dirs(root: str, ranks: int, rank_dirs: Sequence[str] | None, files: Sequence[tuple]) -> None:
+    """Refuse (nothing changed) when the cache's own directories are unsafe, or when a
+    rank directory is missing while the catalog records shards on its rank: repairing
+    then would mark every such node damaged although its shards may be intact elsewhere."""
+    check_own_dirs(root, 0 if rank_dirs else ranks)
+    dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(ranks)]
+    missing = missing_rank_dirs(dirs, files)
+    if missing:
+        shown = ", ".join(f"{d} ({n} shards of rank {r})" for r, d, n in missing)
+        raise RankDirMissingError(
+            f"{root}: rank directories missing: {shown}; if the ranks are kept elsewhere, "
+            "name every rank directory with --rank-dir PATH (once per rank, in order); nothing was changed"
+        )
+
+
 def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
     with eng._lock:
         nodes = [n for n in eng.index if n.ready]
@@ -322,6 +348,8 @@ def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
                 data = eng.ranks[r].read_shard(name)
             except FileNotFoundError:
                 why = f"rank {r}: shard missing"
+            except NotRegularFileError as exc:
+                why = f"rank {r}: shard {exc.strerror}"
             except OSError as exc:
                 rep.unreadable.append(f"node {node.id} rank {r} ({name}): {exc}")
                 break

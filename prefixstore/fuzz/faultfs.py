@@ -495,6 +495,10 @@ class FaultFS:
         """The file's size, None if missing (never fails)."""
         return self._os.size(path)
 
+    def exists(self, path: str) -> bool:
+        """Whether the entry exists, whatever it is (a symlink counts)."""
+        return self._os.exists(path)
+
     def listdir(self, path: str) -> list[str]:
         """Sorted names in a directory, [] if it is missing (never fails)."""
         return self._os.listdir(path)

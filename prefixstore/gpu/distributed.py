@@ -30,8 +30,9 @@ thread is needed: between requests nothing waits on the rank, and ``available`` 
 the store (not the rank) whether a new incarnation is there.
 
 A remote effect that failed comes back with its errno and is raised as the same
-``OSError`` subclass (a missing file is ``FileNotFoundError``), so the engine's
-rules (missing = damaged, other errors = transient) apply unchanged.
+``OSError`` subclass (a missing file is ``FileNotFoundError``, a shard path that is
+not a regular file ``NotRegularFileError``), so the engine's rules (missing or not
+regular = damaged, other errors = transient) apply unchanged.
 
 ``python -m prefixstore.gpu.distributed`` (or ``prefixstore rank-server``) runs a rank
 process; see ``prefixstore.gpu.rank_server``.
@@ -52,7 +53,7 @@ from typing import Any
 import torch.distributed as dist
 
 from prefixstore.engine.counters import log
-from prefixstore.engine.errors import RankUnavailableError
+from prefixstore.engine.errors import NotRegularFileError, RankUnavailableError
 from prefixstore.gpu import rank_server
 from prefixstore.gpu.rank_server import keys, parse_init_method
 from prefixstore.gpu.wire import Link, LinkError, first_line, open_pair
@@ -316,7 +317,8 @@ def _remote_error(rank: int, op: str, reply: dict[str, Any]) -> OSError:
     code = reply.get("errno")
     msg = str(reply.get("strerror") or "error")
     if isinstance(code, int):
-        return OSError(code, msg, reply.get("filename")) if reply.get("filename") else OSError(code, msg)
+        kind = NotRegularFileError if reply.get("not_regular") else OSError
+        return kind(code, msg, reply.get("filename")) if reply.get("filename") else kind(code, msg)
     return OSError(errno.EIO, f"rank {rank}: {msg} (in {op})")
 
 

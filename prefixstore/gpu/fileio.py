@@ -5,13 +5,20 @@ a fault-injecting one (``prefixstore.fuzz.faultfs``) and so that a ``FaultHook``
 each effect before and after it runs (crash points). Operations are file-granular:
 ``write_new`` creates a file that must not exist, ``fsync`` syncs a named file,
 ``fsync_dir`` makes creates/renames/unlinks in a directory durable.
+
+``OsFS`` opens files ``O_NOFOLLOW``, refuses a path whose directory is a symlink, and
+reads only regular files, opened without blocking (``open_regular``): a shard path
+replaced by a symlink, FIFO or device raises ``NotRegularFileError`` (damage) at once.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import Protocol
+
+from prefixstore.engine.errors import NotRegularFileError
 
 
 class FileSystem(Protocol):
@@ -24,15 +31,77 @@ class FileSystem(Protocol):
     def unlink(self, path: str) -> None: ...
     def read(self, path: str) -> bytes: ...
     def size(self, path: str) -> int | None: ...
+    def exists(self, path: str) -> bool: ...
     def listdir(self, path: str) -> list[str]: ...
     def makedirs(self, path: str) -> None: ...
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _check_dir_of(path: str) -> None:
+    """NotRegularFileError when the directory holding ``path`` is a symlink or not a
+    directory (a missing one raises FileNotFoundError)."""
+    d = os.path.dirname(path) or "."
+    mode = os.lstat(d).st_mode
+    if not stat.S_ISDIR(mode):
+        raise NotRegularFileError(errno.ENOTDIR, "its directory is a symlink or not a directory", path)
+
+
+def _not_regular(mode: int) -> str:
+    kind = ("a symlink" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a directory" if stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
+    return f"not a regular file ({kind})"
+
+
+def open_regular(path: str, flags: int = 0) -> int:
+    """Open the regular file ``path`` for reading; return its descriptor.
+
+    Never follows a symlink (neither the file nor its directory), never blocks (a FIFO
+    is refused, not waited on) and never opens a device: the directory and the entry
+    are lstat'ed, the file opened ``O_NOFOLLOW | O_NONBLOCK`` and its descriptor
+    fstat'ed. Anything but a regular file raises NotRegularFileError; a missing one
+    FileNotFoundError. ``flags`` are added to the open (e.g. ``O_NOATIME``).
+    """
+    _check_dir_of(path)
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise NotRegularFileError(errno.EINVAL, _not_regular(mode), path)
+    try:
+        fd = os.open(path, _READ_FLAGS | flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
+            raise NotRegularFileError(exc.errno, _not_regular(stat.S_IFLNK), path) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(errno.EINVAL, _not_regular(mode), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_fd(fd: int) -> bytes:
+    chunks = []
+    while True:
+        b = os.read(fd, 1 << 20)
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+
+
 class OsFS:
-    """The real file system."""
+    """The real file system. No call follows a symlink: the directory holding a path
+    must be a real directory, and files are opened ``O_NOFOLLOW`` (reads through
+    ``open_regular``). The calls are the plain path-based ones (open, rename, unlink),
+    which libfiu's preload wraps (``prefixstore.fuzz.fiu``)."""
 
     def write_new(self, path: str, data: bytes | memoryview) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        _check_dir_of(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(data).cast("B")
             while view:
@@ -42,36 +111,43 @@ class OsFS:
             os.close(fd)
 
     def fsync(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def rename_new(self, src: str, dst: str) -> None:
+        _check_dir_of(src)
+        _check_dir_of(dst)
         # Files are never overwritten in place: refuse to rename over a live file.
         if os.path.lexists(dst):
             raise FileExistsError(errno.EEXIST, "refusing to rename over an existing file", dst)
         os.rename(src, dst)
 
     def fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(path, _DIR_FLAGS)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def unlink(self, path: str) -> None:
+        """Remove the entry itself (a symlink, not what it points to)."""
+        _check_dir_of(path)
         os.unlink(path)
 
     def read(self, path: str) -> bytes:
-        with open(path, "rb", buffering=0) as f:
-            return f.read()
+        fd = open_regular(path)
+        try:
+            return _read_fd(fd)
+        finally:
+            os.close(fd)
 
     def read_into(self, path: str, out: memoryview) -> int:
         """Read the file into ``out`` (up to its length, no intermediate copy); returns
         the file's size, which may differ from ``len(out)``."""
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             size = os.fstat(fd).st_size
             got, view = 0, out[: min(size, len(out))]
@@ -86,16 +162,35 @@ class OsFS:
             os.close(fd)
 
     def size(self, path: str) -> int | None:
+        """The size of the regular file ``path``; None if it is missing or not a regular file."""
         try:
-            return os.stat(path).st_size
-        except FileNotFoundError:
+            _check_dir_of(path)
+            st = os.lstat(path)
+        except (FileNotFoundError, NotRegularFileError):
             return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def exists(self, path: str) -> bool:
+        """Whether the entry ``path`` exists, whatever it is (a symlink counts, dangling or not)."""
+        try:
+            _check_dir_of(path)
+        except FileNotFoundError:
+            return False
+        return os.path.lexists(path)
 
     def listdir(self, path: str) -> list[str]:
         try:
-            return sorted(os.listdir(path))
+            fd = os.open(path, _DIR_FLAGS)
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise NotRegularFileError(exc.errno, "a symlink or not a directory", path) from None
+            raise
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
@@ -167,6 +262,9 @@ class HookedFS:
 
     def size(self, path: str) -> int | None:
         return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
 
     def listdir(self, path: str) -> list[str]:
         return self.inner.listdir(path)

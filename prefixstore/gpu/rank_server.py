@@ -35,7 +35,7 @@ import sys
 import time
 from typing import Any
 
-from prefixstore.engine.errors import LockedError
+from prefixstore.engine.errors import LockedError, NotRegularFileError
 from prefixstore.gpu.fileio import FaultHook, FileSystem
 from prefixstore.gpu.ranks import LocalRank
 from prefixstore.gpu.wire import IDLE_TIMEOUT, Link, LinkError, first_line, open_pair, store_client
@@ -127,7 +127,8 @@ def handle(local: LocalRank, req: dict[str, Any], payload: bytes) -> tuple[dict[
 def _error_reply(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, OSError) and exc.errno is not None:
         return {"ok": False, "errno": exc.errno, "strerror": exc.strerror or str(exc),
-                "filename": os.path.basename(str(exc.filename)) if exc.filename else None}
+                "filename": os.path.basename(str(exc.filename)) if exc.filename else None,
+                "not_regular": isinstance(exc, NotRegularFileError)}
     return {"ok": False, "errno": None, "strerror": f"{type(exc).__name__}: {exc}", "filename": None}
 
 

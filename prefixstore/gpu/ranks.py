@@ -12,6 +12,7 @@ import os
 import stat
 from typing import Protocol
 
+from prefixstore.engine.errors import UnsafeDirectoryError
 from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS
 
 SHARD_SUFFIX = ".st"
@@ -53,12 +54,16 @@ class RankIO(Protocol):
 
 
 class LocalRank:
-    """A rank whose directory this process writes directly."""
+    """A rank whose directory this process writes directly.
+
+    ``directory`` is named by the caller and resolved once (a symlink to it is
+    followed here); every effect after that refuses to follow a symlink.
+    """
 
     def __init__(self, rank: int, directory: str, fs: FileSystem | None = None,
                  hook: FaultHook | None = None) -> None:
         self.rank = rank
-        self.directory = directory
+        self.directory = os.path.realpath(directory)
         self.fs = HookedFS(fs or OsFS(), hook or FaultHook(), rank)
         self.fs.makedirs(directory)
 
@@ -91,14 +96,19 @@ class LocalRank:
         return self.fs.copies_on_read
 
     def remove(self, name: str) -> bool:
-        """Unlink ``name`` and its temporary; a file already missing is success.
+        """Unlink ``name`` and its temporary (the entries themselves, whatever they are; a
+        directory in their place goes to ``lost+found``); a file already missing is success.
 
         Returns True when something was unlinked. Does not fsync the directory:
         call ``sync_dir`` once after a batch.
         """
         removed = False
         for p in (self.path(name), self.path(name) + TMP_SUFFIX):
-            if self.fs.size(p) is None:
+            if not self.fs.exists(p):  # a symlink or FIFO in its place is unlinked too
+                continue
+            if os.path.isdir(p) and not os.path.islink(p):  # a directory in its place: moved aside whole
+                self.quarantine(os.path.basename(p))
+                removed = True
                 continue
             try:
                 self.fs.unlink(p)
@@ -110,7 +120,7 @@ class LocalRank:
     def remove_temp(self, name: str) -> None:
         """Unlink ``name``'s leftover temporary (missing is success)."""
         p = self.path(name) + TMP_SUFFIX
-        if self.fs.size(p) is not None:
+        if self.fs.exists(p):
             with contextlib.suppress(FileNotFoundError):
                 self.fs.unlink(p)
 
@@ -119,16 +129,30 @@ class LocalRank:
         return stat.S_ISREG(os.lstat(self.path(entry)).st_mode)
 
     def quarantine(self, entry: str) -> str:
-        """Move a foreign entry out of the rank directory into ``lost+found``."""
-        dest_dir = os.path.join(os.path.dirname(self.directory), "lost+found", os.path.basename(self.directory))
-        os.makedirs(dest_dir, exist_ok=True)
-        dest = os.path.join(dest_dir, entry)
-        n = 0
-        while os.path.lexists(dest):
+        """Move a foreign entry (itself, never what a symlink points to) out of the
+        rank directory into ``lost+found``; UnsafeDirectoryError when ``lost+found`` or
+        its rank folder is a symlink or not a directory."""
+        parent = os.path.join(os.path.dirname(self.directory), "lost+found")
+        dest_dir = os.path.join(parent, os.path.basename(self.directory))
+        for d in (parent, dest_dir):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d)
+            if os.path.islink(d) or not os.path.isdir(d):
+                raise UnsafeDirectoryError(f"{d} is a symlink or not a directory; nothing was moved into it")
+        n, dest = 0, entry
+        while os.path.lexists(os.path.join(dest_dir, dest)):
             n += 1
-            dest = os.path.join(dest_dir, f"{entry}.{n}")
-        os.rename(self.path(entry), dest)
-        return dest
+            dest = f"{entry}.{n}"
+        src_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            dst_fd = os.open(dest_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                os.rename(entry, dest, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+            finally:
+                os.close(dst_fd)
+        finally:
+            os.close(src_fd)
+        return os.path.join(dest_dir, dest)
 
     def sync_dir(self) -> None:
         self.fs.fsync_dir(self.directory)
