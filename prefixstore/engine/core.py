@@ -234,6 +234,7 @@ class Engine:
             self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create)
             try:
                 self._check_layout()
+                recovery.check_backing(self)
                 self.backing = backings.open_backing(self, backing, ram_bytes)
                 self.ranks: list[RankIO] = list(ranks) if ranks is not None else [
                     LocalRank(r, os.path.join(root, rank_dir_name(r)), self.fs, self.hook)
@@ -1023,9 +1024,9 @@ class Engine:
         """Drive a transaction that had not published back to its previous record."""
         if state == "INTENT":
             with self.catalog.txn(f"{kind}.rollback") as c:
-                c.execute("UPDATE files SET status='garbage' WHERE txn=?", (tid,))
+                c.execute("UPDATE files SET status='garbage' WHERE txn=? AND status!='live'", (tid,))
                 state = self._advance(c, tid, kind, state, event)
-        rows = self.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+        rows = self.catalog.query("SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
         left = self._unlink_rows(rows)
         with self.catalog.txn(f"{kind}.cleaned") as c:
             for r, name, _ in rows:

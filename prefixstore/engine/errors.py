@@ -88,3 +88,7 @@ class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error
     that sees it abandons itself (releases its catalog connection and lock without
     committing anything more); reopen the directory to recover.
     """
+
+
+class BackingContradictionError(CatalogCorruptError):
+    """The catalog's recorded backing contradicts the files (e.g. ``memory`` while its shards are on disk)."""

@@ -10,7 +10,10 @@ Steps (each idempotent; a crash anywhere is repaired by running it again):
    belong to any prefix), its files becoming garbage; file rows naming a path or an
    unknown rank are forgotten (never unlinked: their names are not trusted); a live
    file of a missing node, or not its node's current generation, becomes garbage
-   (its node, if any, damaged).
+   (its node, if any, damaged). A row naming a node's current shard is left to
+   recovery, which re-attaches it to that node. A catalog that says
+   ``backing=memory`` while shards it names are on disk with their recorded
+   checksums records ``backing=disk`` (its rows would otherwise be dropped as volatile).
 2. Engine.open, with the layout and capacity the catalog records: recovery rolls
    unfinished transactions back or forward, reclaims garbage, removes orphan shards,
    moves foreign files to ``lost+found/`` and marks nodes with missing or short
@@ -37,6 +40,7 @@ from prefixstore.engine import structure as S
 from prefixstore.engine.audit import (
     LOCK_NAME,
     AuditReport,
+    durable_shards,
     engine_running,
     read_catalog,
     verify_bytes,
@@ -45,7 +49,7 @@ from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.errors import LockedError, NotACacheError, SimulatedCrash
 from prefixstore.engine.keys import ROOT
 from prefixstore.engine.layout import Layout
-from prefixstore.gpu.ranks import LocalRank
+from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES
 
 if TYPE_CHECKING:
@@ -63,6 +67,8 @@ class CatalogFix:
     garbage_files: list[tuple[int, str]] = attrs.field(factory=list)
     damage_nodes: list[int] = attrs.field(factory=list)
     drop_journal: list[int] = attrs.field(factory=list)
+    backing: str | None = None
+    """The backing to record (the recorded one contradicts the files), or None."""
 
     @property
     def empty(self) -> bool:
@@ -85,6 +91,7 @@ class RepairReport:
         rec = self.recovery is not None and (
             self.recovery.rolled_back or self.recovery.rolled_forward or self.recovery.garbage_reclaimed
             or self.recovery.orphans_removed or self.recovery.quarantined or self.recovery.damaged
+            or self.recovery.reattached or self.recovery.resized
         )
         return bool(not self.catalog.empty or rec or self.invalidated or self.reclaimed or self.evicted)
 
@@ -104,8 +111,14 @@ class RepairReport:
             out.append(f"marked node {nid} damaged (its file rows were wrong)")
         for tid in c.drop_journal:
             out.append(f"dropped unreadable journal row {tid} (its 'writing' files became garbage)")
+        if c.backing is not None:
+            out.append(f"recorded backing={c.backing} (the catalog said memory, but its shards are on disk)")
         rec = self.recovery
         if rec is not None:
+            for f in rec.reattached:
+                out.append(f"re-attached file {f} (its row contradicted the shard's name)")
+            for f in rec.resized:
+                out.append(f"took the size of file {f} from the file")
             if rec.rolled_back:
                 out.append(f"rolled back unfinished transactions {rec.rolled_back}")
             if rec.rolled_forward:
@@ -172,6 +185,8 @@ def plan_catalog_fix(
         if kind not in MACHINES or state not in MACHINES[kind].states or not _is_json_object(payload):
             fix.drop_journal.append(tid)
     for p in S.file_problems(nodes, files, ranks):
+        if p.kind == "misowned":
+            continue  # recovery re-attaches it to the node whose shard it names
         if p.kind in ("bad_name", "bad_rank"):
             fix.forget_files.append(p.file)
         elif p.kind == "live_orphan" and owner.get(p.file) in dropped:
@@ -240,6 +255,8 @@ def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None)
                 c.execute("UPDATE files SET status='garbage' WHERE txn=? AND status='writing'", (tid,))
                 c.execute("UPDATE files SET txn=NULL WHERE txn=?", (tid,))
                 c.execute("DELETE FROM journal WHERE id=?", (tid,))
+            if fix.backing is not None:
+                cat.set_meta(c, "backing", fix.backing)
     finally:
         cat.close()
 
@@ -275,6 +292,10 @@ def repair(
             raise LockedError(f"{root} is open in an engine; stop it before repairing") from None
         rows = read_catalog(root, live=True)  # again, now that no engine can start
         rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks)
+        if rows.meta.get("backing") == "memory":
+            dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
+            if durable_shards(dirs, rows.files):
+                rep.catalog.backing = "disk"
         if not rep.catalog.empty:
             apply_catalog_fix(root, rep.catalog, hook)
     finally:
