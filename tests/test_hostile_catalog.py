@@ -20,7 +20,17 @@ import shutil
 
 import pytest
 from conftest import Gate, store_tokens, tokens_for
-from test_hostile import CAP, TREE, L, audit_json, build, node_id, served_bytes_are_right, sql, tree_hash
+from test_hostile import (
+    CAP,
+    TREE,
+    L,
+    audit_json,
+    build,
+    node_id,
+    served_bytes_are_right,
+    sql,
+    tree_hash,
+)
 
 from prefixstore.engine import errors as E
 from prefixstore.engine.core import Engine

@@ -390,7 +390,9 @@ def audit_rows(
         return rep
     disk = _scan_dirs(rep, root, dirs, layout, files, nodes)
     _accounting(rep, files, nodes, disk, capacity)
-    _ready_nodes(rep, layout, nodes, _as_recovered(rep, layout, nodes, files, dirs, disk), dirs, disk, checksums)
+    backed = {f[2] for f in files if f[6] == "live"}  # invariant 8 reads the rows as they are
+    _ready_nodes(rep, layout, nodes, _as_recovered(rep, layout, nodes, files, dirs, disk), dirs, disk, checksums,
+                 backed)
     if expected:
         present = {bytes(r[S.KEY]) for r in nodes.values()}
         lost = expected - present
@@ -590,8 +592,14 @@ def durable_shards(dirs: Sequence, files) -> list[str]:
     """``rankR/name`` of the file rows whose file is on disk in ``dirs`` with the size and
     checksum the row records (the evidence that a cache marked volatile is not)."""
     out = []
+    present: list[set[str]] = []
+    for d in dirs:
+        try:
+            present.append(set(os.listdir(d)) if isinstance(d, str) else set())
+        except OSError:
+            present.append(set())
     for rank, name, _node, _gen, size, ck, _status, _txn in files:
-        if not (isinstance(rank, int) and 0 <= rank < len(dirs) and isinstance(dirs[rank], str)
+        if not (isinstance(rank, int) and 0 <= rank < len(dirs) and name in present[rank]
                 and isinstance(name, str) and S.SHARD_RE.match(name)):
             continue
         path = os.path.join(dirs[rank], name)
@@ -606,7 +614,9 @@ def durable_shards(dirs: Sequence, files) -> list[str]:
     return out
 
 
-def _ready_nodes(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Disk, checksums: bool) -> None:
+def _ready_nodes(
+    rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Disk, checksums: bool, backed: set
+) -> None:
     live_by_node: dict[int, dict[int, tuple]] = {}
     for rank, name, node, gen, size, ck, status, _txn in files:
         if status == "live" and node in nodes:
@@ -661,7 +671,7 @@ def _ready_nodes(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Di
             continue
         p, hops = row[S.PARENT], 0
         while p is not None and p in nodes and hops <= len(nodes):
-            if not live_by_node.get(p):
+            if p not in backed:
                 rep.add(8, f"ready node {nid} depends on node {p}, which has no backing")
                 bad8 += 1
                 break
