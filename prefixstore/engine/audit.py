@@ -569,9 +569,20 @@ def _as_recovered(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _D
     out = []
     resized = []
     for f in files:
+        on = disk.entries.get((f[0], f[1]), (0, False))
         if not isinstance(f[4], int) or f[4] < 0:
             resized.append(f"rank{f[0]}/{f[1]}")
-            f = (*f[:4], disk.entries.get((f[0], f[1]), (0, False))[0], *f[5:])
+            f = (*f[:4], on[0], *f[5:])
+        elif f[6] == "live" and on[1] and on[0] != f[4] and f[2] in nodes and nodes[f[2]][S.STATE] == "ready":
+            try:
+                data = read_shard_bytes(os.path.join(dirs[f[0]], f[1])) if isinstance(dirs[f[0]], str) else b""
+            except OSError:
+                data = b""
+            if data and len(data) == on[0] and shards.checksum(data) == f[5]:
+                rep.add(3, f"file row rank{f[0]}/{f[1]} records size {f[4]}; the file is {on[0]} bytes and "
+                           "matches its recorded checksum")
+                resized.append(f"rank{f[0]}/{f[1]}")
+                f = (*f[:4], on[0], *f[5:])
         out.append(f)
     if resized:
         rep.recovery.append(f"take the size of {len(resized)} file rows from their files: {', '.join(resized[:5])}")
