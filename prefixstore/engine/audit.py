@@ -391,8 +391,13 @@ def audit_rows(
     disk = _scan_dirs(rep, root, dirs, layout, files, nodes)
     _accounting(rep, files, nodes, disk, capacity)
     backed = {f[2] for f in files if f[6] == "live"}  # invariant 8 reads the rows as they are
-    _ready_nodes(rep, layout, nodes, _as_recovered(rep, layout, nodes, files, dirs, disk), dirs, disk, checksums,
-                 backed)
+    regen = S.stale_generations(nodes, files, layout.ranks)
+    if regen:
+        rep.recovery.append(f"record for {len(regen)} nodes the generation their live shards have: "
+                            + ", ".join(f"node {n} -> {g}" for n, g in sorted(regen.items())[:5]))
+    as_recovered = {n: (*r[: S.GEN], regen[n], *r[S.GEN + 1 :]) if n in regen else r for n, r in nodes.items()}
+    _ready_nodes(rep, layout, as_recovered, _as_recovered(rep, layout, nodes, files, dirs, disk), dirs, disk,
+                 checksums, backed)
     if expected:
         present = {bytes(r[S.KEY]) for r in nodes.values()}
         lost = expected - present

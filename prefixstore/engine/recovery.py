@@ -8,7 +8,9 @@ served or used to unlink a file; ``prefixstore audit --repair`` fixes it.
 
 Then, before anything is unlinked, the file rows are reconciled with the files
 (``reconcile``): nothing is deleted on one row's word. A file named after a node's
-current shard (its key and generation) is that node's shard, whatever its row says:
+current shard (its key and generation) is that node's shard, whatever its row says (and a node
+whose recorded generation names no file, while its live rows on every rank are one
+other generation's shards, takes that generation):
 a row that calls it garbage or writing, gives it another node or generation, or hands
 it to a transaction is re-attached to the node as its live file; a file no row names
 is re-attached when its bytes verify as that node's shard on that rank (else it is
@@ -58,6 +60,7 @@ class RecoveryReport:
     damaged: list[int] = attrs.field(factory=list)
     reattached: list[str] = attrs.field(factory=list)
     resized: list[str] = attrs.field(factory=list)
+    regenerated: list[str] = attrs.field(factory=list)
 
     @property
     def changed(self) -> bool:
@@ -138,8 +141,14 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
     """Make the file rows agree with the files a node's name claims (see the module docstring)."""
     nodes = {r[0]: tuple(r) for r in eng.catalog.query(f"SELECT {structure.NODE_COLUMNS} FROM nodes")}
     files = [tuple(r) for r in eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")]
-    current = structure.current_shards(nodes)
     fixes: list[tuple[str, tuple]] = []
+    for nid, gen in sorted(structure.stale_generations(nodes, files, eng.layout.ranks).items()):
+        fixes.append(("UPDATE nodes SET generation=? WHERE id=?", (gen, nid)))
+        rep.regenerated.append(f"node {nid}: generation {nodes[nid][structure.GEN]} -> {gen}")
+        row = list(nodes[nid])
+        row[structure.GEN] = gen
+        nodes[nid] = tuple(row)
+    current = structure.current_shards(nodes)
     for f in files:
         rank, name, size = f[0], f[1], f[4]
         if not 0 <= rank < len(eng.ranks):

@@ -91,7 +91,7 @@ class RepairReport:
         rec = self.recovery is not None and (
             self.recovery.rolled_back or self.recovery.rolled_forward or self.recovery.garbage_reclaimed
             or self.recovery.orphans_removed or self.recovery.quarantined or self.recovery.damaged
-            or self.recovery.reattached or self.recovery.resized
+            or self.recovery.reattached or self.recovery.resized or self.recovery.regenerated
         )
         return bool(not self.catalog.empty or rec or self.invalidated or self.reclaimed or self.evicted)
 
@@ -119,6 +119,8 @@ class RepairReport:
                 out.append(f"re-attached file {f} (its row contradicted the shard's name)")
             for f in rec.resized:
                 out.append(f"took the size of file {f} from the file")
+            for f in rec.regenerated:
+                out.append(f"recorded the generation of its live shards for {f}")
             if rec.rolled_back:
                 out.append(f"rolled back unfinished transactions {rec.rolled_back}")
             if rec.rolled_forward:
@@ -184,9 +186,10 @@ def plan_catalog_fix(
     for tid, kind, state, payload in journal:
         if kind not in MACHINES or state not in MACHINES[kind].states or not _is_json_object(payload):
             fix.drop_journal.append(tid)
+    stale = S.stale_generations(nodes, files, ranks)
     for p in S.file_problems(nodes, files, ranks):
-        if p.kind == "misowned":
-            continue  # recovery re-attaches it to the node whose shard it names
+        if p.kind == "misowned" or (p.kind == "live_name" and p.node in stale):
+            continue  # recovery re-attaches it / records the generation its shards have
         if p.kind in ("bad_name", "bad_rank"):
             fix.forget_files.append(p.file)
         elif p.kind == "live_orphan" and owner.get(p.file) in dropped:

@@ -134,6 +134,31 @@ def reattached(nodes: Mapping[int, Sequence], files: Iterable[Sequence]) -> list
     return out
 
 
+def stale_generations(nodes: Mapping[int, Sequence], files: Iterable[Sequence], ranks: int) -> dict[int, int]:
+    """``{node: generation}`` for nodes whose recorded generation names no file row while
+    their live rows, one on every rank, are all the shards of one other generation of
+    their key: the node row's generation is what is wrong, not its files."""
+    files = list(files)
+    names = {f[1] for f in files}
+    live: dict[int, dict[int, list[tuple[str, int]]]] = {}
+    for rank, name, node, gen, _size, _ck, status, _txn in files:
+        if status == "live" and node in nodes:
+            live.setdefault(node, {}).setdefault(rank, []).append((name, gen))
+    out: dict[int, int] = {}
+    for nid, row in nodes.items():
+        key = bytes(row[KEY]).hex()
+        per = live.get(nid, {})
+        if f"{key}-g{row[GEN]}.st" in names or set(per) != set(range(ranks)):
+            continue
+        found = {x for v in per.values() for x in v}
+        if any(len(v) != 1 for v in per.values()) or len(found) != 1:
+            continue
+        ((name, gen),) = found
+        if isinstance(gen, int) and gen > 0 and gen != row[GEN] and name == f"{key}-g{gen}.st":
+            out[nid] = gen
+    return out
+
+
 def file_problems(nodes: Mapping[int, Sequence], files: Iterable[Sequence], ranks: int) -> list[Problem]:
     """Problems of file rows (columns FILE_COLUMNS) that no audit of the disk can excuse."""
     out: list[Problem] = []
