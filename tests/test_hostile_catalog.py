@@ -154,3 +154,28 @@ def test_one_edited_catalog_value_never_destroys_an_intact_node(tmp_path, case, 
         rc, rep = audit_json(d, capsys=capsys)
         assert rc == 0, rep
         all_served(d)
+
+
+def test_a_rowless_file_under_a_current_shard_name_that_does_not_verify_is_moved_aside(tmp_path, capsys):
+    """The row is gone and the file under its name holds another node's bytes: recovery
+    moves it to lost+found/ (never unlinks it); the node is damaged, a refill serves it."""
+    root = str(tmp_path / "cache")
+    build(root)
+    name = sql(root, f"SELECT name FROM files WHERE {_victim_row(root)}")[0][0]
+    other = sql(root, "SELECT name FROM files WHERE node=? AND rank=1", (node_id(root, "D2"),))[0][0]
+    _row_deleted(root)
+    path = os.path.join(root, "rank1", name)
+    with open(os.path.join(root, "rank1", other), "rb") as f:
+        foreign = f.read()
+    with open(path, "wb") as f:
+        f.write(foreign)
+    rc, rep = audit_json(root, capsys=capsys)
+    assert rc == 1 and any(name in v["detail"] for v in rep["violations"]), rep
+    with Engine.open(root, L, CAP) as eng:
+        assert f"rank1/{name}" in eng.recovery_report.quarantined
+        with open(os.path.join(root, "lost+found", "rank1", name), "rb") as f:
+            assert f.read() == foreign
+        assert not os.path.exists(path)
+        assert served_bytes_are_right(eng, TREE[VICTIM]) < len(TREE[VICTIM]) // 4
+        assert store_tokens(eng, TREE[VICTIM]).ok  # a refill
+    all_served(root)

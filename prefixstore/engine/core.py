@@ -1024,9 +1024,9 @@ class Engine:
         """Drive a transaction that had not published back to its previous record."""
         if state == "INTENT":
             with self.catalog.txn(f"{kind}.rollback") as c:
-                c.execute("UPDATE files SET status='garbage' WHERE txn=? AND status!='live'", (tid,))
+                c.execute("UPDATE files SET status='garbage' WHERE txn=?", (tid,))
                 state = self._advance(c, tid, kind, state, event)
-        rows = self.catalog.query("SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
+        rows = self.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
         left = self._unlink_rows(rows)
         with self.catalog.txn(f"{kind}.cleaned") as c:
             for r, name, _ in rows:

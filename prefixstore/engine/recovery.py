@@ -7,22 +7,25 @@ a missing node) is refused with CatalogCorruptError, so no such row is ever inde
 served or used to unlink a file; ``prefixstore audit --repair`` fixes it.
 
 Then, before anything is unlinked, the file rows are reconciled with the files
-(``reconcile``): nothing is deleted on one row's word. A file named after a node's
-current shard (its key and generation) is that node's shard, whatever its row says (and a node
-whose recorded generation names no file, while its live rows on every rank are one
-other generation's shards, takes that generation):
-a row that calls it garbage or writing, gives it another node or generation, or hands
-it to a transaction is re-attached to the node as its live file; a file no row names
-is re-attached when its bytes verify as that node's shard on that rank (else it is
-moved to ``lost+found/``, never unlinked). A row whose size is not a size (negative)
-takes the file's size, so charged bytes stay the bytes on disk.
+(``reconcile``): nothing is deleted on one row's word.
+
+- A file named after a node's current shard (its key and generation) is that node's
+  shard, whatever its row says: a row that calls it garbage or writing, gives it
+  another node or generation, or hands it to a transaction is re-attached to the node
+  as its live file. A file no row names is re-attached when its bytes verify as that
+  node's shard on that rank, and moved to ``lost+found/`` otherwise (never unlinked).
+- A node whose recorded generation names no file, while its live rows (one on every
+  rank) are all one other generation's shards, takes that generation.
+- A row whose size is negative takes the file's size; so does a live row of a ready
+  node whose file reads with the row's checksum (checked in ``_verify_live``), so
+  charged bytes stay the bytes on disk.
 
 Then every unfinished transaction is driven forward when it had published
-(PUBLISHED, REMOVED), back otherwise (INTENT, ROLLING_BACK), unlinking only the
-rows it owns that are not live. Then reclaim garbage, remove orphan shard files (a
-store whose intent commit was lost), quarantine foreign files into ``lost+found/``,
-and invalidate ready nodes whose shards are missing or short. Every step is
-idempotent, so a crash during recovery is recovered by the next open.
+(PUBLISHED, REMOVED), back otherwise (INTENT, ROLLING_BACK). Then reclaim garbage,
+remove orphan shard files (a store whose intent commit was lost), quarantine foreign
+files into ``lost+found/``, and invalidate ready nodes whose shards are missing or
+short. Every step is idempotent, so a crash during recovery is recovered by the next
+open.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def recover(eng: Engine) -> RecoveryReport:
     for tid, kind, state, _payload in eng.catalog.journal():
         if kind not in MACHINES or state not in MACHINES[kind].states:
             raise CatalogCorruptError(f"journal row {tid}: unknown transaction {kind}/{state}")
-        rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
+        rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
         if recovery_direction(kind, state) == "forward":
             eng._finish_retire(tid, kind, rows)
             rep.rolled_forward.append(tid)
