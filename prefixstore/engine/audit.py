@@ -363,7 +363,7 @@ def audit_rows(
         rep.add(p.invariant, p.detail)
     blocks = sum(r[S.END] - r[S.START] for r in nodes.values())
     rep.checked[2] = f"{len(nodes)} nodes, {blocks} chained blocks"
-    if any(p.kind != "misowned" for p in problems):
+    if any(p.file is None or p.kind in S.REFUSED_FILE_KINDS for p in problems):
         rep.recovery.append("refuse to open: the catalog contradicts itself (`prefixstore audit --repair` fixes it)")
     moved = sorted(f"rank{p.file[0]}/{p.file[1]}" for p in problems if p.kind == "misowned" and p.file)
     if moved:
@@ -395,9 +395,9 @@ def audit_rows(
     if regen:
         rep.recovery.append(f"record for {len(regen)} nodes the generation their live shards have: "
                             + ", ".join(f"node {n} -> {g}" for n, g in sorted(regen.items())[:5]))
-    as_recovered = {n: (*r[: S.GEN], regen[n], *r[S.GEN + 1 :]) if n in regen else r for n, r in nodes.items()}
-    _ready_nodes(rep, layout, as_recovered, _as_recovered(rep, layout, nodes, files, dirs, disk), dirs, disk,
-                 checksums, backed)
+    nodes_after = {n: (*r[: S.GEN], regen[n], *r[S.GEN + 1 :]) if n in regen else r for n, r in nodes.items()}
+    files = _as_recovered(rep, layout, nodes, files, dirs, disk, checksums)
+    _ready_nodes(rep, layout, nodes_after, files, dirs, disk, checksums, backed)
     if expected:
         present = {bytes(r[S.KEY]) for r in nodes.values()}
         lost = expected - present
@@ -568,9 +568,10 @@ def _accounting(rep: AuditReport, files, nodes, disk: _Disk, capacity: int) -> N
         rep.recovery.append(f"unlink {len(garbage)} garbage files ({sum(f[4] for f in garbage)} bytes)")
 
 
-def _as_recovered(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Disk) -> list[tuple]:
-    """The file rows as recovery will leave them: a size that is not a size taken from
-    the file, a row-less current shard that verifies re-attached to its node."""
+def _as_recovered(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Disk, checksums: bool) -> list[tuple]:
+    """The file rows as recovery will leave them: a negative size taken from the file, and
+    (reading shards, unless ``checksums`` is off) a wrong size of a file that matches its
+    checksum, a row-less current shard that verifies re-attached to its node."""
     out = []
     resized = []
     for f in files:
@@ -578,7 +579,8 @@ def _as_recovered(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _D
         if not isinstance(f[4], int) or f[4] < 0:
             resized.append(f"rank{f[0]}/{f[1]}")
             f = (*f[:4], on[0], *f[5:])
-        elif f[6] == "live" and on[1] and on[0] != f[4] and f[2] in nodes and nodes[f[2]][S.STATE] == "ready":
+        elif (checksums and f[6] == "live" and on[1] and on[0] != f[4] and f[2] in nodes
+              and nodes[f[2]][S.STATE] == "ready"):
             try:
                 data = read_shard_bytes(os.path.join(dirs[f[0]], f[1])) if isinstance(dirs[f[0]], str) else b""
             except OSError:
@@ -592,7 +594,7 @@ def _as_recovered(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _D
     if resized:
         rep.recovery.append(f"take the size of {len(resized)} file rows from their files: {', '.join(resized[:5])}")
     for (r, name), (_size, nid) in sorted(disk.rowless.items()):
-        if not isinstance(dirs[r], str):
+        if not checksums or not isinstance(dirs[r], str):
             continue
         try:
             data = read_shard_bytes(os.path.join(dirs[r], name))

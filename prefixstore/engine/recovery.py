@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st(\.tmp)?$")
 # File-row problems recovery refuses (the rest are found by verification as damage).
-REFUSED_FILE_PROBLEMS = frozenset({"bad_name", "bad_rank", "live_orphan"})
+REFUSED_FILE_PROBLEMS = structure.REFUSED_FILE_KINDS
 
 
 @attrs.define

@@ -31,6 +31,10 @@ FILE_COLUMNS = "rank, name, node, generation, size, checksum, status, txn"
 ID, KEY, PARENT, START, END, DIGESTS, HAS_SNAP, STATE, GEN = range(9)
 
 
+# File-row problems recovery refuses to open with (the others it repairs, or finds as damage).
+REFUSED_FILE_KINDS = frozenset({"bad_name", "bad_rank", "live_orphan"})
+
+
 @attrs.frozen
 class Problem:
     """One structural contradiction; ``node`` / ``file`` say which row it is about."""
