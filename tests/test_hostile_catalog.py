@@ -179,3 +179,14 @@ def test_a_rowless_file_under_a_current_shard_name_that_does_not_verify_is_moved
         assert served_bytes_are_right(eng, TREE[VICTIM]) < len(TREE[VICTIM]) // 4
         assert store_tokens(eng, TREE[VICTIM]).ok  # a refill
     all_served(root)
+
+
+def test_backing_memory_over_shards_on_disk_is_refused_by_name(tmp_path):
+    root = str(tmp_path / "cache")
+    build(root)
+    _backing_memory(root)
+    before = tree_hash(str(tmp_path))
+    for backing in ("disk", "memory", "composite"):
+        with pytest.raises(E.BackingContradictionError, match=r"backing=memory.* 12 shard files .*rank0/"):
+            Engine.open(root, L, CAP, backing=backing)
+    assert tree_hash(str(tmp_path)) == before
