@@ -79,6 +79,14 @@ def _row_other_node(root):
     sql(root, f"UPDATE files SET node=? WHERE {_victim_row(root)}", (node_id(root, "B3"),))
 
 
+def _row_generation_column(root):
+    sql(root, f"UPDATE files SET generation=3 WHERE {_victim_row(root)}")
+
+
+def _row_renamed(root):
+    sql(root, f"UPDATE files SET name=? WHERE {_victim_row(root)}", (f"{'ef' * 16}-g1.st",))
+
+
 def _row_intent_txn(root):
     tid = _crashed_store(root, NEW, "write")  # INTENT: its files are 'writing'
     assert sql(root, "SELECT state FROM journal WHERE id=?", (tid,))[0][0] == "INTENT"
@@ -102,6 +110,8 @@ CASES = {
     "live-row-set-to-writing": _row_writing,
     "live-row-deleted": _row_deleted,
     "live-row-given-another-node": _row_other_node,
+    "live-row-given-another-generation": _row_generation_column,
+    "live-row-given-another-name": _row_renamed,
     "live-row-pointed-at-an-intent-txn": _row_intent_txn,
     "live-row-pointed-at-a-published-txn": _row_published_txn,
     "live-row-negative-size": _row_negative_size,

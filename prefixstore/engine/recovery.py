@@ -166,6 +166,11 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
             fixes.append(("UPDATE files SET size=? WHERE rank=? AND name=?", (actual, rank, name)))
             rep.resized.append(f"rank{rank}/{name}: {size!r} -> {actual}")
     known = {(f[0], f[1]) for f in files}
+    reattached: set[tuple[int, int]] = set()  # (node, rank)
+    for f in files:
+        owner = current.get(f[1])
+        if owner is not None and structure.misowned(owner, nodes, f):
+            reattached.add((owner, f[0]))
     for rank in eng.ranks:
         if getattr(rank, "volatile", False):
             continue
@@ -182,6 +187,12 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
                           "VALUES(?, ?, ?, ?, ?, ?, 'live', NULL)",
                           (rank.rank, entry, owner, nodes[owner][structure.GEN], *found)))
             rep.reattached.append(f"rank{rank.rank}/{entry} to node {owner} (it had no row)")
+            reattached.add((owner, rank.rank))
+    for rank, name, node, *_rest in files:
+        # a live row the re-attached shard displaces names no current shard: garbage
+        if (node, rank) in reattached and name not in current:
+            fixes.append(("UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE rank=? AND name=?",
+                          (rank, name)))
     if fixes:
         with eng.catalog.txn("recover.reconcile") as c:
             for stmt, args in fixes:

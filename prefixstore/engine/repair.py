@@ -148,9 +148,17 @@ class RepairReport:
 
 
 def plan_catalog_fix(
-    nodes: dict[int, tuple], files: Sequence[tuple], journal: Sequence[tuple], ranks: int
+    nodes: dict[int, tuple],
+    files: Sequence[tuple],
+    journal: Sequence[tuple],
+    ranks: int,
+    present: frozenset[tuple[int, str]] = frozenset(),
 ) -> CatalogFix:
-    """Decide step 1 from the rows (pure).
+    """Decide step 1 from the rows (pure); ``present``: the (rank, name) entries of the rank directories.
+
+    A live row that is not its node's current shard is left to recovery when the
+    current shard's file is present on that rank (recovery re-attaches that file and
+    turns the row into garbage); otherwise it becomes garbage and its node damaged.
 
     A journal row recovery cannot read (unknown kind or state, corrupt payload) is
     dropped and its files released: a store publishes in one commit (its files turn
@@ -187,9 +195,12 @@ def plan_catalog_fix(
         if kind not in MACHINES or state not in MACHINES[kind].states or not _is_json_object(payload):
             fix.drop_journal.append(tid)
     stale = S.stale_generations(nodes, files, ranks)
+    current = {nid: name for name, nid in S.current_shards(nodes).items()}
     for p in S.file_problems(nodes, files, ranks):
         if p.kind == "misowned" or (p.kind == "live_name" and p.node in stale):
             continue  # recovery re-attaches it / records the generation its shards have
+        if p.kind == "live_name" and p.file and (p.file[0], current.get(p.node)) in present:
+            continue  # recovery re-attaches the current shard's file, this row becomes garbage
         if p.kind in ("bad_name", "bad_rank"):
             fix.forget_files.append(p.file)
         elif p.kind == "live_orphan" and owner.get(p.file) in dropped:
@@ -294,11 +305,10 @@ def repair(
         except BlockingIOError:
             raise LockedError(f"{root} is open in an engine; stop it before repairing") from None
         rows = read_catalog(root, live=True)  # again, now that no engine can start
-        rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks)
-        if rows.meta.get("backing") == "memory":
-            dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
-            if durable_shards(dirs, rows.files):
-                rep.catalog.backing = "disk"
+        dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
+        rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks, _entries(dirs))
+        if rows.meta.get("backing") == "memory" and durable_shards(dirs, rows.files):
+            rep.catalog.backing = "disk"
         if not rep.catalog.empty:
             apply_catalog_fix(root, rep.catalog, hook)
     finally:
@@ -327,6 +337,17 @@ def repair(
     finally:
         eng.close()
     return rep, final
+
+
+def _entries(dirs: Sequence[str]) -> frozenset[tuple[int, str]]:
+    """(rank, name) of every entry in the rank directories (a missing one holds none)."""
+    out = set()
+    for r, d in enumerate(dirs):
+        try:
+            out.update((r, e) for e in os.listdir(d))
+        except OSError:
+            continue
+    return frozenset(out)
 
 
 def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
