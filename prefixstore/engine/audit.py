@@ -378,11 +378,22 @@ def audit_rows(
         rep.add(p.invariant, p.detail)
     blocks = sum(r[S.END] - r[S.START] for r in nodes.values())
     rep.checked[2] = f"{len(nodes)} nodes, {blocks} chained blocks"
-    if problems:
+    if any(p.file is None or p.kind in S.REFUSED_FILE_KINDS for p in problems):
         rep.recovery.append("refuse to open: the catalog contradicts itself (`prefixstore audit --repair` fixes it)")
+    moved = sorted(f"rank{p.file[0]}/{p.file[1]}" for p in problems if p.kind == "misowned" and p.file)
+    if moved:
+        rep.recovery.append(f"re-attach {len(moved)} file rows to the node whose current shard each names: "
+                            f"{', '.join(moved[:5])}" + (" ..." if len(moved) > 5 else ""))
+        files = S.reattached(nodes, files)
 
     _journal(rep, rows, files, quiescent)
-    if rows.meta.get("backing") == "memory" and all(isinstance(d, str) for d in dirs):
+    on_disk = durable_shards(dirs, files) if rows.meta.get("backing") == "memory" else []
+    if on_disk:
+        rep.add(3, f"the catalog says backing=memory, but {len(on_disk)} shard files it names are on disk "
+                   f"with their recorded checksums: {', '.join(on_disk[:5])}" + (" ..." if len(on_disk) > 5 else ""))
+        rep.recovery.append("refuse to open: backing=memory contradicts the shard files on disk "
+                            "(`prefixstore audit --repair` records backing=disk)")
+    elif rows.meta.get("backing") == "memory" and all(isinstance(d, str) for d in dirs):
         # A volatile cache seen from outside its engine: its shards live (or lived) in that
         # engine's RAM, never in the rank directories; its next open drops every row.
         why = "not checked (backing=memory: the shards are in the engine's RAM)"
@@ -392,9 +403,16 @@ def audit_rows(
         if nodes or files:
             rep.recovery.append(f"drop every row ({len(nodes)} nodes, {len(files)} files): the cache is volatile")
         return rep
-    disk = _scan_dirs(rep, root, dirs, layout, files)
+    disk = _scan_dirs(rep, root, dirs, layout, files, nodes)
     _accounting(rep, files, nodes, disk, capacity)
-    _ready_nodes(rep, layout, nodes, files, dirs, disk, checksums)
+    backed = {f[2] for f in files if f[6] == "live"}  # invariant 8 reads the rows as they are
+    regen = S.stale_generations(nodes, files, layout.ranks)
+    if regen:
+        rep.recovery.append(f"record for {len(regen)} nodes the generation their live shards have: "
+                            + ", ".join(f"node {n} -> {g}" for n, g in sorted(regen.items())[:5]))
+    nodes_after = {n: (*r[: S.GEN], regen[n], *r[S.GEN + 1 :]) if n in regen else r for n, r in nodes.items()}
+    files = _as_recovered(rep, layout, nodes, files, dirs, disk, checksums)
+    _ready_nodes(rep, layout, nodes_after, files, dirs, disk, checksums, backed)
     if expected:
         present = {bytes(r[S.KEY]) for r in nodes.values()}
         lost = expected - present
@@ -453,11 +471,14 @@ class _Disk:
 
     entries: dict[tuple[int, str], tuple[int, bool]] = attrs.field(factory=dict)
     on_disk: int = 0
+    rowless: dict[tuple[int, str], tuple[int, int]] = attrs.field(factory=dict)
+    """Regular files no row names that are a node's current shard: (rank, name) -> (size, node)."""
 
 
-def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, files) -> _Disk:
+def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, files, nodes) -> _Disk:
     disk = _Disk()
     known = {(f[0], f[1]) for f in files}
+    current = S.current_shards(nodes)
     # A file in flight owns its temporary; so does garbage (a failed cleanup may have
     # left a short temporary of a failed write; reclaiming removes both).
     in_flight = {(f[0], f[1]) for f in files if f[6] in ("writing", "garbage")}
@@ -507,7 +528,13 @@ def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, fil
             info["unknown"].append(e)
             rep.unknown_files.append(where)
             base = e[: -len(TMP_SUFFIX)] if e.endswith(TMP_SUFFIX) else e
-            if S.SHARD_RE.match(base) and regular:
+            if base == e and e in current and regular:
+                disk.rowless[(r, e)] = (size, current[e])
+                disk.entries[(r, e)] = (size, regular)
+                rep.add(1, f"file {where} is node {current[e]}'s current shard, but the catalog has no row for it")
+                rep.recovery.append(f"re-attach {where} to node {current[e]} if it verifies as that shard "
+                                    "(else move it to lost+found/)")
+            elif S.SHARD_RE.match(base) and regular:
                 orphans.append(where)
                 rep.add(3, f"file {where} is unknown to the catalog (an orphan shard)")
             else:
@@ -564,7 +591,73 @@ def _accounting(rep: AuditReport, files, nodes, disk: _Disk, capacity: int) -> N
         rep.recovery.append(f"unlink {len(garbage)} garbage files ({sum(f[4] for f in garbage)} bytes)")
 
 
-def _ready_nodes(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Disk, checksums: bool) -> None:
+def _as_recovered(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Disk, checksums: bool) -> list[tuple]:
+    """The file rows as recovery will leave them: a negative size taken from the file, and
+    (reading shards, unless ``checksums`` is off) a wrong size of a file that matches its
+    checksum, a row-less current shard that verifies re-attached to its node."""
+    out = []
+    resized = []
+    for f in files:
+        on = disk.entries.get((f[0], f[1]), (0, False))
+        if not isinstance(f[4], int) or f[4] < 0:
+            resized.append(f"rank{f[0]}/{f[1]}")
+            f = (*f[:4], on[0], *f[5:])
+        elif (checksums and f[6] == "live" and on[1] and on[0] != f[4] and f[2] in nodes
+              and nodes[f[2]][S.STATE] == "ready"):
+            try:
+                data = read_shard_bytes(os.path.join(dirs[f[0]], f[1])) if isinstance(dirs[f[0]], str) else b""
+            except OSError:
+                data = b""
+            if data and len(data) == on[0] and shards.checksum(data) == f[5]:
+                rep.add(3, f"file row rank{f[0]}/{f[1]} records size {f[4]}; the file is {on[0]} bytes and "
+                           "matches its recorded checksum")
+                resized.append(f"rank{f[0]}/{f[1]}")
+                f = (*f[:4], on[0], *f[5:])
+        out.append(f)
+    if resized:
+        rep.recovery.append(f"take the size of {len(resized)} file rows from their files: {', '.join(resized[:5])}")
+    for (r, name), (_size, nid) in sorted(disk.rowless.items()):
+        if not checksums or not isinstance(dirs[r], str):
+            continue
+        try:
+            data = read_shard_bytes(os.path.join(dirs[r], name))
+        except OSError:
+            continue
+        ck = shards.checksum(data)
+        if verify_bytes(layout, data, r, nodes[nid], ck) is None:
+            out.append((r, name, nid, nodes[nid][S.GEN], len(data), ck, "live", None))
+    return out
+
+
+def durable_shards(dirs: Sequence, files) -> list[str]:
+    """``rankR/name`` of the file rows whose file is on disk in ``dirs`` with the size and
+    checksum the row records (the evidence that a cache marked volatile is not)."""
+    out = []
+    present: list[set[str]] = []
+    for d in dirs:
+        try:
+            present.append(set(os.listdir(d)) if isinstance(d, str) else set())
+        except OSError:
+            present.append(set())
+    for rank, name, _node, _gen, size, ck, _status, _txn in files:
+        if not (isinstance(rank, int) and 0 <= rank < len(dirs) and name in present[rank]
+                and isinstance(name, str) and S.SHARD_RE.match(name)):
+            continue
+        path = os.path.join(dirs[rank], name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size or not ck:
+                continue
+            if shards.checksum(read_shard_bytes(path)) == ck:
+                out.append(f"rank{rank}/{name}")
+        except OSError:
+            continue
+    return out
+
+
+def _ready_nodes(
+    rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Disk, checksums: bool, backed: set
+) -> None:
     live_by_node: dict[int, dict[int, tuple]] = {}
     for rank, name, node, gen, size, ck, status, _txn in files:
         if status == "live" and node in nodes:
@@ -619,7 +712,7 @@ def _ready_nodes(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _Di
             continue
         p, hops = row[S.PARENT], 0
         while p is not None and p in nodes and hops <= len(nodes):
-            if not live_by_node.get(p):
+            if p not in backed:
                 rep.add(8, f"ready node {nid} depends on node {p}, which has no backing")
                 bad8 += 1
                 break

@@ -244,6 +244,7 @@ class Engine:
             self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create)
             try:
                 self._check_layout()
+                recovery.check_backing(self)
                 self.backing = backings.open_backing(self, backing, ram_bytes)
                 self.ranks: list[RankIO] = list(ranks) if ranks is not None else [
                     LocalRank(r, os.path.join(root, rank_dir_name(r)), self.fs, self.hook)

@@ -100,3 +100,7 @@ class UnsafeDirectoryError(NotACacheError):
 
 class RankDirMissingError(NotACacheError):
     """A rank directory holding cataloged shards is missing (kept elsewhere?): name it explicitly."""
+
+
+class BackingContradictionError(CatalogCorruptError):
+    """The catalog's recorded backing contradicts the files (e.g. ``memory`` while its shards are on disk)."""

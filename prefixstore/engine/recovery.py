@@ -6,22 +6,41 @@ parent, key or digests, a file row naming a path or an unknown rank, a live file
 a missing node) is refused with CatalogCorruptError, so no such row is ever indexed,
 served or used to unlink a file; ``prefixstore audit --repair`` fixes it.
 
+Then, before anything is unlinked, the file rows are reconciled with the files
+(``reconcile``): nothing is deleted on one row's word.
+
+- A file named after a node's current shard (its key and generation) is that node's
+  shard, whatever its row says: a row that calls it garbage or writing, gives it
+  another node or generation, or hands it to a transaction is re-attached to the node
+  as its live file. A file no row names is re-attached when its bytes verify as that
+  node's shard on that rank, and moved to ``lost+found/`` otherwise (never unlinked).
+- A node whose recorded generation names no file, while its live rows (one on every
+  rank) are all one other generation's shards, takes that generation.
+- A row whose size is negative takes the file's size; so does a live row of a ready
+  node whose file reads with the row's checksum (checked in ``_verify_live``), so
+  charged bytes stay the bytes on disk.
+
 Then every unfinished transaction is driven forward when it had published
-(PUBLISHED, REMOVED), back otherwise (INTENT, ROLLING_BACK). Then reclaim garbage, remove orphan shard files (a store whose intent
-commit was lost), quarantine foreign files into ``lost+found/``, and invalidate
-ready nodes whose shards are missing or short. Every step is idempotent, so a crash
-during recovery is recovered by the next open.
+(PUBLISHED, REMOVED), back otherwise (INTENT, ROLLING_BACK). Then reclaim garbage,
+remove orphan shard files (a store whose intent commit was lost), quarantine foreign
+files into ``lost+found/``, and invalidate ready nodes whose shards are missing or
+short. Every step is idempotent, so a crash during recovery is recovered by the next
+open.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import TYPE_CHECKING
 
 import attrs
 
 from prefixstore.engine import structure
-from prefixstore.engine.errors import CatalogCorruptError
+from prefixstore.engine.audit import durable_shards, verify_bytes
+from prefixstore.engine.errors import BackingContradictionError, CatalogCorruptError
+from prefixstore.gpu import shards
+from prefixstore.gpu.ranks import rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES, recovery_direction
 
 if TYPE_CHECKING:
@@ -29,7 +48,7 @@ if TYPE_CHECKING:
 
 SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st(\.tmp)?$")
 # File-row problems recovery refuses (the rest are found by verification as damage).
-REFUSED_FILE_PROBLEMS = frozenset({"bad_name", "bad_rank", "live_orphan"})
+REFUSED_FILE_PROBLEMS = structure.REFUSED_FILE_KINDS
 
 
 @attrs.define
@@ -42,6 +61,9 @@ class RecoveryReport:
     orphans_removed: list[str] = attrs.field(factory=list)
     quarantined: list[str] = attrs.field(factory=list)
     damaged: list[int] = attrs.field(factory=list)
+    reattached: list[str] = attrs.field(factory=list)
+    resized: list[str] = attrs.field(factory=list)
+    regenerated: list[str] = attrs.field(factory=list)
 
     @property
     def changed(self) -> bool:
@@ -51,6 +73,7 @@ class RecoveryReport:
 def recover(eng: Engine) -> RecoveryReport:
     rep = RecoveryReport()
     check_structure(eng)
+    reconcile(eng, rep)
     eng._charged = eng.catalog.charged()
     eng._clock = 0
     for tid, kind, state, _payload in eng.catalog.journal():
@@ -100,6 +123,96 @@ def check_structure(eng: Engine) -> None:
         )
 
 
+def check_backing(eng: Engine) -> None:
+    """Raise BackingContradictionError when the catalog says ``backing=memory`` (its rows
+    would be dropped at open as volatile) but shard files it names are on disk, each
+    with its recorded size and checksum: a durable cache, not a volatile one."""
+    if eng.catalog.meta("backing") != "memory":
+        return
+    files = eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")
+    dirs = [os.path.join(eng.root, rank_dir_name(r)) for r in range(eng.layout.ranks)]
+    found = durable_shards(dirs, files)
+    if found:
+        raise BackingContradictionError(
+            f"{eng.root}: the catalog says backing=memory, but {len(found)} shard files it names are on disk "
+            f"with their recorded checksums ({', '.join(found[:3])}{' ...' if len(found) > 3 else ''}); "
+            f"nothing was changed. Run `prefixstore audit --repair {eng.root}` to record backing=disk."
+        )
+
+
+def reconcile(eng: Engine, rep: RecoveryReport) -> None:
+    """Make the file rows agree with the files a node's name claims (see the module docstring)."""
+    nodes = {r[0]: tuple(r) for r in eng.catalog.query(f"SELECT {structure.NODE_COLUMNS} FROM nodes")}
+    files = [tuple(r) for r in eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")]
+    fixes: list[tuple[str, tuple]] = []
+    for nid, gen in sorted(structure.stale_generations(nodes, files, eng.layout.ranks).items()):
+        fixes.append(("UPDATE nodes SET generation=? WHERE id=?", (gen, nid)))
+        rep.regenerated.append(f"node {nid}: generation {nodes[nid][structure.GEN]} -> {gen}")
+        row = list(nodes[nid])
+        row[structure.GEN] = gen
+        nodes[nid] = tuple(row)
+    current = structure.current_shards(nodes)
+    for f in files:
+        rank, name, size = f[0], f[1], f[4]
+        if not 0 <= rank < len(eng.ranks):
+            continue
+        owner = current.get(name)
+        if owner is not None and structure.misowned(owner, nodes, f):
+            fixes.append(("UPDATE files SET status='live', node=?, txn=NULL, generation=? WHERE rank=? AND name=?",
+                          (owner, nodes[owner][structure.GEN], rank, name)))
+            rep.reattached.append(f"rank{rank}/{name} to node {owner}")
+        if not isinstance(size, int) or size < 0:
+            actual = eng.ranks[rank].size(name) or 0
+            fixes.append(("UPDATE files SET size=? WHERE rank=? AND name=?", (actual, rank, name)))
+            rep.resized.append(f"rank{rank}/{name}: {size!r} -> {actual}")
+    known = {(f[0], f[1]) for f in files}
+    reattached: set[tuple[int, int]] = set()  # (node, rank)
+    for f in files:
+        owner = current.get(f[1])
+        if owner is not None and structure.misowned(owner, nodes, f):
+            reattached.add((owner, f[0]))
+    for rank in eng.ranks:
+        if getattr(rank, "volatile", False):
+            continue
+        for entry in rank.listdir():
+            owner = current.get(entry)
+            if owner is None or (rank.rank, entry) in known:
+                continue
+            found = _shard_of(eng, rank, entry, nodes[owner])
+            if found is None:
+                rank.quarantine(entry)
+                rep.quarantined.append(f"rank{rank.rank}/{entry}")
+                continue
+            fixes.append(("INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+                          "VALUES(?, ?, ?, ?, ?, ?, 'live', NULL)",
+                          (rank.rank, entry, owner, nodes[owner][structure.GEN], *found)))
+            rep.reattached.append(f"rank{rank.rank}/{entry} to node {owner} (it had no row)")
+            reattached.add((owner, rank.rank))
+    for rank, name, node, *_rest in files:
+        # a live row the re-attached shard displaces names no current shard: garbage
+        if (node, rank) in reattached and name not in current:
+            fixes.append(("UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE rank=? AND name=?",
+                          (rank, name)))
+    if fixes:
+        with eng.catalog.txn("recover.reconcile") as c:
+            for stmt, args in fixes:
+                c.execute(stmt, args)
+
+
+def _shard_of(eng: Engine, rank, entry: str, row: tuple) -> tuple[int, str] | None:
+    """(size, checksum) of ``entry`` when it is a regular file whose bytes verify as node
+    ``row``'s shard on ``rank`` (header: key, generation, span, rank; the layout), else None."""
+    is_file = getattr(rank, "is_file", None)
+    try:
+        if is_file is not None and not is_file(entry):
+            return None
+        data = rank.read_shard(entry)
+    except OSError:
+        return None
+    ck = shards.checksum(data)
+    return (len(data), ck) if verify_bytes(eng.layout, data, rank.rank, row, ck) is None else None
+
+
 def _orphans(eng: Engine, rep: RecoveryReport) -> None:
     known: dict[int, set[str]] = {}
     for r, name in eng.catalog.query("SELECT rank, name FROM files"):
@@ -133,23 +246,39 @@ def _orphans(eng: Engine, rep: RecoveryReport) -> None:
 
 def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
     ranks = eng.layout.ranks
-    per_node: dict[int, list[tuple[int, str, int]]] = {}
-    for node, r, name, size in eng.catalog.query(
-        "SELECT node, rank, name, size FROM files WHERE status='live'"
+    per_node: dict[int, list[tuple[int, str, int, str]]] = {}
+    for node, r, name, size, ck in eng.catalog.query(
+        "SELECT node, rank, name, size, checksum FROM files WHERE status='live'"
     ):
-        per_node.setdefault(node, []).append((r, name, size))
-    bad = []
+        per_node.setdefault(node, []).append((r, name, size, ck))
+    bad, resized = [], []
     for (nid,) in eng.catalog.query("SELECT id FROM nodes WHERE state='ready'"):
         files = per_node.get(nid, [])
-        ok = len(files) == ranks and {r for r, _, _ in files} == set(range(ranks))
+        ok = len(files) == ranks and {f[0] for f in files} == set(range(ranks))
         if ok:
-            for r, name, size in files:
-                if eng.ranks[r].size(name) != size:
-                    ok = False
-                    break
+            for r, name, size, ck in files:
+                actual = eng.ranks[r].size(name)
+                if actual == size:
+                    continue
+                if actual is not None and _matches(eng.ranks[r], name, actual, ck):
+                    resized.append((actual, r, name))  # the row's size is wrong, not the file
+                    rep.resized.append(f"rank{r}/{name}: {size!r} -> {actual} (the file matches its checksum)")
+                    continue
+                ok = False
+                break
         if not ok:
             bad.append(nid)
-    if bad:
+    if bad or resized:
         with eng.catalog.txn("recover.invalidate") as c:
             c.executemany("UPDATE nodes SET state='damaged' WHERE id=?", [(i,) for i in bad])
+            c.executemany("UPDATE files SET size=? WHERE rank=? AND name=?", resized)
         rep.damaged.extend(bad)
+
+
+def _matches(rank, name: str, size: int, ck: str | None) -> bool:
+    """Whether ``name`` on ``rank`` reads as ``size`` bytes with checksum ``ck``."""
+    try:
+        data = rank.read_shard(name)
+    except OSError:
+        return False
+    return len(data) == size and ck is not None and shards.checksum(data) == ck

@@ -10,7 +10,10 @@ Steps (each idempotent; a crash anywhere is repaired by running it again):
    belong to any prefix), its files becoming garbage; file rows naming a path or an
    unknown rank are forgotten (never unlinked: their names are not trusted); a live
    file of a missing node, or not its node's current generation, becomes garbage
-   (its node, if any, damaged).
+   (its node, if any, damaged). A row naming a node's current shard is left to
+   recovery, which re-attaches it to that node. A catalog that says
+   ``backing=memory`` while shards it names are on disk with their recorded
+   checksums records ``backing=disk`` (its rows would otherwise be dropped as volatile).
 2. Engine.open, with the layout and capacity the catalog records: recovery rolls
    unfinished transactions back or forward, reclaims garbage, removes orphan shards,
    moves foreign files to ``lost+found/`` and marks nodes with missing or short
@@ -37,6 +40,7 @@ from prefixstore.engine import structure as S
 from prefixstore.engine.audit import (
     LOCK_NAME,
     AuditReport,
+    durable_shards,
     engine_running,
     read_catalog,
     verify_bytes,
@@ -70,6 +74,8 @@ class CatalogFix:
     garbage_files: list[tuple[int, str]] = attrs.field(factory=list)
     damage_nodes: list[int] = attrs.field(factory=list)
     drop_journal: list[int] = attrs.field(factory=list)
+    backing: str | None = None
+    """The backing to record (the recorded one contradicts the files), or None."""
 
     @property
     def empty(self) -> bool:
@@ -92,6 +98,7 @@ class RepairReport:
         rec = self.recovery is not None and (
             self.recovery.rolled_back or self.recovery.rolled_forward or self.recovery.garbage_reclaimed
             or self.recovery.orphans_removed or self.recovery.quarantined or self.recovery.damaged
+            or self.recovery.reattached or self.recovery.resized or self.recovery.regenerated
         )
         return bool(not self.catalog.empty or rec or self.invalidated or self.reclaimed or self.evicted)
 
@@ -111,8 +118,16 @@ class RepairReport:
             out.append(f"marked node {nid} damaged (its file rows were wrong)")
         for tid in c.drop_journal:
             out.append(f"dropped unreadable journal row {tid} (its 'writing' files became garbage)")
+        if c.backing is not None:
+            out.append(f"recorded backing={c.backing} (the catalog said memory, but its shards are on disk)")
         rec = self.recovery
         if rec is not None:
+            for f in rec.reattached:
+                out.append(f"re-attached file {f} (its row contradicted the shard's name)")
+            for f in rec.resized:
+                out.append(f"took the size of file {f} from the file")
+            for f in rec.regenerated:
+                out.append(f"recorded the generation of its live shards for {f}")
             if rec.rolled_back:
                 out.append(f"rolled back unfinished transactions {rec.rolled_back}")
             if rec.rolled_forward:
@@ -140,9 +155,17 @@ class RepairReport:
 
 
 def plan_catalog_fix(
-    nodes: dict[int, tuple], files: Sequence[tuple], journal: Sequence[tuple], ranks: int
+    nodes: dict[int, tuple],
+    files: Sequence[tuple],
+    journal: Sequence[tuple],
+    ranks: int,
+    present: frozenset[tuple[int, str]] = frozenset(),
 ) -> CatalogFix:
-    """Decide step 1 from the rows (pure).
+    """Decide step 1 from the rows (pure); ``present``: the (rank, name) entries of the rank directories.
+
+    A live row that is not its node's current shard is left to recovery when the
+    current shard's file is present on that rank (recovery re-attaches that file and
+    turns the row into garbage); otherwise it becomes garbage and its node damaged.
 
     A journal row recovery cannot read (unknown kind or state, corrupt payload) is
     dropped and its files released: a store publishes in one commit (its files turn
@@ -178,7 +201,13 @@ def plan_catalog_fix(
     for tid, kind, state, payload in journal:
         if kind not in MACHINES or state not in MACHINES[kind].states or not _is_json_object(payload):
             fix.drop_journal.append(tid)
+    stale = S.stale_generations(nodes, files, ranks)
+    current = {nid: name for name, nid in S.current_shards(nodes).items()}
     for p in S.file_problems(nodes, files, ranks):
+        if p.kind == "misowned" or (p.kind == "live_name" and p.node in stale):
+            continue  # recovery re-attaches it / records the generation its shards have
+        if p.kind == "live_name" and p.file and (p.file[0], current.get(p.node)) in present:
+            continue  # recovery re-attaches the current shard's file, this row becomes garbage
         if p.kind in ("bad_name", "bad_rank"):
             fix.forget_files.append(p.file)
         elif p.kind == "live_orphan" and owner.get(p.file) in dropped:
@@ -247,6 +276,8 @@ def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None)
                 c.execute("UPDATE files SET status='garbage' WHERE txn=? AND status='writing'", (tid,))
                 c.execute("UPDATE files SET txn=NULL WHERE txn=?", (tid,))
                 c.execute("DELETE FROM journal WHERE id=?", (tid,))
+            if fix.backing is not None:
+                cat.set_meta(c, "backing", fix.backing)
     finally:
         cat.close()
 
@@ -285,7 +316,10 @@ def repair(
         except BlockingIOError:
             raise LockedError(f"{root} is open in an engine; stop it before repairing") from None
         rows = read_catalog(root, live=True)  # again, now that no engine can start
-        rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks)
+        dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
+        rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks, _entries(dirs))
+        if rows.meta.get("backing") == "memory" and durable_shards(dirs, rows.files):
+            rep.catalog.backing = "disk"
         if not rep.catalog.empty:
             apply_catalog_fix(root, rep.catalog, hook)
     finally:
@@ -329,6 +363,17 @@ def check_rank_dirs(root: str, ranks: int, rank_dirs: Sequence[str] | None, file
             f"{root}: rank directories missing: {shown}; if the ranks are kept elsewhere, "
             "name every rank directory with --rank-dir PATH (once per rank, in order); nothing was changed"
         )
+
+
+def _entries(dirs: Sequence[str]) -> frozenset[tuple[int, str]]:
+    """(rank, name) of every entry in the rank directories (a missing one holds none)."""
+    out = set()
+    for r, d in enumerate(dirs):
+        try:
+            out.update((r, e) for e in os.listdir(d))
+        except OSError:
+            continue
+    return frozenset(out)
 
 
 def _invalidate_bad_shards(eng, rep: RepairReport) -> None:

@@ -9,7 +9,9 @@ can). Checks, by invariant of DESIGN.md section 4:
   its blocks, no block is claimed by two nodes;
 - 1/3: every file row names a shard file (no path, the shard pattern) on a rank of
   the layout; a live row belongs to an existing node and is that node's current
-  generation's shard (named after its key and generation).
+  generation's shard (named after its key and generation); a row that names a node's
+  current shard is that node's live row (``misowned`` otherwise: recovery re-attaches
+  it, since a shard's name, not one row's status, says whose bytes the file holds).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st$")
 NODE_COLUMNS = "id, key, parent, start_block, end_block, digests, has_snapshot, state, generation"
 FILE_COLUMNS = "rank, name, node, generation, size, checksum, status, txn"
 ID, KEY, PARENT, START, END, DIGESTS, HAS_SNAP, STATE, GEN = range(9)
+
+
+# File-row problems recovery refuses to open with (the others it repairs, or finds as damage).
+REFUSED_FILE_KINDS = frozenset({"bad_name", "bad_rank", "live_orphan"})
 
 
 @attrs.frozen
@@ -109,11 +115,61 @@ def node_problems(nodes: Mapping[int, Sequence]) -> list[Problem]:
     return out
 
 
+def current_shards(nodes: Mapping[int, Sequence]) -> dict[str, int]:
+    """``{shard name: node id}`` of every node's current generation (the same name on every rank)."""
+    return {f"{bytes(row[KEY]).hex()}-g{row[GEN]}.st": nid for nid, row in nodes.items()}
+
+
+def misowned(owner: int, nodes: Mapping[int, Sequence], row: Sequence) -> bool:
+    """Whether file ``row``, which names node ``owner``'s current shard, is not recorded as its live file."""
+    _rank, _name, node, gen, _size, _ck, status, txn = row
+    return status != "live" or node != owner or txn is not None or gen != nodes[owner][GEN]
+
+
+def reattached(nodes: Mapping[int, Sequence], files: Iterable[Sequence]) -> list[tuple]:
+    """``files`` with every misowned row recorded as the live file of the node whose shard it names."""
+    current = current_shards(nodes)
+    out = []
+    for f in files:
+        owner = current.get(f[1]) if isinstance(f[1], str) else None
+        if owner is not None and misowned(owner, nodes, f):
+            f = (f[0], f[1], owner, nodes[owner][GEN], f[4], f[5], "live", None)
+        out.append(tuple(f))
+    return out
+
+
+def stale_generations(nodes: Mapping[int, Sequence], files: Iterable[Sequence], ranks: int) -> dict[int, int]:
+    """``{node: generation}`` for nodes whose recorded generation names no file row while
+    their live rows, one on every rank, are all the shards of one other generation of
+    their key: the node row's generation is what is wrong, not its files."""
+    files = list(files)
+    names = {f[1] for f in files}
+    live: dict[int, dict[int, list[tuple[str, int]]]] = {}
+    for rank, name, node, gen, _size, _ck, status, _txn in files:
+        if status == "live" and node in nodes:
+            live.setdefault(node, {}).setdefault(rank, []).append((name, gen))
+    out: dict[int, int] = {}
+    for nid, row in nodes.items():
+        key = bytes(row[KEY]).hex()
+        per = live.get(nid, {})
+        if f"{key}-g{row[GEN]}.st" in names or set(per) != set(range(ranks)):
+            continue
+        found = {x for v in per.values() for x in v}
+        if any(len(v) != 1 for v in per.values()) or len(found) != 1:
+            continue
+        ((name, gen),) = found
+        if isinstance(gen, int) and gen > 0 and gen != row[GEN] and name == f"{key}-g{gen}.st":
+            out[nid] = gen
+    return out
+
+
 def file_problems(nodes: Mapping[int, Sequence], files: Iterable[Sequence], ranks: int) -> list[Problem]:
     """Problems of file rows (columns FILE_COLUMNS) that no audit of the disk can excuse."""
     out: list[Problem] = []
     live_on: dict[tuple[int, int], str] = {}
-    for rank, name, node, gen, _size, _ck, status, _txn in files:
+    current = current_shards(nodes)
+    for row in files:
+        rank, name, node, gen, _size, _ck, status, txn = row
         where = (rank, name)
         if not isinstance(name, str) or not SHARD_RE.match(name):
             out.append(Problem(3, "bad_name", f"file row rank{rank}/{name!r} is not a shard name", file=where))
@@ -122,6 +178,12 @@ def file_problems(nodes: Mapping[int, Sequence], files: Iterable[Sequence], rank
             out.append(Problem(3, "bad_rank", f"file row {name} is on rank {rank!r}, layout has {ranks}",
                                file=where))
             continue
+        owner = current.get(name)
+        if owner is not None and misowned(owner, nodes, row):
+            out.append(Problem(1, "misowned", f"file row rank{rank}/{name} (status {status}, node {node}, "
+                               f"transaction {txn}, generation {gen}) names node {owner}'s current shard but "
+                               "is not recorded as its live file", node=owner, file=where))
+            node, status, gen = owner, "live", nodes[owner][GEN]
         if status != "live":
             continue
         if node is None or node not in nodes:
