@@ -88,3 +88,19 @@ class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error
     that sees it abandons itself (releases its catalog connection and lock without
     committing anything more); reopen the directory to recover.
     """
+
+
+class InvalidArgumentError(InvalidInputError):
+    """A public call's argument has the wrong type or value; ``argument`` names it."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument
+
+
+class BlockSizeMismatchError(InvalidArgumentError):
+    """A Prefix was built with another block size than the cache's layout."""
+
+
+class ForeignMatchError(InvalidArgumentError):
+    """A Match given to an engine came from another engine (or another cache directory)."""

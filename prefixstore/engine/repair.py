@@ -25,17 +25,15 @@ Then the engine's own audit is the result.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from prefixstore.engine import dirlock
 from prefixstore.engine import structure as S
 from prefixstore.engine.audit import (
-    LOCK_NAME,
     AuditReport,
     engine_running,
     read_catalog,
@@ -267,18 +265,14 @@ def repair(
     except (KeyError, ValueError) as exc:
         raise NotACacheError(f"{root}: catalog records no usable layout or capacity: {exc}") from exc
     rep = RepairReport()
-    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LockedError(f"{root} is open in an engine; stop it before repairing") from None
         rows = read_catalog(root, live=True)  # again, now that no engine can start
         rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks)
         if not rep.catalog.empty:
             apply_catalog_fix(root, rep.catalog, hook)
     finally:
-        os.close(fd)
+        held.release()
     ranks = None
     if rank_dirs:
         ranks = [LocalRank(r, d, fs, hook) for r, d in enumerate(rank_dirs)]
