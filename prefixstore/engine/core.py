@@ -366,7 +366,6 @@ class Engine:
     @contextmanager
     def pinned(self, match: Match) -> Iterator[bool]:
         """Context manager: pin ``match`` for the duration of the block."""
-        validate.match(self, match)
         ok = self.pin(match)
         try:
             yield ok
@@ -412,9 +411,8 @@ class Engine:
         ``CompactionPolicy``; default the engine's) says it pays. Reads and writes run
         outside the engine lock. Returns a ``compaction.CompactionReport``."""
         from prefixstore.engine import compaction
-        from prefixstore.statemachine.compaction import CompactionPolicy
 
-        validate.instance("policy", policy, CompactionPolicy)
+        validate.compact_policy(policy)
         return compaction.compact(self, policy)
 
     def retry_pending(self) -> None:

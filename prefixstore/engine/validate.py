@@ -2,8 +2,9 @@
 argument (or an existing typed error: ShapeError, DtypeError, UnalignedError, RankError).
 
 Every public entry point checks its arguments here, once, before it touches anything:
-``open_args`` for ``Engine.open`` (a table with one check per option), and one function
-per kind of argument for the methods.
+``open_args`` for ``Engine.open`` (``OPEN_CHECKS``: one check per option; an option of
+``Engine.__init__`` without a row is accepted unchecked), and one function per kind of
+argument for the methods.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from prefixstore.engine.errors import (
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, RankTensors
 from prefixstore.engine.results import Match
+from prefixstore.gpu.backings import BACKINGS
+from prefixstore.statemachine.compaction import CompactionPolicy
+from prefixstore.statemachine.cost import CostModel
+from prefixstore.statemachine.policy import POLICIES
 
 if TYPE_CHECKING:
     from prefixstore.engine.core import Engine
@@ -107,34 +112,27 @@ def _ranks(value: Any) -> None:
 
 
 def _compaction(value: Any) -> None:
-    from prefixstore.statemachine.compaction import CompactionPolicy
-
     if value is not None and not isinstance(value, (bool, CompactionPolicy)):
         raise InvalidArgumentError("compaction", f"must be True, False, None or a CompactionPolicy, got {value!r}")
 
 
-def _open_checks() -> dict[str, Callable[[Any], Any]]:
-    from prefixstore.gpu.backings import BACKINGS
-    from prefixstore.statemachine.cost import CostModel
-    from prefixstore.statemachine.policy import POLICIES
-
-    return {
-        "capacity_bytes": lambda v: integer("capacity_bytes", v, minimum=1),
-        "synchronous": lambda v: choice("synchronous", v, ("FULL", "NORMAL"), fold=True),
-        "policy": lambda v: choice("policy", v, POLICIES),
-        "cost": lambda v: instance("cost", v, CostModel),
-        "high_watermark": lambda v: real("high_watermark", v, lo=0.0, hi=1.0, lo_open=True),
-        "low_watermark": lambda v: real("low_watermark", v, lo=0.0, hi=1.0, lo_open=True),
-        "create": lambda v: flag("create", v),
-        "ranks": _ranks,
-        "admission": lambda v: callable_or_none("admission", v),
-        "inflight_wait_s": lambda v: real("inflight_wait_s", v, lo=0.0),
-        "compaction": _compaction,
-        "backing": lambda v: choice("backing", v, BACKINGS),
-        "ram_bytes": lambda v: integer("ram_bytes", v, minimum=1, none=True),
-        "executor": _executor,
-        "bandwidth": _bandwidth,
-    }
+OPEN_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "capacity_bytes": lambda v: integer("capacity_bytes", v, minimum=1),
+    "synchronous": lambda v: choice("synchronous", v, ("FULL", "NORMAL"), fold=True),
+    "policy": lambda v: choice("policy", v, POLICIES),
+    "cost": lambda v: instance("cost", v, CostModel),
+    "high_watermark": lambda v: real("high_watermark", v, lo=0.0, hi=1.0, lo_open=True),
+    "low_watermark": lambda v: real("low_watermark", v, lo=0.0, hi=1.0, lo_open=True),
+    "create": lambda v: flag("create", v),
+    "ranks": _ranks,
+    "admission": lambda v: callable_or_none("admission", v),
+    "inflight_wait_s": lambda v: real("inflight_wait_s", v, lo=0.0),
+    "compaction": _compaction,
+    "backing": lambda v: choice("backing", v, BACKINGS),
+    "ram_bytes": lambda v: integer("ram_bytes", v, minimum=1, none=True),
+    "executor": _executor,
+    "bandwidth": _bandwidth,
+}
 
 
 def open_args(cls: type, path: Any, layout: Any, capacity_bytes: Any, opts: Mapping[str, Any]) -> str:
@@ -151,11 +149,10 @@ def open_args(cls: type, path: Any, layout: Any, capacity_bytes: Any, opts: Mapp
     for name in opts:
         if name not in known:
             raise InvalidArgumentError(name, f"unknown option; known: {', '.join(sorted(known))}")
-    checks = _open_checks()
-    checks["capacity_bytes"](capacity_bytes)
+    OPEN_CHECKS["capacity_bytes"](capacity_bytes)
     for name, value in opts.items():
-        if name in checks:
-            checks[name](value)
+        if name in OPEN_CHECKS:
+            OPEN_CHECKS[name](value)
     low, high = opts.get("low_watermark", 1.0), opts.get("high_watermark", 1.0)
     if low > high:
         raise InvalidArgumentError("low_watermark", f"must be <= high_watermark ({high}), got {low}")
@@ -185,6 +182,10 @@ def match(eng: Engine, value: Any, argument: str = "match") -> Match:
     if value.cache != eng.identity:
         raise ForeignMatchError(argument, f"comes from another engine or cache, not the one open at {eng.root}")
     return value
+
+
+def compact_policy(value: Any) -> None:
+    instance("policy", value, CompactionPolicy)
 
 
 def evict_args(eng: Engine, nbytes: Any, prefix_: Any) -> tuple[int | None, Prefix | None]:
