@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -51,6 +50,7 @@ from urllib.parse import quote
 
 import attrs
 
+from prefixstore.engine import dirlock
 from prefixstore.engine import structure as S
 from prefixstore.engine.cachedirs import own_dir_problems
 from prefixstore.engine.catalog import CATALOG_NAME, FORMAT_MARKER, SCHEMA_VERSION, catalog_path
@@ -172,22 +172,8 @@ class CatalogRows:
 
 
 def engine_running(root: str) -> bool:
-    """Whether an engine holds ``root`` open (its LOCK is flock'ed); never blocks.
-
-    The probe takes a shared lock for an instant and releases it at once; the lock
-    file is not created when missing.
-    """
-    try:
-        fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing releases the probe's lock
-    return False
+    """Whether an engine holds ``root`` open (see ``dirlock``); never blocks, creates nothing."""
+    return dirlock.is_held(root)
 
 
 def read_catalog(root: str, *, live: bool | None = None) -> CatalogRows:

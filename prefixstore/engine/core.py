@@ -15,11 +15,11 @@ before the effects of the next step run.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import threading
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,19 +28,17 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine import cachedirs, pipeline, recovery
+from prefixstore.engine import cachedirs, dirlock, pipeline, recovery, validate
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
     EngineClosedError,
     InvalidInputError,
     LayoutMismatchError,
-    LockedError,
     NotACacheError,
     NotRegularFileError,
     PrefixStoreError,
     RankUnavailableError,
-    ShapeError,
     ShardError,
     SimulatedCrash,
 )
@@ -67,7 +65,7 @@ from prefixstore.statemachine import policy as pol
 from prefixstore.statemachine.cost import CostModel, choose
 from prefixstore.statemachine.transactions import MACHINES
 
-LOCK_NAME = "LOCK"
+LOCK_NAME = dirlock.LOCK_NAME
 _FATAL = (SimulatedCrash, KeyboardInterrupt, SystemExit)
 """What a queued store's retry lets through to the call that ran it (process death)."""
 
@@ -167,7 +165,8 @@ class Engine:
         bytes/s, 'measure' or 'remeasure': the cost rule's restore bandwidth; see
         ``gpu/calibrate.py``).
         """
-        return cls(os.fspath(path), layout, capacity_bytes, **opts)
+        root = validate.open_args(cls, path, layout, capacity_bytes, opts)
+        return cls(root, layout, capacity_bytes, **opts)
 
     def __init__(
         self,
@@ -193,12 +192,6 @@ class Engine:
         executor: Any = None,
         bandwidth: Any = None,
     ) -> None:
-        if not isinstance(layout, Layout):
-            raise InvalidInputError("layout must be a prefixstore Layout")
-        if int(capacity_bytes) <= 0:
-            raise InvalidInputError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        if not 0 < low_watermark <= high_watermark <= 1.0:
-            raise InvalidInputError("need 0 < low_watermark <= high_watermark <= 1")
         self.root = root
         self.layout = layout
         self.capacity = int(capacity_bytes)
@@ -219,7 +212,8 @@ class Engine:
         self._calls = 0  # public calls in flight, all threads (close waits for them)
         self._calls_cv = threading.Condition(threading.Lock())
         self._local = threading.local()  # .depth: this thread's nested public calls
-        self._lock_fd: int | None = None
+        self._dir_lock: dirlock.DirLock | None = None
+        self.identity = uuid.uuid4().hex  # carried by this engine's Matches (validate.match)
         self._pins: Counter[int] = Counter()  # every pin: pin()'s and running restores'
         self._request_pins: Counter[int] = Counter()  # the pins taken by pin() (a request holds them)
         self._fences: Counter[int] = Counter()
@@ -297,7 +291,7 @@ class Engine:
         valid: a store refused for lack of space is then queued and retried until it
         fits or ``valid()`` turns false (then it is dropped and counted).
         """
-        segs, snaps = self._check_store_input(prefix, segments, snapshot, tokens_from)
+        segs, snaps = self._check_store_input(prefix, segments, snapshot, tokens_from, valid)
         with self._guard():
             result = self._store(prefix, segs, snaps, tokens_from)
             if result.status == REFUSED and valid is not None:
@@ -335,12 +329,7 @@ class Engine:
         Only nodes whose whole path below the GPU-resident part is ready qualify, and
         for layouts with snapshots only nodes that have their snapshot.
         """
-        if not isinstance(prefix, Prefix):
-            raise InvalidInputError("lookup takes a Prefix")
-        if isinstance(gpu_blocks, bool) or not isinstance(gpu_blocks, int):
-            raise InvalidInputError(f"gpu_blocks must be an int, got {gpu_blocks!r}")
-        if gpu_blocks < 0 or gpu_blocks > len(prefix):
-            raise InvalidInputError(f"gpu_blocks={gpu_blocks} outside 0..{len(prefix)}")
+        validate.lookup_args(self, prefix, gpu_blocks, total_tokens)
         with self._guard(), self._lock:
             match = self._lookup(prefix, gpu_blocks, total_tokens)
         self.counters.inc("lookups", match.outcome)
@@ -353,8 +342,7 @@ class Engine:
         its node damaged and the restore reports a miss: other bytes are never
         returned.
         """
-        if not isinstance(match, Match):
-            raise InvalidInputError("restore takes a Match from lookup()")
+        validate.match(self, match)
         if not match.hit:
             return None
         with self._guard():
@@ -362,6 +350,7 @@ class Engine:
 
     def pin(self, match: Match) -> bool:
         """Pin every node of ``match`` (never evicted or replaced until unpinned)."""
+        validate.match(self, match)
         with self._guard(), self._lock:
             if not self._path_current(match):
                 return False
@@ -372,6 +361,7 @@ class Engine:
 
     def unpin(self, match: Match) -> None:
         """Release a pin taken by ``pin``; unpinning what is not pinned is an error."""
+        validate.match(self, match)
         with self._guard():
             with self._lock:
                 for nid, _ in match.path:
@@ -397,6 +387,7 @@ class Engine:
     def evict(self, nbytes: int | None = None, *, prefix: Prefix | None = None) -> int:
         """Reclaim space: ``nbytes`` by policy, or the node at the end of ``prefix``
         (a leaf is evicted; an interior node refuses). Returns bytes freed."""
+        nbytes, prefix = validate.evict_args(self, nbytes, prefix)
         with self._guard():
             with self._lock:
                 before = self._charged
@@ -410,7 +401,7 @@ class Engine:
                     self._evict_nodes([node])
                     self.counters.evicted(pol.EVICT, before - self._charged)
                 elif nbytes is not None:
-                    self._free(min(self._charged, int(nbytes)))
+                    self._free(min(self._charged, nbytes))
                 freed = before - self._charged
             self.retry_pending()
             return freed
@@ -432,6 +423,7 @@ class Engine:
         outside the engine lock. Returns a ``compaction.CompactionReport``."""
         from prefixstore.engine import compaction
 
+        validate.compact_policy(policy)
         return compaction.compact(self, policy)
 
     def retry_pending(self) -> None:
@@ -561,6 +553,7 @@ class Engine:
         """Check every invariant against this engine's directory (and its memory)."""
         from prefixstore.engine.audit import audit_engine
 
+        validate.flag("checksums", checksums)
         with self._guard(), self._lock:
             return audit_engine(self, checksums=checksums)
 
@@ -607,18 +600,12 @@ class Engine:
         os.makedirs(self.root, exist_ok=True)
 
     def _take_lock(self) -> None:
-        fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LockedError(f"{self.root} is open in another engine") from None
-        self._lock_fd = fd
+        self._dir_lock = dirlock.acquire(self.root, "is open in another engine")
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._dir_lock is not None:
+            self._dir_lock.release()
+            self._dir_lock = None
 
     def _check_layout(self) -> None:
         stored = self.catalog.meta("layout")
@@ -735,30 +722,9 @@ class Engine:
 
     # ------------------------------------------------------------------ internal: store
 
-    def _check_store_input(self, prefix, segments, snapshot, tokens_from):
-        L = self.layout
-        if not isinstance(prefix, Prefix):
-            raise InvalidInputError("store takes a Prefix")
-        if len(prefix) == 0:
-            raise InvalidInputError("cannot store an empty prefix")
-        L.check_blocks(tokens_from)
-        end_tokens = len(prefix) * L.block_tokens
-        if tokens_from >= end_tokens:
-            raise InvalidInputError(f"tokens_from={tokens_from} is not before the end ({end_tokens})")
-        segs = L.per_rank(segments)
-        for r, t in enumerate(segs):
-            L.check_segments(r, t, end_tokens - tokens_from)
-        if L.has_snapshot:
-            if snapshot is None:
-                raise ShapeError("this layout has snapshot tensors: store needs snapshot=")
-            snaps = L.per_rank(snapshot)
-            for r, t in enumerate(snaps):
-                L.check_snapshot(r, t)
-        else:
-            if snapshot:
-                raise ShapeError("this layout has no snapshot tensors")
-            snaps = None
-        return segs, snaps
+    def _check_store_input(self, prefix, segments, snapshot, tokens_from, valid=None):
+        """``store`` / ``store_async``'s arguments: per-rank (segments, snapshot or None)."""
+        return validate.store_args(self, prefix, segments, snapshot, tokens_from, valid)
 
     def _plan(self, prefix: Prefix, held: frozenset[int] = frozenset()) -> _Plan | StoreResult:
         """Where the store of ``prefix`` goes, or why it does not. ``held``: nodes the
@@ -1342,7 +1308,7 @@ class Engine:
         L = self.layout
         n = len(prefix)
         keys = prefix.keys
-        base = dict(prefix_blocks=n, block_tokens=L.block_tokens, gpu_blocks=gpu_blocks)
+        base = dict(prefix_blocks=n, block_tokens=L.block_tokens, gpu_blocks=gpu_blocks, cache=self.identity)
         p = self.index.deepest_block(keys, n)
         owner = self.index.owner(keys, p)
         if owner is None:
@@ -1401,25 +1367,29 @@ class Engine:
         if blocks < chosen.end:  # a partial hit: only the rows up to `blocks` are uploaded
             nbytes = L.ranks * L.payload_bytes((blocks - gpu_blocks) * L.block_tokens, False)
         return Match(
-            "hit", blocks=blocks, node_id=chosen.id, path=chosen_path, nbytes=nbytes,
+            "hit", blocks=blocks, node_id=chosen.id, node_key=chosen.key, path=chosen_path, nbytes=nbytes,
             transfer_s=est[1] if est else None, prefill_s=est[2] if est else None, **base,
         )
 
     def _path_current(self, match: Match) -> bool:
-        """True when ``match``'s nodes are unchanged and still tile its span exactly."""
+        """True when ``match``'s nodes are unchanged and still tile its span exactly: a
+        parent chain ending at the node of ``match.node_key``."""
         if not match.path:
             return False
-        prev_end = None
+        prev = None
         for nid, gen in match.path:
             node = self.index.get(nid)
             if node is None or node.generation != gen or not node.ready:
                 return False
-            if prev_end is None:
+            if prev is None:
                 if not node.start <= match.gpu_blocks < node.end:
                     return False
-            elif node.start != prev_end:
+            elif node.parent != prev.id or node.start != prev.end:
                 return False
-            prev_end = node.end
+            prev = node
+        if node.key != match.node_key:
+            return False
+        prev_end = node.end
         # the last node holds block `blocks` (at its end, or inside it for a partial hit)
         return prev_end - node.blocks < match.blocks <= prev_end
 

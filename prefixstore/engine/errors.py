@@ -104,3 +104,19 @@ class RankDirMissingError(NotACacheError):
 
 class BackingContradictionError(CatalogCorruptError):
     """The catalog's recorded backing contradicts the files (e.g. ``memory`` while its shards are on disk)."""
+
+
+class InvalidArgumentError(InvalidInputError):
+    """A public call's argument has the wrong type or value; ``argument`` names it."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument
+
+
+class BlockSizeMismatchError(InvalidArgumentError):
+    """A Prefix was built with another block size than the cache's layout."""
+
+
+class ForeignMatchError(InvalidArgumentError):
+    """A Match given to an engine came from another engine (or another cache directory)."""

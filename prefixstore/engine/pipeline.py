@@ -242,7 +242,7 @@ def store_async(
     from prefixstore.engine import spans
     from prefixstore.engine.core import _Pending, _Plan
 
-    segs, snaps = eng._check_store_input(prefix, segments, snapshot, tokens_from)
+    segs, snaps = eng._check_store_input(prefix, segments, snapshot, tokens_from, valid)
     L = eng.layout
     bt = L.block_tokens
     n = len(prefix)

@@ -28,7 +28,6 @@ Then the engine's own audit is the result.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from collections.abc import Sequence
@@ -36,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from prefixstore.engine import dirlock
 from prefixstore.engine import structure as S
 from prefixstore.engine.audit import (
-    LOCK_NAME,
     AuditReport,
     durable_shards,
     engine_running,
@@ -309,12 +308,8 @@ def repair(
     volatile = rows.meta.get("backing") == "memory"  # its rows describe RAM, not the directories
     check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)  # before any byte is written
     rep = RepairReport()
-    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LockedError(f"{root} is open in an engine; stop it before repairing") from None
         rows = read_catalog(root, live=True)  # again, now that no engine can start
         dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
         rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks, _entries(dirs))
@@ -323,7 +318,7 @@ def repair(
         if not rep.catalog.empty:
             apply_catalog_fix(root, rep.catalog, hook)
     finally:
-        os.close(fd)
+        held.release()
     ranks = None
     if rank_dirs:
         ranks = [LocalRank(r, d, fs, hook) for r, d in enumerate(rank_dirs)]

@@ -35,7 +35,9 @@ class Match:
     """The result of a lookup: the deepest checkpoint worth restoring, if any.
 
     ``outcome`` is one of: hit, gpu_resident, miss, rejected_cost, damaged.
-    ``path`` holds ``(node_id, generation)`` root-first for the nodes to read.
+    ``path`` holds ``(node_id, generation)`` root-first for the nodes to read, and
+    ``node_key`` the key of the last one. ``cache`` identifies the engine that made it
+    (an engine refuses another's Match with ``ForeignMatchError``).
     """
 
     outcome: str
@@ -48,6 +50,8 @@ class Match:
     nbytes: int = 0
     transfer_s: float | None = None
     prefill_s: float | None = None
+    cache: str | None = None
+    node_key: bytes | None = None
 
     @property
     def hit(self) -> bool:

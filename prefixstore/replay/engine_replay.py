@@ -348,7 +348,7 @@ class _Run:
         cfg, eng, adm = self.cfg, self.eng, self.adm
         bt = cfg.block_tokens
         req = self.requests[i]
-        prefix = Prefix.from_ids(req.hash_ids)
+        prefix = Prefix.from_ids(req.hash_ids, bt)
         full = min(req.input_length // bt, len(prefix))
         m = eng.lookup(prefix, total_tokens=req.input_length)
         hit = m.blocks if m.hit else 0

@@ -126,8 +126,8 @@ class _Transcript:
 
     def __init__(self, cfg: SeedConfig, salt: int, blocks: int) -> None:
         self.cfg, self.salt, self.blocks = cfg, salt, blocks
-        self.prefix = Prefix.from_ids((salt << 40) | b for b in range(blocks))
         self.bt = cfg.block_tokens // cfg.token_scale  # engine tokens per block
+        self.prefix = Prefix.from_ids(((salt << 40) | b for b in range(blocks)), self.bt)
         width = cfg.kv_bytes_per_token_rank * cfg.token_scale // cfg.byte_scale
         pos = torch.arange(blocks * self.bt, dtype=torch.int64)[:, None]
         col = torch.arange(width, dtype=torch.int64)[None, :]
@@ -243,7 +243,8 @@ def _run(root: str | None, policy: str, cfg: SeedConfig) -> dict[str, Any]:
                     [
                         *((2 << 40) | b for b in range(cls_blocks)),
                         *((3 << 40) | (call << 8) | b for b in range(item_blocks)),
-                    ]
+                    ],
+                    bt,
                 )
                 total = (cls_blocks + item_blocks) * bt
                 m = eng.lookup(item, total_tokens=total)

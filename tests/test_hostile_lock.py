@@ -1,0 +1,98 @@
+"""One engine per directory, whatever happens to the ``LOCK`` file's name.
+
+While an engine runs, its ``LOCK`` is deleted, or replaced by a new file: a second
+engine opened in another process still gets ``LockedError``, ``audit`` still sees a
+running engine and ``repair`` still refuses. After the first engine closes, the
+directory opens again.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_layout, store_tokens, tokens_for
+
+from prefixstore.engine import errors as E
+from prefixstore.engine.audit import engine_running
+from prefixstore.engine.core import LOCK_NAME, Engine
+from prefixstore.engine.keys import Prefix
+from prefixstore.engine.repair import repair
+
+REPO = Path(__file__).resolve().parents[1]
+L = make_layout()
+CAP = 1 << 20
+A = tokens_for(1, 3)
+
+OPENER = """
+import sys
+from prefixstore.engine import errors as E
+from prefixstore.engine.core import Engine
+from prefixstore.engine.layout import Layout
+root, layout, capacity = sys.argv[1], Layout.from_json(sys.argv[2]), int(sys.argv[3])
+for _ in sys.stdin:  # one open per line read
+    try:
+        Engine.open(root, layout, capacity).close()
+    except E.LockedError:
+        print("LockedError", flush=True)
+    else:
+        print("opened", flush=True)
+"""
+
+
+class Opener:
+    """Another process that opens (and closes) the cache each time it is asked."""
+
+    def __init__(self, root: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", OPENER, root, L.to_json(), str(CAP)],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def open(self) -> str:
+        self.proc.stdin.write("open\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline().strip()
+        assert line, f"the opener died (exit {self.proc.poll()})"
+        return line
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        finally:
+            self.proc.kill()
+
+
+def test_second_opener_is_locked_out_whatever_happened_to_lock(cache_dir):
+    eng = Engine.open(cache_dir, L, CAP)
+    other = Opener(cache_dir)
+    lock = os.path.join(cache_dir, LOCK_NAME)
+    try:
+        try:
+            assert store_tokens(eng, A).status == "stored"
+            os.unlink(lock)
+            assert other.open() == "LockedError"
+            assert engine_running(cache_dir)
+            Path(lock + ".new").write_text("")
+            os.replace(lock + ".new", lock)  # a new file under the old name
+            assert other.open() == "LockedError"
+            with pytest.raises(E.LockedError):  # another engine in this process, too
+                Engine.open(cache_dir, L, CAP)
+            assert engine_running(cache_dir)
+            with pytest.raises(E.LockedError):
+                repair(cache_dir)
+            assert eng.lookup(Prefix.from_tokens(A, 4)).hit  # the first engine is unharmed
+            assert eng.audit().ok
+        finally:
+            eng.close()
+        assert not engine_running(cache_dir)
+        assert other.open() == "opened"
+    finally:
+        other.stop()
+    with Engine.open(cache_dir, L, CAP) as again:
+        assert again.restore(again.lookup(Prefix.from_tokens(A, 4))) is not None
+        assert again.audit().ok
