@@ -32,6 +32,7 @@ from prefixstore.engine import pipeline, recovery
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
+    CapacityError,
     EngineClosedError,
     InvalidInputError,
     LayoutMismatchError,
@@ -59,6 +60,7 @@ from prefixstore.engine.results import (
     StoreResult,
 )
 from prefixstore.gpu import backings, calibrate, shards
+from prefixstore.gpu.diskroom import RESERVE_BYTES, DiskRoom
 from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, FileSystem, OsFS
 from prefixstore.gpu.ranks import LocalRank, RankIO, rank_dir_name, shard_name
@@ -139,6 +141,8 @@ class Engine:
     MAX_PENDING = 256
     """Refused stores kept for retry at most; the oldest is dropped (and counted) beyond."""
     _garbage_hint = True  # loose garbage may exist (set at open and by a failed unlink)
+    disk_reserve_bytes = RESERVE_BYTES
+    """Size of the catalog's reserve file (``gpu/diskroom.py``); 0 holds none."""
 
     # ------------------------------------------------------------------ public
 
@@ -230,8 +234,10 @@ class Engine:
         self._watch_counters()
         self._check_root(create)
         self._take_lock()
+        self.disk = DiskRoom(root, self.disk_reserve_bytes)
         try:
-            self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create)
+            self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create,
+                                   before_write=self.disk.before_catalog_write)
             try:
                 self._check_layout()
                 self.backing = backings.open_backing(self, backing, ram_bytes)
@@ -243,14 +249,20 @@ class Engine:
                 if len(self.ranks) != layout.ranks:
                     raise InvalidInputError(f"{len(self.ranks)} rank executors for {layout.ranks} ranks")
                 self._pool = ThreadPoolExecutor(max_workers=max(1, layout.ranks), thread_name_prefix="rank")
+                self.disk.bind([None if getattr(r, "volatile", False) else getattr(r, "directory", None)
+                                for r in self.ranks], layout.ranks)
                 self.recovery_report = recovery.recover(self)
                 self._load()
+                self._fit()
                 self.calibration = calibrate.resolve(self, bandwidth)
                 self.transfers = pipeline.Transfers(layout.ranks)
                 from prefixstore.engine.compaction import start_worker
 
                 self.compactor = start_worker(self, compaction)
             except BaseException:
+                pool = getattr(self, "_pool", None)
+                if pool is not None:
+                    pool.shutdown(wait=False)
                 self.catalog.close()
                 raise
         except BaseException:
@@ -663,6 +675,22 @@ class Engine:
         self._clock = clock
         self._charged = self.catalog.charged()
         self.heap.rebuild(self.index)
+
+    def _fit(self) -> None:
+        """At open: evict by policy (journaled) until the charged bytes fit the capacity
+        and the disk has its catalog room; take the disk reserve back. Raises
+        CapacityError when the capacity cannot be reached."""
+        with self._lock:
+            over = max(self._charged - self.capacity, self.disk.shortfall(0))
+            if over > 0:
+                freed = self._free(over)
+                log.info("open_evicted", bytes=freed, charged=self._charged, capacity=self.capacity)
+            if self._charged > self.capacity:
+                raise CapacityError(
+                    f"{self.root}: {self._charged} bytes stay charged after evicting what open "
+                    f"can, above capacity_bytes={self.capacity}; open with a larger capacity"
+                )
+            self.disk.restore()
 
     # ------------------------------------------------------------------ internal: guards
 
@@ -1120,14 +1148,21 @@ class Engine:
         ``protect`` were freed is refused before anything is evicted. ``protect`` (the
         store's parent and refilled row) is fenced meanwhile, so nothing reached from
         the eviction (a retirement's effects, their hooks) can take it either.
+
+        The disk is the other limit: victims also go until the file systems have room
+        for the new shards plus the catalog's room (``gpu/diskroom.py``), whatever
+        the capacity says; a store the disk cannot hold is refused.
         """
         cap = self.capacity
         reserve = self._retire_reserve(protect)
-        if self._charged + needed + reserve <= cap * self.high_watermark:
+        short = self.disk.shortfall(needed)
+        if not short and self._charged + needed + reserve <= cap * self.high_watermark:
+            self.disk.restore()
             return True
         if needed > cap - self._held_bytes(protect):
             return False
         target = max(0.0, min(cap * self.low_watermark, cap) - needed - reserve)
+        target = min(target, self._charged - short)
         for x in protect:
             self._fences[x] += 1
         try:
@@ -1137,6 +1172,9 @@ class Engine:
                 self._fences[x] -= 1
                 if not self._fences[x]:
                     del self._fences[x]
+        if self.disk.shortfall(needed):
+            return False
+        self.disk.restore()
         return self._charged + needed <= cap
 
     def _retire_reserve(self, protect: set[int]) -> int:
@@ -1252,7 +1290,8 @@ class Engine:
     def _retire_fits(self, node: Node) -> bool:
         """Whether the new generation of a retirement of ``node`` fits under capacity."""
         snap = self.layout.ranks * self.layout.snapshot_bytes
-        return self._charged + pol.retire_rewrite_bytes(node.nbytes, snap) <= self.capacity
+        rewrite = pol.retire_rewrite_bytes(node.nbytes, snap)
+        return self._charged + rewrite <= self.capacity and not self.disk.shortfall(rewrite)
 
     def _blocked(self, nid: int, action: str, protect: set[int] = frozenset()) -> bool:
         """Whether ``action`` on node ``nid`` may not run now."""

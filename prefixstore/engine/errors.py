@@ -88,3 +88,7 @@ class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error
     that sees it abandons itself (releases its catalog connection and lock without
     committing anything more); reopen the directory to recover.
     """
+
+
+class CapacityError(PrefixStoreError):
+    """Open cannot bring the cache within the capacity it was given (nothing evictable left)."""
