@@ -236,6 +236,8 @@ class Engine:
         self._take_lock()
         self.disk = DiskRoom(root, self.disk_reserve_bytes)
         try:
+            if ranks is None and self.disk.tight() and os.path.exists(os.path.join(root, CATALOG_NAME)):
+                recovery.room_before_open(root, layout.ranks)
             self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create,
                                    before_write=self.disk.before_catalog_write)
             try:
@@ -678,10 +680,10 @@ class Engine:
 
     def _fit(self) -> None:
         """At open: evict by policy (journaled) until the charged bytes fit the capacity
-        and the disk has its catalog room; take the disk reserve back. Raises
+        and the disk has the catalog's margin; take the disk reserve back if it fits. Raises
         CapacityError when the capacity cannot be reached."""
         with self._lock:
-            over = max(self._charged - self.capacity, self.disk.shortfall(0))
+            over = max(self._charged - self.capacity, self.disk.shortfall(0, reserve=False))
             if over > 0:
                 freed = self._free(over)
                 log.info("open_evicted", bytes=freed, charged=self._charged, capacity=self.capacity)

@@ -6,6 +6,11 @@ parent, key or digests, a file row naming a path or an unknown rank, a live file
 a missing node) is refused with CatalogCorruptError, so no such row is ever indexed,
 served or used to unlink a file; ``prefixstore audit --repair`` fixes it.
 
+On a full disk with no catalog reserve left to release (``gpu/diskroom.py``), the
+files that no committed record needs (garbage, the new files of transactions that
+roll back) are unlinked first, so the commits below have room; their rows then find
+the files gone, which is success.
+
 Then every unfinished transaction is driven forward when it had published
 (PUBLISHED, REMOVED), back otherwise (INTENT, ROLLING_BACK). Then reclaim garbage, remove orphan shard files (a store whose intent
 commit was lost), quarantine foreign files into ``lost+found/``, and invalidate
@@ -15,13 +20,17 @@ during recovery is recovered by the next open.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import stat
 from typing import TYPE_CHECKING
 
 import attrs
 
 from prefixstore.engine import structure
-from prefixstore.engine.errors import CatalogCorruptError
+from prefixstore.engine.errors import CatalogCorruptError, PrefixStoreError
+from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES, recovery_direction
 
 if TYPE_CHECKING:
@@ -53,6 +62,8 @@ def recover(eng: Engine) -> RecoveryReport:
     check_structure(eng)
     eng._charged = eng.catalog.charged()
     eng._clock = 0
+    if eng.disk.tight():
+        _room_first(eng)
     for tid, kind, state, _payload in eng.catalog.journal():
         if kind not in MACHINES or state not in MACHINES[kind].states:
             raise CatalogCorruptError(f"journal row {tid}: unknown transaction {kind}/{state}")
@@ -73,6 +84,47 @@ def recover(eng: Engine) -> RecoveryReport:
     _orphans(eng, rep)
     _verify_live(eng, rep)
     return rep
+
+
+def _room_first(eng: Engine) -> None:
+    """Unlink, before any commit, the files recovery will unlink anyway: garbage, and
+    the files of transactions it rolls back (never a live file)."""
+    back = [tid for tid, kind, state, _ in eng.catalog.journal()
+            if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"]
+    rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage'")
+    for tid in back:
+        rows += eng.catalog.query(
+            "SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
+    if rows:
+        eng._unlink_rows(rows)
+
+
+def room_before_open(root: str, ranks: int) -> list[str]:
+    """Before the catalog opens on a full disk with no reserve (opening it needs room
+    for its log): unlink from the rank directories under ``root`` the files recovery
+    unlinks first anyway (see ``_room_first``), found by reading the catalog without
+    writing. Only regular files with a shard's name are touched. Returns them."""
+    from prefixstore.engine.audit import read_catalog
+
+    try:
+        rows = read_catalog(root, live=False)
+    except (OSError, PrefixStoreError):
+        return []  # unreadable here: the open that follows reports it
+    back = {tid for tid, kind, state, _ in rows.journal
+            if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"}
+    removed = []
+    for rank, name, _node, _gen, _size, _ck, status, txn in rows.files:
+        if not (status == "garbage" or (status == "writing" and txn in back)):
+            continue
+        if not (isinstance(rank, int) and 0 <= rank < ranks and isinstance(name, str) and SHARD_RE.match(name)):
+            continue
+        for entry in (name, name + TMP_SUFFIX):
+            path = os.path.join(root, rank_dir_name(rank), entry)
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    removed.append(f"{rank_dir_name(rank)}/{entry}")
+    return removed
 
 
 def check_structure(eng: Engine) -> None:

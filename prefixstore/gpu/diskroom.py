@@ -83,6 +83,13 @@ class DiskRoom:
             if free is not None and free < LOW_WATER:
                 self.release()
 
+    def tight(self) -> bool:
+        """Whether the catalog's file system is nearly full with no reserve left to give."""
+        if self.held:
+            return False
+        free = free_bytes(self.root)
+        return free is not None and free < LOW_WATER
+
     def release(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -115,19 +122,19 @@ class DiskRoom:
 
     # -- room for shards --------------------------------------------------------------
 
-    def shortfall(self, nbytes: int) -> int:
+    def shortfall(self, nbytes: int, *, reserve: bool = True) -> int:
         """Bytes of shards to free so that writing ``nbytes`` more (split evenly over the
         ranks) leaves every watched file system its room: the catalog's one keeps the
-        margin, and the reserve when it is not held."""
+        margin, and (with ``reserve``) room to take the reserve back when it is not held."""
         root_dev = _device(self.root)
         short = 0
         for dev, (path, n) in self._dirs.items():
-            need = nbytes * n // self._ranks + (self._catalog_room() if dev == root_dev else 0)
+            need = nbytes * n // self._ranks + (self._catalog_room(reserve) if dev == root_dev else 0)
             free = free_bytes(path)
             if free is not None and need > free:
                 # a node frees its shard on every rank: scale this device's lack to all ranks
                 short = max(short, -(-(need - free) * self._ranks // n))
         return short
 
-    def _catalog_room(self) -> int:
-        return self.margin + (0 if self.held else self.reserve_bytes)
+    def _catalog_room(self, reserve: bool) -> int:
+        return self.margin + (0 if self.held or not reserve else self.reserve_bytes)
