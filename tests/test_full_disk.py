@@ -22,6 +22,7 @@ from prefixstore.engine.audit import audit_dir
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.keys import Prefix
+from prefixstore.engine.repair import repair
 from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.gpu.diskroom import RESERVE_NAME, free_bytes
 from prefixstore.gpu.fileio import FaultHook
@@ -171,10 +172,12 @@ class _CrashOnRank1Write(FaultHook):
             raise SimulatedCrash(f"crash before writing {target}")
 
 
+@pytest.mark.parametrize("via", ["open", "repair"])
 @pytest.mark.parametrize("reserve", ["held", "deleted"])
-def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs, reserve):
+def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs, reserve, via):
     """A snapshot retirement (a compact-replace) dies after rank 0 wrote its new shard;
-    the disk then fills up. The next open rolls the compaction back and serves."""
+    the disk then fills up. The next open (or ``audit --repair``) rolls the compaction
+    back, and the cache serves."""
     root = os.path.join(small_fs, "cache")
     stored: dict[tuple[int, int], bool] = {}
     with Engine.open(root, LAYOUT, CAP) as eng:
@@ -190,8 +193,13 @@ def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs
             os.unlink(os.path.join(root, RESERVE_NAME))
     filler = fill(small_fs)
     try:
+        if via == "repair":
+            fixed, final = repair(root)
+            assert final.ok, final.violations
+            assert any("rolled back" in line for line in fixed.lines()), fixed.lines()
         with Engine.open(root, LAYOUT, CAP) as eng:
-            assert eng.recovery_report.rolled_back, eng.recovery_report
+            if via == "open":
+                assert eng.recovery_report.rolled_back, eng.recovery_report
             assert not eng.catalog.journal()
             rep = eng.audit()
             assert rep.ok, rep.violations

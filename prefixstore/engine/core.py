@@ -686,6 +686,7 @@ class Engine:
             over = max(self._charged - self.capacity, self.disk.shortfall(0, reserve=False))
             if over > 0:
                 freed = self._free(over)
+                self.recovery_report.evicted += freed
                 log.info("open_evicted", bytes=freed, charged=self._charged, capacity=self.capacity)
             if self._charged > self.capacity:
                 raise CapacityError(

@@ -51,6 +51,8 @@ class RecoveryReport:
     orphans_removed: list[str] = attrs.field(factory=list)
     quarantined: list[str] = attrs.field(factory=list)
     damaged: list[int] = attrs.field(factory=list)
+    evicted: int = 0
+    """Bytes open evicted (by policy) to fit the capacity and the disk's catalog room."""
 
     @property
     def changed(self) -> bool:

@@ -45,6 +45,7 @@ from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.errors import LockedError, NotACacheError, SimulatedCrash
 from prefixstore.engine.keys import ROOT
 from prefixstore.engine.layout import Layout
+from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.ranks import LocalRank
 from prefixstore.statemachine.transactions import MACHINES
 
@@ -85,6 +86,7 @@ class RepairReport:
         rec = self.recovery is not None and (
             self.recovery.rolled_back or self.recovery.rolled_forward or self.recovery.garbage_reclaimed
             or self.recovery.orphans_removed or self.recovery.quarantined or self.recovery.damaged
+            or self.recovery.evicted
         )
         return bool(not self.catalog.empty or rec or self.invalidated or self.reclaimed or self.evicted)
 
@@ -118,6 +120,8 @@ class RepairReport:
                 out.append(f"moved foreign entry {q} to lost+found/")
             for nid in rec.damaged:
                 out.append(f"marked node {nid} damaged (a shard missing or of the wrong size)")
+            if rec.evicted:
+                out.append(f"evicted {rec.evicted} bytes to fit the capacity and the disk's room for the catalog")
         for nid, why in self.invalidated:
             out.append(f"marked node {nid} damaged ({why})")
         for u in self.unreadable:
@@ -218,7 +222,7 @@ def _relink_target(nodes: dict[int, tuple], nid: int, before: int) -> Any:
 
 def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None) -> None:
     """Commit ``fix`` in one catalog transaction (the caller holds the directory lock)."""
-    cat = Catalog(root, hook=hook, create=False)
+    cat = Catalog(root, hook=hook, create=False, before_write=DiskRoom(root).before_catalog_write)
     try:
         with cat.txn("repair.catalog") as c:
             for nid, parent in fix.relink.items():
@@ -273,7 +277,9 @@ def repair(
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise LockedError(f"{root} is open in an engine; stop it before repairing") from None
-        rows = read_catalog(root, live=True)  # again, now that no engine can start
+        # again, now that no engine can start (read as without one: a read-only
+        # connection would need room for a new -shm index on a full disk)
+        rows = read_catalog(root, live=False)
         rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks)
         if not rep.catalog.empty:
             apply_catalog_fix(root, rep.catalog, hook)
