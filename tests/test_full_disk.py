@@ -22,8 +22,8 @@ from prefixstore.engine.audit import audit_dir
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.keys import Prefix
-from prefixstore.engine.repair import repair
 from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.engine.repair import repair
 from prefixstore.gpu.diskroom import RESERVE_NAME, free_bytes
 from prefixstore.gpu.fileio import FaultHook
 
@@ -144,6 +144,7 @@ def test_cache_fills_its_file_system_and_keeps_working(small_fs):
             stored[(100, 4)] = True
         assert eng.evict(256 << 10) > 0
         eng.reclaim()
+        assert eng.stats()["disk"]["reserve_releases"] >= 1  # the full disk took the reserve
         rep = eng.audit()
         assert rep.ok, rep.violations
     # reopen on the full disk, twice (a clean close, then a reopen of that)

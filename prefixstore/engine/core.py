@@ -551,6 +551,7 @@ class Engine:
                 "counters": self.counters.snapshot(),
                 "last_decision": self.counters.last_decision,
                 "backing": self.backing.stats(self),
+                "disk": self.disk.stats(),
                 "transfers": {**self.transfers.stats(), "copies": self.executor.stats.snapshot(),
                               "staging_pool": self.executor.pool.stats(), "calibration": self.calibration},
             }

@@ -120,6 +120,11 @@ class DiskRoom:
         self.held = True
         return True
 
+    def stats(self) -> dict[str, int | bool | None]:
+        """The reserve's state and the catalog file system's free bytes."""
+        return {"reserve_held": self.held, "reserve_bytes": self.reserve_bytes,
+                "reserve_releases": self.releases, "free_bytes": free_bytes(self.root)}
+
     # -- room for shards --------------------------------------------------------------
 
     def shortfall(self, nbytes: int, *, reserve: bool = True) -> int:
