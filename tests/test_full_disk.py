@@ -11,7 +11,6 @@ catalog still holds restores bit for bit.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import subprocess
 
@@ -93,21 +92,12 @@ def assert_every_node_restores(eng: Engine, stored: dict[tuple[int, int], bool])
 def fill(mnt: str, name: str = "filler") -> str:
     """Another writer takes every free byte of the file system."""
     path = os.path.join(mnt, name)
-    chunk = b"\xa5" * (64 << 10)
-    with open(path, "ab") as f:
-        while True:
-            try:
-                f.write(chunk)
-                f.flush()
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
-                break
-    # the buffered tail may not have fit: write what still does, byte pages at a time
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        with contextlib.suppress(OSError):
-            while True:
-                os.write(fd, b"\xa5" * 4096)
+        for size in (1 << 20, 64 << 10, 4 << 10):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\xa5" * size)
     finally:
         os.close(fd)
     assert free_bytes(mnt) < 4096

@@ -30,7 +30,7 @@ import attrs
 
 from prefixstore.engine import structure
 from prefixstore.engine.errors import CatalogCorruptError, PrefixStoreError
-from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
+from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
 from prefixstore.statemachine.transactions import MACHINES, recovery_direction
 
 if TYPE_CHECKING:
@@ -97,8 +97,15 @@ def _room_first(eng: Engine) -> None:
     for tid in back:
         rows += eng.catalog.query(
             "SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
+    current = _current_names(eng.catalog.query("SELECT key, generation FROM nodes"))
+    rows = [r for r in rows if r[1] not in current]
     if rows:
         eng._unlink_rows(rows)
+
+
+def _current_names(nodes) -> set[str]:
+    """The shard names of the nodes' current generations: never unlinked on a row's word."""
+    return {shard_name(bytes(key), gen) for key, gen in nodes if isinstance(key, bytes) and isinstance(gen, int)}
 
 
 def room_before_open(root: str, ranks: int) -> list[str]:
@@ -114,9 +121,10 @@ def room_before_open(root: str, ranks: int) -> list[str]:
         return []  # unreadable here: the open that follows reports it
     back = {tid for tid, kind, state, _ in rows.journal
             if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"}
+    current = _current_names((r[structure.KEY], r[structure.GEN]) for r in rows.nodes.values())
     removed = []
     for rank, name, _node, _gen, _size, _ck, status, txn in rows.files:
-        if not (status == "garbage" or (status == "writing" and txn in back)):
+        if not (status == "garbage" or (status == "writing" and txn in back)) or name in current:
             continue
         if not (isinstance(rank, int) and 0 <= rank < ranks and isinstance(name, str) and SHARD_RE.match(name)):
             continue

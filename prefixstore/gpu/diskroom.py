@@ -15,6 +15,7 @@ keeps them room on the file system that holds the catalog:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from collections.abc import Iterable
@@ -115,6 +116,8 @@ class DiskRoom:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if exc.errno != errno.ENOSPC:
+                self.reserve_bytes = 0  # this file system cannot hold one: stop trying
             log.warning("disk_reserve_unavailable", root=self.root, error=str(exc))
             return False
         self.held = True
