@@ -19,7 +19,7 @@ import torch
 
 from prefixstore.engine.audit import audit_dir
 from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
+from prefixstore.engine.errors import DiskFullError, SimulatedCrash
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.engine.repair import repair
@@ -204,4 +204,27 @@ def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs
         fill_cache(eng, 50, 3, stored)
         assert assert_every_node_restores(eng, stored) >= 6
         assert os.path.isfile(os.path.join(root, RESERVE_NAME))  # taken back once there is room
+        assert eng.audit().ok
+
+
+def test_open_on_a_disk_another_writer_holds_entirely_names_the_disk(small_fs):
+    """Nothing the cache may free without a commit (no reserve, no garbage) and not a
+    byte free: open refuses with DiskFullError and changes nothing; once the other
+    writer lets go, the cache opens and serves."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 0, 4, stored)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, RESERVE_NAME))
+    rank0 = sorted(os.listdir(os.path.join(root, "rank0")))
+    filler = fill(small_fs)
+    try:
+        with pytest.raises(DiskFullError, match="the disk is full"):
+            Engine.open(root, LAYOUT, CAP)
+        assert sorted(os.listdir(os.path.join(root, "rank0"))) == rank0
+    finally:
+        os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        assert assert_every_node_restores(eng, stored) == len(stored)
         assert eng.audit().ok

@@ -33,6 +33,8 @@ from prefixstore.engine.catalog import CATALOG_NAME, Catalog
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
     CapacityError,
+    CatalogIOError,
+    DiskFullError,
     EngineClosedError,
     InvalidInputError,
     LayoutMismatchError,
@@ -60,7 +62,7 @@ from prefixstore.engine.results import (
     StoreResult,
 )
 from prefixstore.gpu import backings, calibrate, shards
-from prefixstore.gpu.diskroom import RESERVE_BYTES, DiskRoom
+from prefixstore.gpu.diskroom import LOW_WATER, RESERVE_BYTES, DiskRoom, free_bytes
 from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, FileSystem, OsFS
 from prefixstore.gpu.ranks import LocalRank, RankIO, rank_dir_name, shard_name
@@ -267,8 +269,14 @@ class Engine:
                     pool.shutdown(wait=False)
                 self.catalog.close()
                 raise
-        except BaseException:
+        except BaseException as exc:
             self._release_lock()
+            if isinstance(exc, CatalogIOError) and self.disk.tight():
+                raise DiskFullError(
+                    f"{root}: the disk is full ({free_bytes(root)} bytes free, no reserve left, nothing "
+                    f"this cache can free without a catalog write): free {LOW_WATER} bytes on that "
+                    "file system and open again"
+                ) from exc
             raise
 
     pin_wait_s = 2.0  # how long a refill waits for a restore's pin before it rolls back

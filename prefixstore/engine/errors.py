@@ -92,3 +92,7 @@ class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error
 
 class CapacityError(PrefixStoreError):
     """Open cannot bring the cache within the capacity it was given (nothing evictable left)."""
+
+
+class DiskFullError(CatalogIOError):
+    """The catalog cannot be opened or written: its disk is full and nothing is left to free first."""
