@@ -228,3 +228,68 @@ def test_open_on_a_disk_another_writer_holds_entirely_names_the_disk(small_fs):
     with Engine.open(root, LAYOUT, CAP) as eng:
         assert assert_every_node_restores(eng, stored) == len(stored)
         assert eng.audit().ok
+
+
+def test_eviction_frees_bytes_on_a_full_disk_whose_reserve_is_spent(small_fs):
+    """The reserve went to an earlier commit and another writer took those bytes too:
+    an eviction still frees room (its files go before its commit), and the cache goes on."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 0, 8, stored)
+        filler = fill(small_fs)
+        assert eng.evict(64 << 10) > 0  # its commit released the reserve
+        assert not os.path.exists(os.path.join(root, RESERVE_NAME))
+        fill(small_fs)  # the other writer takes what the reserve and the eviction freed
+        assert eng.evict(64 << 10) > 0
+        os.unlink(filler)
+        rep = eng.audit()
+        assert rep.ok, rep.violations
+        assert assert_every_node_restores(eng, stored) > 0
+        fill_cache(eng, 20, 2, stored)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        assert eng.audit().ok
+        assert assert_every_node_restores(eng, stored) > 0
+
+
+class _CrashAtCommit(FaultHook):
+    def __init__(self, label: str) -> None:
+        self.label, self.armed = label, False
+
+    def before(self, op, target, rank):
+        if self.armed and op == "commit" and target == self.label:
+            raise SimulatedCrash(f"crash before commit {target}")
+
+
+def test_crash_between_the_early_unlink_and_the_evict_commit(small_fs):
+    """Process death after a full-disk eviction unlinked its victims' files, before its
+    commit: the next open marks those nodes damaged (never served), the others restore."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    hook = _CrashAtCommit("evict.remove")
+    eng = Engine.open(root, LAYOUT, CAP, hook=hook)
+    fill_cache(eng, 0, 8, stored)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, RESERVE_NAME))  # spent
+    filler = fill(small_fs)
+    hook.armed = True
+    with pytest.raises(SimulatedCrash):
+        eng.evict(64 << 10)
+    assert eng._closed
+    os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        assert eng.recovery_report.damaged  # the victims: rows kept, files gone
+        rep = eng.audit()
+        assert rep.ok, rep.violations
+        assert assert_every_node_restores_or_damaged(eng, stored) > 0
+
+
+def assert_every_node_restores_or_damaged(eng: Engine, stored) -> int:
+    """As ``assert_every_node_restores``, leaving out checkpoints on a damaged node's path."""
+    damaged = {n.key for n in eng.index if not n.ready}
+    clear = {}
+    for seed, blocks in stored:
+        keys = Prefix.from_tokens(conversation(seed, blocks)[0], BT).keys
+        if not damaged.intersection(keys):
+            clear[(seed, blocks)] = True
+    return assert_every_node_restores(eng, clear)

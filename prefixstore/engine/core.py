@@ -1323,8 +1323,17 @@ class Engine:
         return out
 
     def _evict_nodes(self, nodes: list[Node]) -> None:
-        """One evict transaction removing ``nodes`` (leaves first)."""
+        """One evict transaction removing ``nodes`` (leaves first).
+
+        On a full disk with no reserve left, the nodes' files are unlinked before the
+        commit, so the commit has room: the lock is held and the nodes are neither
+        pinned nor fenced, so nothing reads them meanwhile; after a crash there,
+        recovery finds them damaged (charged, evictable).
+        """
         ids = [n.id for n in nodes]
+        if self.disk.tight():
+            marks = ",".join("?" * len(ids))
+            self._unlink_rows(self.catalog.query(f"SELECT rank, name, size FROM files WHERE node IN ({marks})", ids))
         with self.catalog.txn("evict.remove") as c:
             tid = self._journal_begin(c, "evict", {"nodes": ids})
             rows = []

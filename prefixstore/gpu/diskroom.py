@@ -86,7 +86,7 @@ class DiskRoom:
 
     def tight(self) -> bool:
         """Whether the catalog's file system is nearly full with no reserve left to give."""
-        if self.held:
+        if self.held and os.path.lexists(self.path):
             return False
         free = free_bytes(self.root)
         return free is not None and free < LOW_WATER
