@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from prefixstore.engine import structure
+from prefixstore.engine.audit import read_catalog
 from prefixstore.engine.errors import CatalogCorruptError, PrefixStoreError
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
 from prefixstore.statemachine.transactions import MACHINES, recovery_direction
@@ -113,8 +114,6 @@ def room_before_open(root: str, ranks: int) -> list[str]:
     for its log): unlink from the rank directories under ``root`` the files recovery
     unlinks first anyway (see ``_room_first``), found by reading the catalog without
     writing. Only regular files with a shard's name are touched. Returns them."""
-    from prefixstore.engine.audit import read_catalog
-
     try:
         rows = read_catalog(root, live=False)
     except (OSError, PrefixStoreError):
