@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -28,6 +28,7 @@ from prefixstore.engine.errors import (
     NotACacheError,
     SchemaVersionError,
 )
+from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
 from prefixstore.gpu.fileio import FaultHook
 
 FORMAT_MARKER = "prefixstore"
@@ -89,15 +90,20 @@ class Catalog:
         synchronous: str = "FULL",
         hook: FaultHook | None = None,
         create: bool = True,
+        before_write: Callable[[], None] | None = None,
     ) -> None:
+        """``before_write`` runs before the connection opens and before every write
+        transaction (the engine releases its disk reserve there when the disk is full)."""
         if synchronous.upper() not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path = catalog_path(root)
         self.synchronous = synchronous.upper()
         self.hook = hook or FaultHook()
+        self.before_write = before_write or (lambda: None)
         exists = os.path.exists(self.path)
         if not exists and not create:
             raise NotACacheError(f"{root}: no catalog")
+        self.before_write()
         try:
             self.conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=30
@@ -121,6 +127,9 @@ class Catalog:
         c.execute("PRAGMA journal_mode=WAL")
         c.execute(f"PRAGMA synchronous={self.synchronous}")
         c.execute("PRAGMA foreign_keys=ON")
+        # a bounded log: checkpointed every ~1 MiB and truncated back to that size
+        c.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
+        c.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
         version = c.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise SchemaVersionError(
@@ -160,6 +169,7 @@ class Catalog:
         if self.failed is not None:
             raise CatalogIOError(f"an earlier catalog write failed ({self.failed}); reopen the engine")
         c = self.conn
+        self.before_write()
         try:
             c.execute("BEGIN IMMEDIATE")
             try:

@@ -32,6 +32,9 @@ from prefixstore.engine import cachedirs, dirlock, pipeline, recovery, validate
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
+    CapacityError,
+    CatalogIOError,
+    DiskFullError,
     EngineClosedError,
     InvalidInputError,
     LayoutMismatchError,
@@ -58,6 +61,7 @@ from prefixstore.engine.results import (
     StoreResult,
 )
 from prefixstore.gpu import backings, calibrate, shards
+from prefixstore.gpu.diskroom import LOW_WATER, RESERVE_BYTES, DiskRoom, free_bytes
 from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, FileSystem, OsFS
 from prefixstore.gpu.ranks import LocalRank, RankIO, rank_dir_name, shard_name
@@ -138,6 +142,8 @@ class Engine:
     MAX_PENDING = 256
     """Refused stores kept for retry at most; the oldest is dropped (and counted) beyond."""
     _garbage_hint = True  # loose garbage may exist (set at open and by a failed unlink)
+    disk_reserve_bytes = RESERVE_BYTES
+    """Size of the catalog's reserve file (``gpu/diskroom.py``); 0 holds none."""
 
     # ------------------------------------------------------------------ public
 
@@ -232,10 +238,14 @@ class Engine:
         self._watch_counters()
         self._check_root(create)
         self._take_lock()
+        self.disk = DiskRoom(root, self.disk_reserve_bytes)
         try:
             # before the catalog opens: a symlinked own directory is refused with nothing touched
             cachedirs.check_own_dirs(root, layout.ranks if ranks is None and backing != "memory" else 0)
-            self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create)
+            if ranks is None and self.disk.tight() and os.path.exists(os.path.join(root, CATALOG_NAME)):
+                recovery.room_before_open(root, layout.ranks)
+            self.catalog = Catalog(root, synchronous=synchronous, hook=self.hook, create=create,
+                                   before_write=self.disk.before_catalog_write)
             try:
                 self._check_layout()
                 recovery.check_backing(self)
@@ -248,18 +258,30 @@ class Engine:
                 if len(self.ranks) != layout.ranks:
                     raise InvalidInputError(f"{len(self.ranks)} rank executors for {layout.ranks} ranks")
                 self._pool = ThreadPoolExecutor(max_workers=max(1, layout.ranks), thread_name_prefix="rank")
+                self.disk.bind([None if getattr(r, "volatile", False) else getattr(r, "directory", None)
+                                for r in self.ranks], layout.ranks)
                 self.recovery_report = recovery.recover(self)
                 self._load()
+                self._fit()
                 self.calibration = calibrate.resolve(self, bandwidth)
                 self.transfers = pipeline.Transfers(layout.ranks)
                 from prefixstore.engine.compaction import start_worker
 
                 self.compactor = start_worker(self, compaction)
             except BaseException:
+                pool = getattr(self, "_pool", None)
+                if pool is not None:
+                    pool.shutdown(wait=False)
                 self.catalog.close()
                 raise
-        except BaseException:
+        except BaseException as exc:
             self._release_lock()
+            if isinstance(exc, CatalogIOError) and self.disk.tight():
+                raise DiskFullError(
+                    f"{root}: the disk is full ({free_bytes(root)} bytes free, no reserve left, nothing "
+                    f"this cache can free without a catalog write): free {LOW_WATER} bytes on that "
+                    "file system and open again"
+                ) from exc
             raise
 
     pin_wait_s = 2.0  # how long a refill waits for a restore's pin before it rolls back
@@ -540,6 +562,7 @@ class Engine:
                 "counters": self.counters.snapshot(),
                 "last_decision": self.counters.last_decision,
                 "backing": self.backing.stats(self),
+                "disk": self.disk.stats(),
                 "transfers": {**self.transfers.stats(), "copies": self.executor.stats.snapshot(),
                               "staging_pool": self.executor.pool.stats(), "calibration": self.calibration},
             }
@@ -661,6 +684,23 @@ class Engine:
         self._clock = clock
         self._charged = self.catalog.charged()
         self.heap.rebuild(self.index)
+
+    def _fit(self) -> None:
+        """At open: evict by policy (journaled) until the charged bytes fit the capacity
+        and the disk has the catalog's margin; take the disk reserve back if it fits. Raises
+        CapacityError when the capacity cannot be reached."""
+        with self._lock:
+            over = max(self._charged - self.capacity, self.disk.shortfall(0, reserve=False))
+            if over > 0:
+                freed = self._free(over)
+                self.recovery_report.evicted += freed
+                log.info("open_evicted", bytes=freed, charged=self._charged, capacity=self.capacity)
+            if self._charged > self.capacity:
+                raise CapacityError(
+                    f"{self.root}: {self._charged} bytes stay charged after evicting what open "
+                    f"can, above capacity_bytes={self.capacity}; open with a larger capacity"
+                )
+            self.disk.restore()
 
     # ------------------------------------------------------------------ internal: guards
 
@@ -1099,14 +1139,21 @@ class Engine:
         ``protect`` were freed is refused before anything is evicted. ``protect`` (the
         store's parent and refilled row) is fenced meanwhile, so nothing reached from
         the eviction (a retirement's effects, their hooks) can take it either.
+
+        The disk is the other limit: victims also go until the file systems have room
+        for the new shards plus the catalog's room (``gpu/diskroom.py``), whatever
+        the capacity says; a store the disk cannot hold is refused.
         """
         cap = self.capacity
         reserve = self._retire_reserve(protect)
-        if self._charged + needed + reserve <= cap * self.high_watermark:
+        short = self.disk.shortfall(needed)
+        if not short and self._charged + needed + reserve <= cap * self.high_watermark:
+            self.disk.restore()
             return True
         if needed > cap - self._held_bytes(protect):
             return False
         target = max(0.0, min(cap * self.low_watermark, cap) - needed - reserve)
+        target = min(target, self._charged - short)
         for x in protect:
             self._fences[x] += 1
         try:
@@ -1116,6 +1163,9 @@ class Engine:
                 self._fences[x] -= 1
                 if not self._fences[x]:
                     del self._fences[x]
+        if self.disk.shortfall(needed):
+            return False
+        self.disk.restore()
         return self._charged + needed <= cap
 
     def _retire_reserve(self, protect: set[int]) -> int:
@@ -1231,7 +1281,8 @@ class Engine:
     def _retire_fits(self, node: Node) -> bool:
         """Whether the new generation of a retirement of ``node`` fits under capacity."""
         snap = self.layout.ranks * self.layout.snapshot_bytes
-        return self._charged + pol.retire_rewrite_bytes(node.nbytes, snap) <= self.capacity
+        rewrite = pol.retire_rewrite_bytes(node.nbytes, snap)
+        return self._charged + rewrite <= self.capacity and not self.disk.shortfall(rewrite)
 
     def _blocked(self, nid: int, action: str, protect: set[int] = frozenset()) -> bool:
         """Whether ``action`` on node ``nid`` may not run now."""
@@ -1251,8 +1302,17 @@ class Engine:
         return out
 
     def _evict_nodes(self, nodes: list[Node]) -> None:
-        """One evict transaction removing ``nodes`` (leaves first)."""
+        """One evict transaction removing ``nodes`` (leaves first).
+
+        On a full disk with no reserve left, the nodes' files are unlinked before the
+        commit, so the commit has room: the lock is held and the nodes are neither
+        pinned nor fenced, so nothing reads them meanwhile; after a crash there,
+        recovery finds them damaged (charged, evictable).
+        """
         ids = [n.id for n in nodes]
+        if self.disk.tight():
+            marks = ",".join("?" * len(ids))
+            self._unlink_rows(self.catalog.query(f"SELECT rank, name, size FROM files WHERE node IN ({marks})", ids))
         with self.catalog.txn("evict.remove") as c:
             tid = self._journal_begin(c, "evict", {"nodes": ids})
             rows = []

@@ -120,3 +120,11 @@ class BlockSizeMismatchError(InvalidArgumentError):
 
 class ForeignMatchError(InvalidArgumentError):
     """A Match given to an engine came from another engine (or another cache directory)."""
+
+
+class CapacityError(PrefixStoreError):
+    """Open cannot bring the cache within the capacity it was given (nothing evictable left)."""
+
+
+class DiskFullError(CatalogIOError):
+    """The catalog cannot be opened or written: its disk is full and nothing is left to free first."""

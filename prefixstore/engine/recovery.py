@@ -20,6 +20,11 @@ Then, before anything is unlinked, the file rows are reconciled with the files
   node whose file reads with the row's checksum (checked in ``_verify_live``), so
   charged bytes stay the bytes on disk.
 
+On a full disk with no catalog reserve left to release (``gpu/diskroom.py``), the
+files that no committed record needs (garbage, the new files of transactions that
+roll back) are unlinked first, so the commits below have room; their rows then find
+the files gone, which is success.
+
 Then every unfinished transaction is driven forward when it had published
 (PUBLISHED, REMOVED), back otherwise (INTENT, ROLLING_BACK). Then reclaim garbage,
 remove orphan shard files (a store whose intent commit was lost), quarantine foreign
@@ -30,17 +35,23 @@ open.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import stat
 from typing import TYPE_CHECKING
 
 import attrs
 
 from prefixstore.engine import structure
-from prefixstore.engine.audit import durable_shards, verify_bytes
-from prefixstore.engine.errors import BackingContradictionError, CatalogCorruptError
+from prefixstore.engine.audit import durable_shards, read_catalog, verify_bytes
+from prefixstore.engine.errors import (
+    BackingContradictionError,
+    CatalogCorruptError,
+    PrefixStoreError,
+)
 from prefixstore.gpu import shards
-from prefixstore.gpu.ranks import rank_dir_name
+from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
 from prefixstore.statemachine.transactions import MACHINES, recovery_direction
 
 if TYPE_CHECKING:
@@ -64,6 +75,8 @@ class RecoveryReport:
     reattached: list[str] = attrs.field(factory=list)
     resized: list[str] = attrs.field(factory=list)
     regenerated: list[str] = attrs.field(factory=list)
+    evicted: int = 0
+    """Bytes open evicted (by policy) to fit the capacity and the disk's catalog room."""
 
     @property
     def changed(self) -> bool:
@@ -76,6 +89,8 @@ def recover(eng: Engine) -> RecoveryReport:
     reconcile(eng, rep)
     eng._charged = eng.catalog.charged()
     eng._clock = 0
+    if eng.disk.tight():
+        _room_first(eng)
     for tid, kind, state, _payload in eng.catalog.journal():
         if kind not in MACHINES or state not in MACHINES[kind].states:
             raise CatalogCorruptError(f"journal row {tid}: unknown transaction {kind}/{state}")
@@ -96,6 +111,53 @@ def recover(eng: Engine) -> RecoveryReport:
     _orphans(eng, rep)
     _verify_live(eng, rep)
     return rep
+
+
+def _room_first(eng: Engine) -> None:
+    """Unlink, before any commit, the files recovery will unlink anyway: garbage, and
+    the files of transactions it rolls back (never a live file)."""
+    back = [tid for tid, kind, state, _ in eng.catalog.journal()
+            if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"]
+    rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage'")
+    for tid in back:
+        rows += eng.catalog.query(
+            "SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
+    current = _current_names(eng.catalog.query("SELECT key, generation FROM nodes"))
+    rows = [r for r in rows if r[1] not in current]
+    if rows:
+        eng._unlink_rows(rows)
+
+
+def _current_names(nodes) -> set[str]:
+    """The shard names of the nodes' current generations: never unlinked on a row's word."""
+    return {shard_name(bytes(key), gen) for key, gen in nodes if isinstance(key, bytes) and isinstance(gen, int)}
+
+
+def room_before_open(root: str, ranks: int) -> list[str]:
+    """Before the catalog opens on a full disk with no reserve (opening it needs room
+    for its log): unlink from the rank directories under ``root`` the files recovery
+    unlinks first anyway (see ``_room_first``), found by reading the catalog without
+    writing. Only regular files with a shard's name are touched. Returns them."""
+    try:
+        rows = read_catalog(root, live=False)
+    except (OSError, PrefixStoreError):
+        return []  # unreadable here: the open that follows reports it
+    back = {tid for tid, kind, state, _ in rows.journal
+            if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"}
+    current = _current_names((r[structure.KEY], r[structure.GEN]) for r in rows.nodes.values())
+    removed = []
+    for rank, name, _node, _gen, _size, _ck, status, txn in rows.files:
+        if not (status == "garbage" or (status == "writing" and txn in back)) or name in current:
+            continue
+        if not (isinstance(rank, int) and 0 <= rank < ranks and isinstance(name, str) and SHARD_RE.match(name)):
+            continue
+        for entry in (name, name + TMP_SUFFIX):
+            path = os.path.join(root, rank_dir_name(rank), entry)
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    removed.append(f"{rank_dir_name(rank)}/{entry}")
+    return removed
 
 
 def check_structure(eng: Engine) -> None:

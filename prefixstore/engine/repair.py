@@ -55,6 +55,7 @@ from prefixstore.engine.errors import (
 )
 from prefixstore.engine.keys import ROOT
 from prefixstore.engine.layout import Layout
+from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES
 
@@ -98,6 +99,7 @@ class RepairReport:
             self.recovery.rolled_back or self.recovery.rolled_forward or self.recovery.garbage_reclaimed
             or self.recovery.orphans_removed or self.recovery.quarantined or self.recovery.damaged
             or self.recovery.reattached or self.recovery.resized or self.recovery.regenerated
+            or self.recovery.evicted
         )
         return bool(not self.catalog.empty or rec or self.invalidated or self.reclaimed or self.evicted)
 
@@ -139,6 +141,8 @@ class RepairReport:
                 out.append(f"moved foreign entry {q} to lost+found/")
             for nid in rec.damaged:
                 out.append(f"marked node {nid} damaged (a shard missing or of the wrong size)")
+            if rec.evicted:
+                out.append(f"evicted {rec.evicted} bytes to fit the capacity and the disk's room for the catalog")
         for nid, why in self.invalidated:
             out.append(f"marked node {nid} damaged ({why})")
         for u in self.unreadable:
@@ -253,7 +257,7 @@ def _relink_target(nodes: dict[int, tuple], nid: int, before: int) -> Any:
 
 def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None) -> None:
     """Commit ``fix`` in one catalog transaction (the caller holds the directory lock)."""
-    cat = Catalog(root, hook=hook, create=False)
+    cat = Catalog(root, hook=hook, create=False, before_write=DiskRoom(root).before_catalog_write)
     try:
         with cat.txn("repair.catalog") as c:
             for nid, parent in fix.relink.items():
@@ -310,7 +314,9 @@ def repair(
     rep = RepairReport()
     held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
     try:
-        rows = read_catalog(root, live=True)  # again, now that no engine can start
+        # again, now that no engine can start (read as without one: a read-only
+        # connection would need room for a new -shm index on a full disk)
+        rows = read_catalog(root, live=False)
         dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
         rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks, _entries(dirs))
         if rows.meta.get("backing") == "memory" and durable_shards(dirs, rows.files):

@@ -354,7 +354,7 @@ def _room(eng: Engine, needed: int, space: str, protect: set[int]) -> bool:
     if space == "make":
         return eng._make_space(needed, protect)
     limit = eng.capacity if space == "capacity" else eng.capacity * eng.high_watermark
-    return eng._charged + needed <= limit
+    return eng._charged + needed <= limit and not eng.disk.shortfall(needed)
 
 
 def _intent(eng: Engine, job: Job) -> int:

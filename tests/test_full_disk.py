@@ -1,0 +1,295 @@
+"""A full disk the engine can always leave, on a real small file system the test mounts.
+
+Each test mounts its own tmpfs (``size=``; CI runs as root) and unmounts it in a
+fixture finalizer, also on failure. The cache's capacity is larger than the file
+system, so its own shards fill it; a filler file then takes the rest, as another
+writer on the same disk would. Stores, evictions, reclaims and reopens must keep
+working without a manual step, the audit stays clean, and every checkpoint the
+catalog still holds restores bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+
+import pytest
+import torch
+
+from prefixstore.engine.audit import audit_dir
+from prefixstore.engine.core import Engine
+from prefixstore.engine.errors import DiskFullError, SimulatedCrash
+from prefixstore.engine.keys import Prefix
+from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.engine.repair import repair
+from prefixstore.gpu.diskroom import RESERVE_NAME, free_bytes
+from prefixstore.gpu.fileio import FaultHook
+
+BT = 4
+LAYOUT = Layout(
+    segments=[TensorSpec("k", "float32", (16, 64)), TensorSpec("v", "float32", (16, 64))],
+    snapshots=[TensorSpec("state", "float32", (32, 64))],
+    block_tokens=BT,
+    ranks=2,
+)  # 32 KiB per block and 8 KiB of snapshot per rank
+CAP = 1 << 30  # far above the file system: the disk is the limit
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A tmpfs of 16 MiB mounted for this test (unmounted after it, also on failure)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)  # a leaked descriptor: detach
+
+
+def conversation(seed: int, blocks: int, longest: int = 8) -> tuple[list[int], list[dict]]:
+    """The first ``blocks`` blocks of conversation ``seed``: tokens and per-rank rows."""
+    g = torch.Generator().manual_seed(seed)
+    n = blocks * BT
+    toks = torch.randint(0, 50_000, (longest * BT,), generator=g).tolist()[:n]
+    segs = [{s.name: torch.randn((longest * BT, *s.shape), generator=g)[:n] for s in LAYOUT.segments}
+            for _ in range(LAYOUT.ranks)]
+    return toks, segs
+
+
+def store(eng: Engine, seed: int, blocks: int):
+    toks, segs = conversation(seed, blocks)
+    snap = [{"state": torch.full((32, 64), float(seed * 1000 + blocks * 10 + r))} for r in range(LAYOUT.ranks)]
+    return eng.store(Prefix.from_tokens(toks, BT), segs, snap)
+
+
+def assert_every_node_restores(eng: Engine, stored: dict[tuple[int, int], bool]) -> int:
+    """Every stored checkpoint still in the catalog restores bit for bit; returns how many."""
+    found = 0
+    for seed, blocks in stored:
+        toks, segs = conversation(seed, blocks)
+        key = Prefix.from_tokens(toks, BT).keys[-1]
+        if key not in eng.index.by_key:
+            continue  # evicted by a committed evict
+        m = eng.lookup(Prefix.from_tokens(toks, BT))
+        assert m.hit and m.blocks == blocks, (seed, blocks, m)
+        got = eng.restore(m)
+        assert got is not None, (seed, blocks)
+        for r in range(LAYOUT.ranks):
+            for name, t in got.segments[r].items():
+                assert torch.equal(t, segs[r][name]), (seed, blocks, r, name)
+            want = float(seed * 1000 + blocks * 10 + r)
+            assert torch.equal(got.snapshot[r]["state"], torch.full((32, 64), want))
+        found += 1
+    return found
+
+
+def fill(mnt: str, name: str = "filler") -> str:
+    """Another writer takes every free byte of the file system."""
+    path = os.path.join(mnt, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for size in (1 << 20, 64 << 10, 4 << 10):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\xa5" * size)
+    finally:
+        os.close(fd)
+    assert free_bytes(mnt) < 4096
+    return path
+
+
+def fill_cache(eng: Engine, first: int, count: int, stored: dict) -> None:
+    """Conversations of 4 then 8 blocks (a chain: an interior checkpoint and a leaf)."""
+    for seed in range(first, first + count):
+        for blocks in (4, 8):
+            res = store(eng, seed, blocks)
+            assert res.status == "stored", (seed, blocks, res)
+            stored[(seed, blocks)] = True
+
+
+def test_cache_fills_its_file_system_and_keeps_working(small_fs):
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 0, 40, stored)  # about 40 MiB of shards into 16 MiB
+        evictions = {k: v for k, v in eng.counters.snapshot().items() if k.startswith("evictions.")}
+        assert evictions, "the disk, not the capacity, made the cache evict"
+        assert os.path.isfile(os.path.join(root, RESERVE_NAME))
+        assert eng.audit().ok
+        assert_every_node_restores(eng, stored)
+        for blocks in (4, 8):  # the most recent conversation is kept
+            assert (39, blocks) in stored and eng.lookup(Prefix.from_tokens(conversation(39, blocks)[0], BT)).hit
+
+        # Another writer takes the rest of the disk: every call still works.
+        filler = fill(small_fs)
+        res = store(eng, 100, 4)
+        assert res.status in ("stored", "failed", "refused"), res
+        if res.status == "stored":
+            stored[(100, 4)] = True
+        assert eng.evict(256 << 10) > 0
+        eng.reclaim()
+        assert eng.stats()["disk"]["reserve_releases"] >= 1  # the full disk took the reserve
+        rep = eng.audit()
+        assert rep.ok, rep.violations
+    # reopen on the full disk, twice (a clean close, then a reopen of that)
+    for _ in range(2):
+        with Engine.open(root, LAYOUT, CAP) as eng:
+            rep = eng.audit()
+            assert rep.ok, rep.violations
+            assert assert_every_node_restores(eng, stored) > 0
+    os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 200, 5, stored)
+        assert assert_every_node_restores(eng, stored) >= 10
+        rep = eng.audit()
+        assert rep.ok, rep.violations
+    assert audit_dir(root).ok
+
+
+class _CrashOnRank1Write(FaultHook):
+    """Process death before rank 1 writes a shard whose name contains ``match``."""
+
+    def __init__(self, match: str) -> None:
+        self.match = match
+
+    def before(self, op, target, rank):
+        if op == "write" and rank == 1 and self.match in target:
+            raise SimulatedCrash(f"crash before writing {target}")
+
+
+@pytest.mark.parametrize("via", ["open", "repair"])
+@pytest.mark.parametrize("reserve", ["held", "deleted"])
+def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs, reserve, via):
+    """A snapshot retirement (a compact-replace) dies after rank 0 wrote its new shard;
+    the disk then fills up. The next open (or ``audit --repair``) rolls the compaction
+    back, and the cache serves."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 0, 6, stored)
+    interior = Prefix.from_tokens(conversation(3, 4)[0], BT).keys[-1]
+    eng = Engine.open(root, LAYOUT, CAP, hook=_CrashOnRank1Write(interior.hex()))
+    node = eng.index.nodes[eng.index.by_key[interior]]
+    with pytest.raises(SimulatedCrash), eng._lock:
+        eng._retire_snapshot(node)  # what eviction runs on a compactable ancestor
+    eng._abandon()  # process death: the connection and the lock go, nothing more is committed
+    if reserve == "deleted":
+        with contextlib.suppress(FileNotFoundError):  # nothing left to release
+            os.unlink(os.path.join(root, RESERVE_NAME))
+    filler = fill(small_fs)
+    try:
+        if via == "repair":
+            fixed, final = repair(root)
+            assert final.ok, final.violations
+            assert any("rolled back" in line for line in fixed.lines()), fixed.lines()
+        with Engine.open(root, LAYOUT, CAP) as eng:
+            if via == "open":
+                assert eng.recovery_report.rolled_back, eng.recovery_report
+            assert not eng.catalog.journal()
+            rep = eng.audit()
+            assert rep.ok, rep.violations
+            assert assert_every_node_restores(eng, stored) > 0
+            assert eng.evict(64 << 10) > 0
+        with Engine.open(root, LAYOUT, CAP) as eng:  # and again, still full
+            assert eng.audit().ok
+    finally:
+        os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 50, 3, stored)
+        assert assert_every_node_restores(eng, stored) >= 6
+        assert os.path.isfile(os.path.join(root, RESERVE_NAME))  # taken back once there is room
+        assert eng.audit().ok
+
+
+def test_open_on_a_disk_another_writer_holds_entirely_names_the_disk(small_fs):
+    """Nothing the cache may free without a commit (no reserve, no garbage) and not a
+    byte free: open refuses with DiskFullError and changes nothing; once the other
+    writer lets go, the cache opens and serves."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 0, 4, stored)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, RESERVE_NAME))
+    rank0 = sorted(os.listdir(os.path.join(root, "rank0")))
+    filler = fill(small_fs)
+    try:
+        with pytest.raises(DiskFullError, match="the disk is full"):
+            Engine.open(root, LAYOUT, CAP)
+        assert sorted(os.listdir(os.path.join(root, "rank0"))) == rank0
+    finally:
+        os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        assert assert_every_node_restores(eng, stored) == len(stored)
+        assert eng.audit().ok
+
+
+def test_eviction_frees_bytes_on_a_full_disk_whose_reserve_is_spent(small_fs):
+    """The reserve went to an earlier commit and another writer took those bytes too:
+    an eviction still frees room (its files go before its commit), and the cache goes on."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 0, 8, stored)
+        filler = fill(small_fs)
+        assert eng.evict(64 << 10) > 0  # its commit released the reserve
+        assert not os.path.exists(os.path.join(root, RESERVE_NAME))
+        fill(small_fs)  # the other writer takes what the reserve and the eviction freed
+        assert eng.evict(64 << 10) > 0
+        os.unlink(filler)
+        rep = eng.audit()
+        assert rep.ok, rep.violations
+        assert assert_every_node_restores(eng, stored) > 0
+        fill_cache(eng, 20, 2, stored)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        assert eng.audit().ok
+        assert assert_every_node_restores(eng, stored) > 0
+
+
+class _CrashAtCommit(FaultHook):
+    def __init__(self, label: str) -> None:
+        self.label, self.armed = label, False
+
+    def before(self, op, target, rank):
+        if self.armed and op == "commit" and target == self.label:
+            raise SimulatedCrash(f"crash before commit {target}")
+
+
+def test_crash_between_the_early_unlink_and_the_evict_commit(small_fs):
+    """Process death after a full-disk eviction unlinked its victims' files, before its
+    commit: the next open marks those nodes damaged (never served), the others restore."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    hook = _CrashAtCommit("evict.remove")
+    eng = Engine.open(root, LAYOUT, CAP, hook=hook)
+    fill_cache(eng, 0, 8, stored)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, RESERVE_NAME))  # spent
+    filler = fill(small_fs)
+    hook.armed = True
+    with pytest.raises(SimulatedCrash):
+        eng.evict(64 << 10)
+    assert eng._closed
+    os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        assert eng.recovery_report.damaged  # the victims: rows kept, files gone
+        rep = eng.audit()
+        assert rep.ok, rep.violations
+        assert assert_every_node_restores_or_damaged(eng, stored) > 0
+
+
+def assert_every_node_restores_or_damaged(eng: Engine, stored) -> int:
+    """As ``assert_every_node_restores``, leaving out checkpoints on a damaged node's path."""
+    damaged = {n.key for n in eng.index if not n.ready}
+    clear = {}
+    for seed, blocks in stored:
+        keys = Prefix.from_tokens(conversation(seed, blocks)[0], BT).keys
+        if not damaged.intersection(keys):
+            clear[(seed, blocks)] = True
+    return assert_every_node_restores(eng, clear)
