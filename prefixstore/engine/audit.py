@@ -64,7 +64,7 @@ from prefixstore.engine.errors import (
 from prefixstore.engine.layout import Layout
 from prefixstore.gpu import shards
 from prefixstore.gpu.diskroom import RESERVE_NAME
-from prefixstore.gpu.fileio import open_regular
+from prefixstore.gpu.fileio import open_regular, read_fd
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES, RECOVERY_EVENT, recovery_direction
 
@@ -245,12 +245,7 @@ def read_shard_bytes(path: str) -> bytes:
             raise
         fd = open_regular(path)
     try:
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                return b"".join(chunks)
-            chunks.append(b)
+        return read_fd(fd)
     finally:
         os.close(fd)
 

@@ -84,7 +84,8 @@ def open_regular(path: str, flags: int = 0) -> int:
     return fd
 
 
-def _read_fd(fd: int) -> bytes:
+def read_fd(fd: int) -> bytes:
+    """Everything left to read on ``fd``."""
     chunks = []
     while True:
         b = os.read(fd, 1 << 20)
@@ -140,7 +141,7 @@ class OsFS:
     def read(self, path: str) -> bytes:
         fd = open_regular(path)
         try:
-            return _read_fd(fd)
+            return read_fd(fd)
         finally:
             os.close(fd)
 
