@@ -359,7 +359,10 @@ def cache_map(
     config = model.config if model is not None else config
     text = config.get_text_config(decoder=True)
     model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    try:
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise LayoutError(f"cannot read the cache layer types of this config: {exc}") from exc
     layer_cfgs = list(text.per_layer_config)
     if ranks <= 0:
         raise RankError(f"ranks must be positive, got {ranks}")

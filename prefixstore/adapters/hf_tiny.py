@@ -78,6 +78,15 @@ _SIZES: dict[str, Any] = {
     "index_head_dim": 16,
     "index_n_heads": 2,
     "index_topk": 8,
+    "encoder_layers": 1,
+    "decoder_layers": LAYERS,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "n_inner": 128,
+    "ffn_dim": 128,
+    "num_key_value_groups": 1,
 }
 _WINDOWS = ("sliding_window", "attention_chunk_size", "attention_window_size", "sliding_window_size")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
@@ -107,7 +116,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "expert_layer_period": 2,
         "expert_layer_offset": 1,
     },
-    "mamba2": {"n_groups": 1},
+    "mamba2": {"n_groups": 2},
 }
 
 
