@@ -359,6 +359,7 @@ def cache_map(
     config = model.config if model is not None else config
     text = config.get_text_config(decoder=True)
     model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
+    _check_causal_cache(config, text)
     try:
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
     except (AttributeError, KeyError, TypeError) as exc:
@@ -369,6 +370,7 @@ def cache_map(
     attention: list[AttentionSpec] = []
     states: list[StateSpec] = []
     stepwise = model_type in _STEPWISE
+    probe: torch.nn.Module | bool | None = None  # the model read for KV head counts
     for i, (kind, cfg, kw) in enumerate(zip(layer_types, layer_cfgs, layer_kwargs, strict=True)):
         if kind in SKIPPED_TYPES:
             continue
@@ -378,7 +380,11 @@ def cache_map(
                 f"supported; supported: {sorted(ATTENTION_TYPES | RECURRENT_TYPES | SKIPPED_TYPES)}"
             )
         if kind in ATTENTION_TYPES:
-            attention.append(_attention_spec(cfg, i, kind, ranks))
+            spec = _attention_spec(cfg, i, kind, ranks)
+            if not spec.latent and probe is not False:
+                probe = probe or model or _try_meta_model(config)
+                spec = _checked_heads(spec, probe, kind, ranks) if probe else spec
+            attention.append(spec)
         if kind in RECURRENT_TYPES:
             if kw.get("number_of_states", 1) != 1:
                 raise LayoutError(
@@ -422,13 +428,64 @@ def cache_map(
     )
 
 
+def _check_causal_cache(config: Any, text: Any) -> None:
+    """Refuse configs whose model keeps no per-token cache of the tokens alone."""
+    for cfg, field, bad in (
+        (config, "is_encoder_decoder", True),
+        (text, "is_decoder", False),  # BERT-style: bidirectional, no cache
+        (text, "add_cross_attention", True),  # a decoder that expects encoder states
+    ):
+        if getattr(cfg, field, None) is bad:
+            raise LayoutError(
+                f"config field {field!r} is {bad}: the cache is not a causal self-attention cache"
+            )
+    if getattr(text, "prompt_length", 0):
+        raise LayoutError(
+            f"config field 'prompt_length' = {text.prompt_length}: the cache holds "
+            "learned prompt rows before the tokens"
+        )
+
+
+def _checked_heads(
+    spec: AttentionSpec, model: torch.nn.Module, kind: str, ranks: int
+) -> AttentionSpec:
+    """The KV head count the layer's own ``k_proj`` / ``v_proj`` produce, where it has
+    them (a model may scale the config's count for some layer types)."""
+    for module in model.modules():
+        if getattr(module, "layer_idx", None) != spec.layer:
+            continue
+        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if not (isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear)):
+            continue
+        heads, rest = divmod(k.out_features, spec.key_dim)
+        if rest or heads * spec.value_dim != v.out_features or heads == spec.kv_heads:
+            return spec
+        if heads % ranks and ranks % heads:
+            raise RankError(
+                f"layer {spec.layer} (layer type {kind!r}): its k_proj gives {heads} KV heads, "
+                f"which can be neither split evenly across {ranks} ranks nor replicated"
+            )
+        return attrs.evolve(spec, kv_heads=heads)
+    return spec
+
+
+def _try_meta_model(config: Any) -> torch.nn.Module | bool:
+    """The meta-device model, or False where it cannot be built from ``config``."""
+    try:
+        return meta_model(config)
+    except LayoutError:
+        raise
+    except Exception:
+        return False
+
+
 def _meta_model(config: Any, layer: int, kind: str) -> torch.nn.Module:
     try:
         return meta_model(config)
     except Exception as exc:  # the model class itself rejects the config
         raise LayoutError(
             f"layer {layer} (layer type {kind!r}): cannot build the model to read its "
-            f"recurrent state shapes: {type(exc).__name__}: {exc}"
+            f"cache shapes: {type(exc).__name__}: {exc}"
         ) from exc
 
 

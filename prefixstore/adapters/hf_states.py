@@ -38,12 +38,19 @@ class MixerStates:
 
 
 def meta_model(config: Any) -> nn.Module:
-    """``config``'s causal LM built on the meta device (shapes only, no memory)."""
+    """``config``'s causal LM built on the meta device (shapes only, no memory).
+
+    Refuses a model whose ``forward`` takes no ``cache`` (it keeps none)."""
+    import inspect
+
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    if "cache" not in inspect.signature(model.forward).parameters:
+        raise LayoutError(f"{type(model).__name__}.forward takes no cache")
+    return model
 
 
 def _mixer(model: nn.Module, layer: int) -> nn.Module | None:

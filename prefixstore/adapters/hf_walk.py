@@ -63,16 +63,30 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def check(model: torch.nn.Module, ranks: int, ids: list[int]) -> str:
+@attrs.frozen
+class Reference:
+    """A full prefill's last logits and greedy continuation, and the same continued
+    from the model's own cache at the last checkpoint."""
+
+    full: torch.Tensor
+    full_cont: list[int]
+    own: torch.Tensor
+    own_cont: list[int]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, ids: list[int], stepwise: bool) -> Reference:
+        cache, full = hf.feed(model, ids)
+        full_cont = hf.greedy(model, cache, full, STEPS)
+        cache, _ = hf.feed(model, ids[: CHECKPOINTS[-1]])
+        cache, own = hf.feed(model, ids[CHECKPOINTS[-1] :], cache, stepwise=stepwise)
+        return cls(full, full_cont, own, hf.greedy(model, cache, own, STEPS))
+
+
+def check(model: torch.nn.Module, ranks: int, ids: list[int], ref: Reference) -> str:
     """Store, reopen, resume and continue; '' when exact, else what differed.
 
     Returns ``"own"`` when it matched the model's own cache continuation only."""
     cmap = hf.cache_map(model.config, block_tokens=BT, ranks=ranks)
-    cache, full = hf.feed(model, ids)
-    full_cont = hf.greedy(model, cache, full, STEPS)
-    own_cache, _ = hf.feed(model, ids[: CHECKPOINTS[-1]])
-    own_cache, own = hf.feed(model, ids[CHECKPOINTS[-1] :], own_cache, stepwise=cmap.stepwise)
-    own_cont = hf.greedy(model, own_cache, own, STEPS)
     with tempfile.TemporaryDirectory(prefix="hf-walk-") as root:
         with hf.HFPrefixCache.open(
             root, model.config, capacity_bytes=64 << 20, block_tokens=BT, ranks=ranks
@@ -90,14 +104,16 @@ def check(model: torch.nn.Module, ranks: int, ids: list[int]) -> str:
                 return f"resumed {r.tokens} tokens, expected {CHECKPOINTS[-1]}"
             cache, logits = hf.feed(model, ids[r.tokens :], r.cache, stepwise=cmap.stepwise)
             cont = hf.greedy(model, cache, logits, STEPS)
-            other = ids[:20] + [(t + 1) % model.config.vocab_size for t in ids[20:]]
+            vocab = model.config.get_text_config(decoder=True).vocab_size
+            other = ids[:20] + [(t + 1) % vocab for t in ids[20:]]
             if (got := pc.resume(other).tokens) != CHECKPOINTS[0]:
                 return f"a request diverging at token 20 resumed {got} tokens"
-    if _diff(logits, full) < TOL and cont == full_cont:
+    if _diff(logits, ref.full) < TOL and cont == ref.full_cont:
         return ""
-    if _diff(logits, own) < TOL and cont == own_cont:
+    if _diff(logits, ref.own) < TOL and cont == ref.own_cont:
         return "own"
-    return f"logits differ by {_diff(logits, full):.2e} (own cache: {_diff(logits, own):.2e})"
+    full, own = _diff(logits, ref.full), _diff(logits, ref.own)
+    return f"logits differ by {full:.2e} (own cache: {own:.2e})"
 
 
 def walk_one(model_type: str) -> Verdict:
@@ -115,16 +131,17 @@ def walk_one(model_type: str) -> Verdict:
     except Exception as exc:
         return done("not built", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
     try:
-        for ranks in (1, 2):
-            hf.cache_map(model.config, block_tokens=BT, ranks=ranks)
+        stepwise = any(hf.cache_map(model.config, ranks=r).stepwise for r in (1, 2))
     except PrefixStoreError as exc:
         return done("refused", f"{type(exc).__name__}: {str(exc)[:160]}")
     except Exception as exc:
         return done("FAILED", f"cache_map raised {type(exc).__name__}: {exc}")
     own = False
+    ref: Reference | None = None
     for ranks in (1, 2):
         try:
-            why = check(model, ranks, ids.tolist())
+            ref = ref or Reference.of(model, ids.tolist(), stepwise)
+            why = check(model, ranks, ids.tolist(), ref)
         except Exception as exc:
             return done("FAILED", f"{ranks} ranks: {type(exc).__name__}: {str(exc)[:200]}")
         if why == "own":
