@@ -117,6 +117,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "expert_layer_offset": 1,
     },
     "mamba2": {"n_groups": 2},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "deepseek_v2": {"topk_method": "greedy", "n_group": 1, "topk_group": 1},
 }
 
 
@@ -157,6 +161,9 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
             kw[name] = layers
     kw.update(OVERRIDES.get(model_type, {}))
     kw.update(overrides)
+    default = AutoConfig.for_model(model_type)
+    if default.get_text_config(decoder=True) is not default and "text_config" in default.to_dict():
+        return AutoConfig.for_model(model_type, text_config=kw)  # a composite (multimodal) config
     return AutoConfig.for_model(model_type, **kw)
 
 

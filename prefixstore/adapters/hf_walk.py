@@ -65,8 +65,8 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @attrs.frozen
 class Reference:
-    """A full prefill's last logits and greedy continuation, and the same continued
-    from the model's own cache at the last checkpoint."""
+    """A full prefill's last logits and greedy continuation, and the same fed in the
+    checkpoints' chunks through the model's own cache."""
 
     full: torch.Tensor
     full_cont: list[int]
@@ -77,8 +77,10 @@ class Reference:
     def of(cls, model: torch.nn.Module, ids: list[int], stepwise: bool) -> Reference:
         cache, full = hf.feed(model, ids)
         full_cont = hf.greedy(model, cache, full, STEPS)
-        cache, _ = hf.feed(model, ids[: CHECKPOINTS[-1]])
-        cache, own = hf.feed(model, ids[CHECKPOINTS[-1] :], cache, stepwise=stepwise)
+        cache, pos = None, 0  # the same chunks the checkpoints are stored after
+        for end in (*CHECKPOINTS, len(ids)):
+            cache, own = hf.feed(model, ids[pos:end], cache, stepwise=stepwise)
+            pos = end
         return cls(full, full_cont, own, hf.greedy(model, cache, own, STEPS))
 
 
