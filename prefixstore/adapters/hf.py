@@ -10,21 +10,32 @@ How a model's cache maps onto an engine :class:`Layout` (see :func:`cache_map`):
   replicated on every rank). It lets :func:`from_engine` check that restored rows belong to
   the tokens asked for, and gives pure recurrent models (which have no per-token state)
   the segment every layout needs.
-* full-attention layer ``i`` -> segments ``k.i`` and ``v.i`` with per-token shape
+* attention layer ``i`` -> segments ``k.i`` and ``v.i`` with per-token shape
   ``(kv_heads // ranks, head_dim)``, token axis first. Rank ``r`` holds KV heads
   ``[r * kv_heads // ranks, (r + 1) * kv_heads // ranks)``, like tensor parallelism does;
-  ``kv_heads`` must be divisible by ``ranks``.
-* recurrent layer ``i`` (Mamba mixer, Qwen3-Next gated delta-net, ...) -> snapshots
-  ``conv.i`` (the causal-conv window) and ``ssm.i`` (the recurrent state) at the
-  checkpoint's end. Each is split along its channel/head dimension the way tensor
-  parallelism shards it (for Qwen3-Next's conv window: the q, k and v channel groups are
-  each split by heads and every rank holds its ``[q_r, k_r, v_r]``). A state whose heads or
-  channels do not divide evenly by ``ranks`` is *replicated*: every rank stores the whole
-  tensor and :func:`from_engine` checks the copies agree.
+  when ranks outnumber the KV heads (``ranks % kv_heads == 0``) each head is replicated
+  on ``ranks // kv_heads`` consecutive ranks. KV heads are read from every config
+  convention (:data:`KV_HEAD_FIELDS`, ``multi_query``) and checked against the layer's
+  own ``k_proj`` / ``v_proj``.
+* sliding-window / chunked layer -> the same segments: every token's row is stored once
+  and a restore rebuilds the model's sliding layer (which keeps the last ``window - 1``
+  rows). :func:`feed` and restored caches keep such a layer's past rows, so a
+  checkpoint may span more than a window.
+* MLA layer (config declares ``kv_lora_rank``) -> ``kv_latent.i`` (``kv_lora_rank``
+  wide) and ``k_rope.i`` (``qk_rope_head_dim`` wide): the latent, one "head"
+  replicated on every rank as MLA tensor-parallel servers do.
+* recurrent layer ``i`` (Mamba, Mamba2, gated delta-net, short convolution) ->
+  snapshots ``conv.i`` (the causal-conv window) and ``ssm.i`` (the recurrent state, if
+  any) at the checkpoint's end, their shapes read off the model's own mixer modules
+  (:mod:`prefixstore.adapters.hf_states`). Each is split along its channel/head
+  dimension the way tensor parallelism shards it (a conv window's channel groups are
+  each split by heads and every rank holds its ``[q_r, k_r, v_r]`` / ``[x_r, B_r, C_r]``).
+  A state whose heads or channels do not divide evenly by ``ranks`` is *replicated*:
+  every rank stores the whole tensor and :func:`from_engine` checks the copies agree.
 
-Models with recurrent layers need a rule giving their state shapes; ``mamba`` and
-``qwen3_next`` are built in, others can be added with :func:`register_state_rule`.
-Sliding-window attention layers are refused: their cache drops the rows a segment needs.
+:func:`register_state_rule` overrides the derived state of a ``model_type``. Whatever
+cannot be mapped is refused by :func:`cache_map` with a typed error naming the layer,
+its layer type and the config field.
 """
 
 from __future__ import annotations
