@@ -392,9 +392,11 @@ def cache_map(
             )
         if kind in ATTENTION_TYPES:
             spec = _attention_spec(cfg, i, kind, ranks)
-            if not spec.latent and probe is not False:
-                probe = probe or model or _try_meta_model(config)
-                spec = _checked_heads(spec, probe, kind, ranks) if probe else spec
+            if probe is None:
+                probe = model or _try_meta_model(config)
+                _check_causal_attention(text, probe)
+            if not spec.latent and probe:
+                spec = _checked_heads(spec, probe, kind, ranks)
             attention.append(spec)
         if kind in RECURRENT_TYPES:
             if kw.get("number_of_states", 1) != 1:
@@ -443,7 +445,6 @@ def _check_causal_cache(config: Any, text: Any) -> None:
     """Refuse configs whose model keeps no per-token cache of the tokens alone."""
     for cfg, field, bad in (
         (config, "is_encoder_decoder", True),
-        (text, "is_decoder", False),  # BERT-style: bidirectional, no cache
         (text, "add_cross_attention", True),  # a decoder that expects encoder states
     ):
         if getattr(cfg, field, None) is bad:
@@ -454,6 +455,19 @@ def _check_causal_cache(config: Any, text: Any) -> None:
         raise LayoutError(
             f"config field 'prompt_length' = {text.prompt_length}: the cache holds "
             "learned prompt rows before the tokens"
+        )
+
+
+def _check_causal_attention(text: Any, model: torch.nn.Module | bool) -> None:
+    """BERT-style models (``is_decoder`` False) attend both ways and keep no cache;
+    a model whose attention declares ``is_causal`` ignores the field."""
+    if getattr(text, "is_decoder", None) is not False:
+        return
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    if not any(getattr(m, "is_causal", None) is True for m in modules):
+        raise LayoutError(
+            "config field 'is_decoder' is False and no attention layer is causal: "
+            "the model keeps no causal cache"
         )
 
 
