@@ -25,6 +25,7 @@ from transformers import (  # noqa: E402
 )
 
 from prefixstore.adapters import hf  # noqa: E402
+from prefixstore.adapters.hf_tiny import SLIDING_WINDOW, tiny_config, tiny_model  # noqa: E402
 from prefixstore.engine.errors import InvalidInputError, LayoutError, RankError  # noqa: E402
 from prefixstore.engine.keys import Prefix  # noqa: E402
 
@@ -77,11 +78,27 @@ def qwen3_next_config() -> Qwen3NextConfig:
     )
 
 
-BUILDERS: dict[str, tuple[Callable[[], Any], type]] = {
-    "llama": (llama_config, LlamaForCausalLM),
-    "mamba": (mamba_config, MambaForCausalLM),
-    "qwen3_next": (qwen3_next_config, Qwen3NextForCausalLM),
+BUILDERS: dict[str, Callable[[], Any]] = {
+    "llama": lambda: LlamaForCausalLM(llama_config()),
+    "mamba": lambda: MambaForCausalLM(mamba_config()),
+    "qwen3_next": lambda: Qwen3NextForCausalLM(qwen3_next_config()),
 }
+# tiny configs of the installed transformers (hf_tiny): sliding windows of 24 tokens,
+# shorter than the 96-token prompt; Falcon with multi_query=True; MLA; hybrids
+for _name in (
+    "gemma2",  # sliding + global layers
+    "mistral",  # every layer sliding
+    "gpt_oss",  # sliding + global, MoE
+    "deepseek_v3",  # MLA
+    "falcon",  # multi-query (1 KV head), replicated on 2 ranks
+    "gpt_bigcode",  # multi-query
+    "zamba2",  # Mamba2 + shared attention
+    "nemotron_h",  # Mamba2 + attention
+    "lfm2",  # short convolution + attention
+    "jamba",  # Mamba-1 + attention (stepwise)
+    "mamba2",
+):
+    BUILDERS[_name] = lambda n=_name: tiny_model(n)
 
 
 @attrs.frozen
@@ -119,9 +136,8 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
 def case(request: pytest.FixtureRequest) -> Case:
-    make_config, model_cls = BUILDERS[request.param]
     torch.manual_seed(0)
-    model = model_cls(make_config()).eval()
+    model = BUILDERS[request.param]().eval()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (PROMPT,), generator=gen).tolist()
     cache, logits = hf.feed(model, ids)  # one full prefill
@@ -212,17 +228,137 @@ def test_layout_hybrid_has_both() -> None:
 
 
 def test_layout_refuses_what_it_cannot_map() -> None:
-    with pytest.raises(RankError):
+    with pytest.raises(RankError, match="layer 0.*'num_key_value_heads'"):
         hf.cache_map(llama_config(), ranks=3)  # 2 KV heads on 3 ranks
-    sliding = llama_config()
-    sliding.layer_types = ["sliding_attention", "full_attention"]
-    sliding.sliding_window = 8
-    with pytest.raises(LayoutError):
-        hf.cache_map(sliding)
-    unknown = mamba_config()
-    unknown.model_type = "not_a_model"
-    with pytest.raises(LayoutError, match="register_state_rule"):
-        hf.cache_map(unknown)
+    indexed = tiny_config("deepseek_v32")  # DSA: an indexer key cache besides the latent
+    with pytest.raises(LayoutError, match="layer 0: cache layer type 'indexed_attention'.*layer_types"):
+        hf.cache_map(indexed)
+    many = qwen3_next_config()
+    many.number_of_conv_states = 2
+    with pytest.raises(LayoutError, match="layer 0.*'number_of_conv_states'"):
+        hf.cache_map(many)
+    no_window = llama_config()
+    no_window.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(LayoutError, match="'sliding_window'"):
+        hf.cache_map(no_window)
+    no_window.sliding_window = None
+    with pytest.raises(LayoutError, match="layer 0 \\(layer type 'sliding_attention'\\).*'sliding_window'"):
+        hf.cache_map(no_window)
+
+
+def test_layout_sliding_layers_are_segments() -> None:
+    cmap = hf.cache_map(tiny_config("gemma2"), block_tokens=BT, ranks=2)
+    assert [(a.layer, a.window) for a in cmap.attention] == [(0, SLIDING_WINDOW), (1, None)]
+    assert [s.name for s in cmap.layout.segments] == ["tok", "k.0", "v.0", "k.1", "v.1"]
+    assert cmap.layout.snapshots == ()
+    chunked = llama_config()
+    chunked.layer_types = ["chunked_attention", "full_attention"]
+    chunked.attention_chunk_size = 32
+    assert [a.window for a in hf.cache_map(chunked).attention] == [32, None]
+
+
+def test_layout_mla_latent_is_replicated() -> None:
+    cfg = tiny_config("deepseek_v3")
+    for ranks in (1, 2, 3):
+        cmap = hf.cache_map(cfg, block_tokens=BT, ranks=ranks)
+        segs = {s.name: s.shape for s in cmap.layout.segments}
+        assert segs == {
+            "tok": (1,),
+            "kv_latent.0": (1, cfg.kv_lora_rank),
+            "k_rope.0": (1, cfg.qk_rope_head_dim),
+            "kv_latent.1": (1, cfg.kv_lora_rank),
+            "k_rope.1": (1, cfg.qk_rope_head_dim),
+        }
+        assert all(a.latent and a.kv_heads == 1 for a in cmap.attention)
+
+
+@pytest.mark.parametrize(
+    ("fields", "heads"),
+    [
+        ({"num_key_value_heads": 2}, 2),
+        ({"num_kv_heads": 2}, 2),
+        ({"n_head_kv": 1}, 1),
+        ({"multi_query_group_num": 2}, 2),
+        ({"multi_query": True}, 1),
+        ({}, 4),  # no KV field: one KV head per attention head
+    ],
+)
+def test_kv_heads_from_every_config_convention(fields: dict[str, Any], heads: int) -> None:
+    cfg = llama_config()
+    cfg.num_key_value_heads = None
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    cmap = hf.cache_map(cfg, block_tokens=BT, ranks=1)
+    assert [a.kv_heads for a in cmap.attention] == [heads, heads]
+    assert {s.name: s.shape for s in cmap.layout.segments}["k.0"] == (heads, 16)
+
+
+def test_kv_heads_replicated_when_ranks_outnumber_them() -> None:
+    torch.manual_seed(0)
+    model = tiny_model("falcon")  # multi_query: one KV head
+    ids = list(range(40))
+    cache, _ = hf.feed(model, ids)
+    cmap = hf.cache_map(model.config, block_tokens=BT, ranks=4)
+    assert {s.name: s.shape for s in cmap.layout.segments}["k.0"] == (1, 16)
+    t = hf.to_engine(cmap, cache, ids)
+    keys = cache.layers[0].keys[0, :, :32].transpose(0, 1)
+    assert all(torch.equal(t.segments[r]["k.0"], keys) for r in range(4))
+    back = hf.from_engine(cmap, model.config, t.segments, tokens=ids)
+    assert torch.equal(back.layers[0].keys[0, :, :32], cache.layers[0].keys[0, :, :32])
+    t.segments[3]["v.1"] = t.segments[3]["v.1"] + 1
+    with pytest.raises(InvalidInputError, match="replicated 'v.1' head 0"):
+        hf.from_engine(cmap, model.config, t.segments, tokens=ids)
+    two = llama_config()  # 2 KV heads on 4 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1
+    assert hf.cache_map(two, ranks=4).attention[0].head_of_rank(4) == [[0], [0], [1], [1]]
+
+
+def test_sliding_layer_needs_its_past_rows() -> None:
+    """A model's own cache drops rows older than the window: a checkpoint spanning
+    them is refused; feed() keeps them, so the same span stores."""
+    torch.manual_seed(0)
+    model = tiny_model("mistral")
+    cmap = hf.cache_map(model.config, block_tokens=BT)
+    ids = list(range(64))
+    with torch.no_grad():
+        own = model(input_ids=torch.tensor([ids]), use_cache=True).cache
+    with pytest.raises(InvalidInputError, match="layer 0 \\(window 24\\) holds tokens \\[41, 64\\)"):
+        hf.to_engine(cmap, own, ids)
+    cache, _ = hf.feed(model, ids)
+    t = hf.to_engine(cmap, cache, ids)
+    assert t.segments[0]["k.0"].shape == (64, 2, 16)
+    assert torch.equal(t.segments[0]["k.0"][41:], own.layers[0].keys[0, :, -23:].transpose(0, 1))
+
+
+def test_derived_states_need_no_rule() -> None:
+    """Hybrid and recurrent families map from the model's own mixers, no rule needed;
+    a registered rule still wins."""
+    derived = {
+        "zamba2": {"conv.0", "ssm.0", "conv.1", "ssm.1"},
+        "nemotron_h": {"conv.0", "ssm.0"},
+        "lfm2": {"conv.0"},  # a short convolution: no recurrent state
+        "jamba": {"conv.0", "ssm.0"},
+        "mamba2": {"conv.0", "ssm.0", "conv.1", "ssm.1"},
+    }
+    for model_type, names in derived.items():
+        cmap = hf.cache_map(tiny_config(model_type), block_tokens=BT, ranks=2)
+        assert {s.name for s in cmap.layout.snapshots} == names, model_type
+        assert cmap.stepwise == (model_type == "jamba")  # Mamba-1 mixer
+    # a Mamba2 conv window: [x (heads x head_dim) | B (groups x state) | C]; one group
+    # cannot be split, so 2 ranks replicate the state; two groups split by heads and groups
+    conv = hf.cache_map(tiny_config("zamba2"), ranks=2).states[0]
+    assert conv.groups == ((4, 16), (1, 8), (1, 8)) and not conv.sharded(2)
+    conv = hf.cache_map(tiny_config("zamba2", mamba_ngroups=2), ranks=2).states[0]
+    assert conv.groups == ((4, 16), (2, 8), (2, 8)) and conv.rank_shape(2) == (48, 4)
+    cfg = mamba_config()
+    cfg.model_type = "not_registered"
+    assert {s.name for s in hf.cache_map(cfg).layout.snapshots} == {"conv.0", "ssm.0", "conv.1", "ssm.1"}
+    hf.register_state_rule(
+        "not_registered", lambda c, i: [hf.StateSpec(f"s.{i}", i, "recurrent", (3,), groups=[(3, 1)])]
+    )
+    try:
+        assert {s.name for s in hf.cache_map(cfg).layout.snapshots} == {"s.0", "s.1"}
+    finally:
+        hf._STATE_RULES.pop("not_registered")
 
 
 def test_state_split_follows_heads_and_joins_back() -> None:

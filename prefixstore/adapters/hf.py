@@ -10,21 +10,32 @@ How a model's cache maps onto an engine :class:`Layout` (see :func:`cache_map`):
   replicated on every rank). It lets :func:`from_engine` check that restored rows belong to
   the tokens asked for, and gives pure recurrent models (which have no per-token state)
   the segment every layout needs.
-* full-attention layer ``i`` -> segments ``k.i`` and ``v.i`` with per-token shape
+* attention layer ``i`` -> segments ``k.i`` and ``v.i`` with per-token shape
   ``(kv_heads // ranks, head_dim)``, token axis first. Rank ``r`` holds KV heads
   ``[r * kv_heads // ranks, (r + 1) * kv_heads // ranks)``, like tensor parallelism does;
-  ``kv_heads`` must be divisible by ``ranks``.
-* recurrent layer ``i`` (Mamba mixer, Qwen3-Next gated delta-net, ...) -> snapshots
-  ``conv.i`` (the causal-conv window) and ``ssm.i`` (the recurrent state) at the
-  checkpoint's end. Each is split along its channel/head dimension the way tensor
-  parallelism shards it (for Qwen3-Next's conv window: the q, k and v channel groups are
-  each split by heads and every rank holds its ``[q_r, k_r, v_r]``). A state whose heads or
-  channels do not divide evenly by ``ranks`` is *replicated*: every rank stores the whole
-  tensor and :func:`from_engine` checks the copies agree.
+  when ranks outnumber the KV heads (``ranks % kv_heads == 0``) each head is replicated
+  on ``ranks // kv_heads`` consecutive ranks. KV heads are read from every config
+  convention (:data:`KV_HEAD_FIELDS`, ``multi_query``) and checked against the layer's
+  own ``k_proj`` / ``v_proj``.
+* sliding-window / chunked layer -> the same segments: every token's row is stored once
+  and a restore rebuilds the model's sliding layer (which keeps the last ``window - 1``
+  rows). :func:`feed` and restored caches keep such a layer's past rows, so a
+  checkpoint may span more than a window.
+* MLA layer (config declares ``kv_lora_rank``) -> ``kv_latent.i`` (``kv_lora_rank``
+  wide) and ``k_rope.i`` (``qk_rope_head_dim`` wide): the latent, one "head"
+  replicated on every rank as MLA tensor-parallel servers do.
+* recurrent layer ``i`` (Mamba, Mamba2, gated delta-net, short convolution) ->
+  snapshots ``conv.i`` (the causal-conv window) and ``ssm.i`` (the recurrent state, if
+  any) at the checkpoint's end, their shapes read off the model's own mixer modules
+  (:mod:`prefixstore.adapters.hf_states`). Each is split along its channel/head
+  dimension the way tensor parallelism shards it (a conv window's channel groups are
+  each split by heads and every rank holds its ``[q_r, k_r, v_r]`` / ``[x_r, B_r, C_r]``).
+  A state whose heads or channels do not divide evenly by ``ranks`` is *replicated*:
+  every rank stores the whole tensor and :func:`from_engine` checks the copies agree.
 
-Models with recurrent layers need a rule giving their state shapes; ``mamba`` and
-``qwen3_next`` are built in, others can be added with :func:`register_state_rule`.
-Sliding-window attention layers are refused: their cache drops the rows a segment needs.
+:func:`register_state_rule` overrides the derived state of a ``model_type``. Whatever
+cannot be mapped is refused by :func:`cache_map` with a typed error naming the layer,
+its layer type and the config field.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from typing import Any
 import attrs
 import torch
 
+from prefixstore.adapters.hf_states import meta_model, mixer_states
 from prefixstore.engine.errors import (
     InvalidInputError,
     LayoutError,
@@ -76,9 +88,13 @@ __all__ = [
 
 TOKENS = "tok"
 TOKEN_DTYPE = torch.int32
-ATTENTION_TYPES = frozenset({"full_attention", "hybrid"})
+FULL_TYPES = frozenset({"full_attention", "hybrid"})
+SLIDING_TYPES = frozenset({"sliding_attention", "chunked_attention"})
+ATTENTION_TYPES = FULL_TYPES | SLIDING_TYPES
 RECURRENT_TYPES = frozenset({"linear_attention", "conv", "hybrid"})
 SKIPPED_TYPES = frozenset({"dummy"})
+# config conventions for the number of KV heads, in the order they are read
+KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
 
 
 class TokenMismatchError(PrefixStoreError):
@@ -90,19 +106,44 @@ class TokenMismatchError(PrefixStoreError):
 
 @attrs.frozen
 class AttentionSpec:
-    """One full-attention layer: its KV heads (all ranks together) and head size."""
+    """One attention layer's per-token cache: ``kv_heads`` heads (all ranks together)
+    of ``key_dim`` / ``value_dim`` columns.
+
+    ``window`` is the sliding window (or attention chunk) of a sliding / chunked layer,
+    None for a full one. ``latent`` marks an MLA layer: its one "head" is the compressed
+    latent (key: ``kv_lora_rank`` wide, value: the ``qk_rope_head_dim`` rotary key),
+    replicated on every rank like MLA tensor-parallel servers do.
+    """
 
     layer: int
     kv_heads: int
-    head_dim: int
+    key_dim: int
+    value_dim: int
+    window: int | None = None
+    latent: bool = False
 
     @property
     def key_name(self) -> str:
-        return f"k.{self.layer}"
+        return f"kv_latent.{self.layer}" if self.latent else f"k.{self.layer}"
 
     @property
     def value_name(self) -> str:
-        return f"v.{self.layer}"
+        return f"k_rope.{self.layer}" if self.latent else f"v.{self.layer}"
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_dim
+
+    def rank_heads(self, ranks: int) -> int:
+        """KV heads one rank holds: a share, or one replicated head when ranks outnumber them."""
+        return max(self.kv_heads // ranks, 1)
+
+    def head_of_rank(self, ranks: int) -> list[list[int]]:
+        """The heads each rank holds (replicas hold the same head)."""
+        per = self.rank_heads(ranks)
+        if self.kv_heads >= ranks:
+            return [list(range(r * per, (r + 1) * per)) for r in range(ranks)]
+        return [[r * self.kv_heads // ranks] for r in range(ranks)]
 
 
 def _groups(value: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
@@ -255,12 +296,57 @@ class CacheMap:
         return bool(self.states)
 
 
-def _attention_spec(cfg: Any, i: int, ranks: int) -> AttentionSpec:
-    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if heads % ranks:
-        raise RankError(f"layer {i}: {heads} KV heads cannot be split evenly across {ranks} ranks")
-    return AttentionSpec(i, heads, int(head_dim))
+def _field(cfg: Any, *names: str) -> tuple[str, Any]:
+    """The first of ``names`` that ``cfg`` sets (not None), and its value."""
+    for name in names:
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return name, value
+    return names[0], None
+
+
+def _kv_heads(cfg: Any, where: str) -> tuple[str, int]:
+    if getattr(cfg, "multi_query", False) and getattr(cfg, "new_decoder_architecture", False) is not True:
+        return "multi_query", 1
+    name, heads = _field(cfg, *KV_HEAD_FIELDS, "num_attention_heads")
+    if not isinstance(heads, int) or heads <= 0:
+        raise LayoutError(f"{where}: cannot read the KV head count (config field {name!r} = {heads!r})")
+    return name, heads
+
+
+def _window(cfg: Any, kind: str, where: str) -> int | None:
+    if kind not in SLIDING_TYPES:
+        return None
+    field = "attention_chunk_size" if kind == "chunked_attention" else "sliding_window"
+    window = getattr(cfg, field, None)
+    if not isinstance(window, int) or window <= 1:
+        raise LayoutError(f"{where}: needs an integer config field {field!r} > 1, got {window!r}")
+    return window
+
+
+def _attention_spec(cfg: Any, i: int, kind: str, ranks: int) -> AttentionSpec:
+    where = f"layer {i} (layer type {kind!r})"
+    window = _window(cfg, kind, where)
+    rank = getattr(cfg, "kv_lora_rank", None)
+    if rank is not None:  # MLA: one latent "head" of kv_lora_rank + the rotary key
+        rope = getattr(cfg, "qk_rope_head_dim", None)
+        if not isinstance(rank, int) or not isinstance(rope, int):
+            raise LayoutError(
+                f"{where}: MLA needs integer config fields 'kv_lora_rank' and "
+                f"'qk_rope_head_dim', got {rank!r} and {rope!r}"
+            )
+        return AttentionSpec(i, 1, rank, rope, window, latent=True)
+    field, heads = _kv_heads(cfg, where)
+    _, head_dim = _field(cfg, "head_dim", "attention_head_dim")
+    if head_dim is None:
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+    _, value_dim = _field(cfg, "v_head_dim")
+    if heads % ranks and ranks % heads:
+        raise RankError(
+            f"{where}: {heads} KV heads (config field {field!r}) can be neither split "
+            f"evenly across {ranks} ranks nor replicated onto them"
+        )
+    return AttentionSpec(i, heads, int(head_dim), int(value_dim or head_dim), window)
 
 
 def cache_map(
@@ -273,33 +359,63 @@ def cache_map(
 ) -> CacheMap:
     """Derive the cache map (and engine layout) of a transformers model config.
 
+    ``config`` may also be the model itself (its recurrent mixers are read directly;
+    from a bare config they are read off the model built on the meta device).
     ``dtype`` is the KV dtype. Snapshot dtypes default to what transformers keeps:
     conv windows in ``dtype``, recurrent (SSM / delta-rule) states in float32 whatever
-    the model dtype; ``state_dtype`` overrides both.
+    the model dtype; ``state_dtype`` overrides both. Whatever cannot be mapped is
+    refused here, with the layer, its layer type and the config field.
     """
+    model = config if isinstance(config, torch.nn.Module) else None
+    config = model.config if model is not None else config
     text = config.get_text_config(decoder=True)
     model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
-    layer_types, _ = get_layer_types_and_kwargs(text)
+    _check_causal_cache(config, text)
+    try:
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise LayoutError(f"cannot read the cache layer types of this config: {exc}") from exc
     layer_cfgs = list(text.per_layer_config)
     if ranks <= 0:
         raise RankError(f"ranks must be positive, got {ranks}")
     attention: list[AttentionSpec] = []
     states: list[StateSpec] = []
-    for i, (kind, cfg) in enumerate(zip(layer_types, layer_cfgs, strict=True)):
+    stepwise = model_type in _STEPWISE
+    probe: torch.nn.Module | bool | None = None  # the model read for KV head counts
+    for i, (kind, cfg, kw) in enumerate(zip(layer_types, layer_cfgs, layer_kwargs, strict=True)):
         if kind in SKIPPED_TYPES:
             continue
         if kind not in ATTENTION_TYPES | RECURRENT_TYPES:
-            raise LayoutError(f"layer {i}: cache layer type {kind!r} is not supported")
+            raise LayoutError(
+                f"layer {i}: cache layer type {kind!r} (config field 'layer_types') is not "
+                f"supported; supported: {sorted(ATTENTION_TYPES | RECURRENT_TYPES | SKIPPED_TYPES)}"
+            )
         if kind in ATTENTION_TYPES:
-            attention.append(_attention_spec(cfg, i, ranks))
+            spec = _attention_spec(cfg, i, kind, ranks)
+            if probe is None:
+                probe = model or _try_meta_model(config)
+                _check_causal_attention(text, probe)
+            if not spec.latent and probe:
+                spec = _checked_heads(spec, probe, kind, ranks)
+            attention.append(spec)
         if kind in RECURRENT_TYPES:
-            rule = _STATE_RULES.get(model_type)
-            if rule is None:
+            if kw.get("number_of_states", 1) != 1:
                 raise LayoutError(
-                    f"no recurrent-state rule for model_type {model_type!r}; "
-                    "add one with register_state_rule()"
+                    f"layer {i} (layer type {kind!r}): config field 'number_of_conv_states' = "
+                    f"{kw['number_of_states']}; only one state per layer is supported"
                 )
-            states.extend(rule(cfg, i))
+            rule = _STATE_RULES.get(model_type)
+            if rule is not None:
+                states.extend(rule(cfg, i))
+                continue
+            if model is None:
+                model = _meta_model(config, i, kind)
+            derived = mixer_states(model, i, kind)
+            stepwise = stepwise or derived.stepwise
+            states.extend(
+                StateSpec(f"{suffix}.{i}", i, skind, shape, groups=groups)
+                for suffix, skind, shape, groups in derived.tensors
+            )
 
     def sdtype(s: StateSpec) -> torch.dtype | str:
         if state_dtype is not None:
@@ -308,10 +424,10 @@ def cache_map(
 
     segments = [TensorSpec(TOKENS, TOKEN_DTYPE, (1,))]
     for a in attention:
-        per_rank = (a.kv_heads // ranks, a.head_dim)
+        heads = a.rank_heads(ranks)
         segments += [
-            TensorSpec(a.key_name, dtype, per_rank),
-            TensorSpec(a.value_name, dtype, per_rank),
+            TensorSpec(a.key_name, dtype, (heads, a.key_dim)),
+            TensorSpec(a.value_name, dtype, (heads, a.value_dim)),
         ]
     snapshots = [TensorSpec(s.name, sdtype(s), s.rank_shape(ranks)) for s in states]
     layout = Layout(segments=segments, block_tokens=block_tokens, snapshots=snapshots, ranks=ranks)
@@ -321,8 +437,81 @@ def cache_map(
         num_layers=len(layer_types),
         attention=tuple(attention),
         states=tuple(states),
-        stepwise=model_type in _STEPWISE,
+        stepwise=stepwise,
     )
+
+
+def _check_causal_cache(config: Any, text: Any) -> None:
+    """Refuse configs whose model keeps no per-token cache of the tokens alone."""
+    for cfg, field, bad in (
+        (config, "is_encoder_decoder", True),
+        (text, "add_cross_attention", True),  # a decoder that expects encoder states
+    ):
+        if getattr(cfg, field, None) is bad:
+            raise LayoutError(
+                f"config field {field!r} is {bad}: the cache is not a causal self-attention cache"
+            )
+    if getattr(text, "prompt_length", 0):
+        raise LayoutError(
+            f"config field 'prompt_length' = {text.prompt_length}: the cache holds "
+            "learned prompt rows before the tokens"
+        )
+
+
+def _check_causal_attention(text: Any, model: torch.nn.Module | bool) -> None:
+    """BERT-style models (``is_decoder`` False) attend both ways and keep no cache;
+    a model whose attention declares ``is_causal`` ignores the field."""
+    if getattr(text, "is_decoder", None) is not False:
+        return
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    if not any(getattr(m, "is_causal", None) is True for m in modules):
+        raise LayoutError(
+            "config field 'is_decoder' is False and no attention layer is causal: "
+            "the model keeps no causal cache"
+        )
+
+
+def _checked_heads(
+    spec: AttentionSpec, model: torch.nn.Module, kind: str, ranks: int
+) -> AttentionSpec:
+    """The KV head count the layer's own ``k_proj`` / ``v_proj`` produce, where it has
+    them (a model may scale the config's count for some layer types)."""
+    for module in model.modules():
+        if getattr(module, "layer_idx", None) != spec.layer:
+            continue
+        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if not (isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear)):
+            continue
+        heads, rest = divmod(k.out_features, spec.key_dim)
+        if rest or heads * spec.value_dim != v.out_features or heads == spec.kv_heads:
+            return spec
+        if heads % ranks and ranks % heads:
+            raise RankError(
+                f"layer {spec.layer} (layer type {kind!r}): its k_proj gives {heads} KV heads, "
+                f"which can be neither split evenly across {ranks} ranks nor replicated"
+            )
+        return attrs.evolve(spec, kv_heads=heads)
+    return spec
+
+
+def _try_meta_model(config: Any) -> torch.nn.Module | bool:
+    """The meta-device model, or False where it cannot be built from ``config``."""
+    try:
+        return meta_model(config)
+    except LayoutError:
+        raise
+    except Exception:
+        return False
+
+
+def _meta_model(config: Any, layer: int, kind: str) -> torch.nn.Module:
+    try:
+        return meta_model(config)
+    except Exception as exc:  # the model class itself rejects the config
+        raise LayoutError(
+            f"layer {layer} (layer type {kind!r}): cannot build the model to read its "
+            f"cache shapes: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def layout_for(config: Any, **kwargs: Any) -> Layout:
@@ -395,12 +584,20 @@ def to_engine(
     segments: list[dict[str, torch.Tensor]] = [{TOKENS: tok.clone()} for _ in range(ranks)]
     for a in cmap.attention:
         layer = cache.layers[a.layer]
+        heads = a.head_of_rank(ranks)
         for name, full in ((a.key_name, layer.keys), (a.value_name, layer.values)):
             if full is None or full.dim() != 4 or full.shape[0] != 1:
                 raise ShapeError(f"layer {a.layer}: expected a (1, heads, tokens, dim) KV tensor")
-            rows = full[0, :, start_tok:end_tok].transpose(0, 1)  # (tokens, heads, dim)
-            for r, part in enumerate(rows.chunk(ranks, dim=1)):
-                segments[r][name] = _copy(part)
+            first = total - full.shape[2]  # sliding layers keep only their last rows
+            if start_tok < first:
+                raise InvalidInputError(
+                    f"layer {a.layer} (window {a.window}) holds tokens [{first}, {total}) only, "
+                    f"cannot checkpoint from token {start_tok}: feed the cache with feed(), "
+                    "which keeps sliding layers' past rows"
+                )
+            rows = full[0, :, start_tok - first : end_tok - first].transpose(0, 1)
+            for r in range(ranks):
+                segments[r][name] = _copy(rows[:, heads[r][0] : heads[r][-1] + 1])
     snapshot: list[dict[str, torch.Tensor]] | None = None
     if cmap.has_snapshot:
         snapshot = [{} for _ in range(ranks)]
@@ -426,6 +623,33 @@ def _read_state(cache: Cache, s: StateSpec) -> torch.Tensor:
     if t is None or t.dim() != len(s.shape) + 1 or t.shape[0] != 1:
         raise ShapeError(f"state {s.name!r}: expected batch size 1 and shape {s.shape}")
     return t
+
+
+def _join_heads(a: AttentionSpec, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-rank ``(tokens, heads, dim)`` rows -> all heads; replicas must agree."""
+    ranks = len(parts)
+    if a.kv_heads >= ranks:
+        return torch.cat(list(parts), dim=1)
+    heads = a.head_of_rank(ranks)
+    out = []
+    for h in range(a.kv_heads):
+        holders = [r for r in range(ranks) if heads[r] == [h]]
+        for r in holders[1:]:
+            if not torch.equal(parts[r], parts[holders[0]]):
+                raise InvalidInputError(
+                    f"replicated {name!r} head {h} differs between rank {holders[0]} and rank {r}"
+                )
+        out.append(parts[holders[0]])
+    return torch.cat(out, dim=1)
+
+
+def record_past(cache: Cache) -> Cache:
+    """Make ``cache``'s sliding / chunked layers keep their past rows (a checkpoint
+    stores every token's rows; the model still attends within its window)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()
+    return cache
 
 
 def from_engine(
@@ -473,14 +697,20 @@ def from_engine(
         if have is None or have < start_tok:
             raise InvalidInputError(f"base cache holds {have} tokens, need {start_tok}")
     cache = DynamicCache(config=config)
+    record_past(cache)
     for a in cmap.attention:
         pair = []
         for name in (a.key_name, a.value_name):
-            rows = torch.cat([segments[r][name] for r in range(cmap.ranks)], dim=1)
+            rows = _join_heads(a, name, [segments[r][name] for r in range(cmap.ranks)])
             t = rows.transpose(0, 1).unsqueeze(0)  # (1, heads, tokens, dim)
             if start_tok:
                 old = base.layers[a.layer]
                 prev = old.keys if name == a.key_name else old.values
+                first = _attention_length(cmap, base) - prev.shape[2]
+                if first > 0:
+                    raise InvalidInputError(
+                        f"layer {a.layer}: the base cache dropped tokens [0, {first})"
+                    )
                 t = torch.cat([prev[:, :, :start_tok].to(t.device), t], dim=2)
             pair.append(t.to(device).contiguous() if device is not None else t.contiguous())
         cache.layers[a.layer].update(pair[0], pair[1])
@@ -526,6 +756,8 @@ def feed(
     device = next(model.parameters()).device
     ids = ids.to(device).unsqueeze(0)
     chunks = ids.split(1, dim=1) if (stepwise and cache is not None) else (ids,)
+    if cache is None:
+        cache = record_past(DynamicCache(config=model.config))
     out = None
     for chunk in chunks:
         out = model(input_ids=chunk, cache=cache, use_cache=True)

@@ -1,0 +1,174 @@
+"""Tiny random-init transformers models built from configs (for tests and examples).
+
+:func:`tiny_config` shrinks the default config of any ``model_type`` to a few layers
+of width 64 and a vocabulary of 256, keeping each kind of layer the default has (so a
+hybrid stays hybrid). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from prefixstore.engine.errors import InvalidInputError
+
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("prefixstore.adapters.hf_tiny needs transformers 5.x") from exc
+
+VOCAB = 256
+HIDDEN = 64
+LAYERS = 2
+SLIDING_WINDOW = 24  # shorter than the test prompts: sliding layers really slide
+
+# config field -> tiny value (set only where the default config has the field)
+_SIZES: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "attention_head_dim": 16,
+    "max_position_embeddings": 512,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "mamba_n_heads": 4,
+    "mamba_num_heads": 4,
+    "n_mamba_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "mamba_headdim": 16,
+    "mamba_d_state": 8,
+    "ssm_state_size": 8,
+    "state_size": 8,
+    "mamba_d_ssm": 64,
+    "mamba_dt_rank": 8,
+    "time_step_rank": 8,
+    "mamba_chunk_size": 16,
+    "chunk_size": 16,
+    "num_heads": 4,
+    "mamba_expand": 1,
+    "expand": 1,
+    "d_model": HIDDEN,
+    "n_embd": HIDDEN,
+    "n_positions": 512,
+    "n_ctx": 512,
+    "index_head_dim": 16,
+    "index_n_heads": 2,
+    "index_topk": 8,
+    "encoder_layers": 1,
+    "decoder_layers": LAYERS,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "n_inner": 128,
+    "ffn_dim": 128,
+    "num_key_value_groups": 1,
+}
+_WINDOWS = ("sliding_window", "attention_chunk_size", "attention_window_size", "sliding_window_size")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def causal_lm_types() -> list[str]:
+    """Every ``model_type`` the installed transformers maps to a causal-LM class."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _keep_kinds(layer_types: list[str], n: int) -> list[str]:
+    """The first ``n`` layer types, widened so that each kind present appears once."""
+    kinds = list(dict.fromkeys(layer_types))
+    return kinds if len(kinds) >= n else (kinds * n)[:n]
+
+
+# per-model fields a generic shrink cannot guess (layer pattern fields, group counts)
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": SLIDING_WINDOW},
+    "falcon": {"multi_query": True, "new_decoder_architecture": False},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "mamba_ngroups": 1},
+    "nemotron_h": {"layers_block_type": ["linear_attention", "full_attention"], "n_groups": 1},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+    },
+    "mamba2": {"n_groups": 2},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "deepseek_v2": {"topk_method": "greedy", "n_group": 1, "topk_group": 1},
+}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """The default config of ``model_type`` shrunk to a tiny model.
+
+    Fields are passed to the config class (so derived fields such as ``layer_types``
+    follow), then :data:`OVERRIDES` for ``model_type``, then ``overrides``.
+    """
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise InvalidInputError(f"model_type {model_type!r} is not a causal LM of this transformers")
+    fields = AutoConfig.for_model(model_type).get_text_config(decoder=True).to_dict()
+    kw: dict[str, Any] = {}
+    for name, value in _SIZES.items():
+        if name in fields and fields[name] is not None:
+            kw[name] = value
+    mla = fields.get("kv_lora_rank") is not None
+    if mla:  # the rotary width is the head size
+        kw.pop("head_dim", None)
+    for name in ("num_key_value_heads", "num_kv_heads", "n_head_kv"):
+        if isinstance(fields.get(name), int):
+            kw[name] = min(fields[name], 4 if mla else 2)
+    if "n_head" in fields:
+        kw["n_head"] = 4
+    for name in _WINDOWS:
+        if isinstance(fields.get(name), int):
+            kw[name] = SLIDING_WINDOW
+    for name in _TOKEN_IDS:
+        if isinstance(fields.get(name), int) and fields[name] >= VOCAB:
+            kw[name] = VOCAB - 1
+    layers = LAYERS
+    for name in ("layer_types", "layers_block_type"):
+        if isinstance(fields.get(name), list) and fields[name]:
+            kw[name] = _keep_kinds(fields[name], LAYERS)
+            layers = len(kw[name])
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if name in fields:
+            kw[name] = layers
+    kw.update(OVERRIDES.get(model_type, {}))
+    kw.update(overrides)
+    default = AutoConfig.for_model(model_type)
+    if default.get_text_config(decoder=True) is not default and "text_config" in default.to_dict():
+        return AutoConfig.for_model(model_type, text_config=kw)  # a composite (multimodal) config
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+    """A tiny random-init causal LM of ``model_type`` (fp32, CPU, eval mode)."""
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
