@@ -36,7 +36,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                    help="the catalog's SQLite synchronous setting (default NORMAL)")
     g.add_argument("--plots", default=None, metavar="PLOTDIR",
                    help="write hit_ratio.png, capacity.png and latency.png there")
-    g.add_argument("--keep", action="store_true", help="keep the temp cache directory")
+    g.add_argument("--keep", action="store_true",
+                   help="keep the temp cache directory (trace or --scenario, without DIR)")
     g.add_argument("--quiet", action="store_true", help="no progress display on stderr")
 
 
@@ -80,7 +81,8 @@ def run_trace(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("replay: --plots needs matplotlib (pip install -e '.[plots]')", file=sys.stderr)
+            print("replay: --plots needs matplotlib: install the plots extra "
+                  "(pip install 'prefixstore[plots]')", file=sys.stderr)
             return 2
     try:
         cfg = ReplayConfig(
