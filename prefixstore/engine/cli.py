@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
+        return rc
     except PrefixStoreError as exc:
         print(f"prefixstore {args.command}: {one_line(exc)}", file=sys.stderr)
         return 2
