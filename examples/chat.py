@@ -8,19 +8,26 @@ random (``torch.manual_seed``), so the replies are noise, but the bookkeeping is
 
     python examples/chat.py                      # temp dir, 6 turns, 1 rank
     python examples/chat.py --ranks 2 --dir /tmp/chat-cache   # run twice: turn 0 restores
+
+Needs the ``transformers`` extra: ``pip install 'prefixstore[transformers]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from prefixstore.adapters.hf import HFPrefixCache, greedy
+try:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prefixstore.adapters.hf import HFPrefixCache, greedy
+except ImportError:
+    sys.exit("examples/chat.py needs transformers: pip install 'prefixstore[transformers]'")
 
 MESSAGES = [
     "Hello! Can you help me plan a trip?",

@@ -5,7 +5,8 @@ checked after every step and every recovery.
 One seed replays a whole campaign. The first failure of each kind is shrunk to a short
 op list and saved as a JSON reproducer under --out (--all-reproducers: every failure);
 `prefixstore fuzz --replay FILE` replays it. Interrupted (Ctrl-C), it prints the
-summary of what ran. Needs the `fuzz` extra (pip install 'prefixstore[fuzz]').
+summary of what ran. It needs no extra (the Hypothesis machines in `stateful.py`
+need the `fuzz` extra).
 Exit status: 0 clean, 1 a violation was found (or replayed), 2 bad arguments,
 130 interrupted without a violation.
 
