@@ -44,9 +44,9 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 class Progress:
     """A one-line progress display on stderr (a line every 10%% when not a terminal)."""
 
-    def __init__(self, stream=sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None) -> None:
+        self.stream = sys.stderr if stream is None else stream  # the stderr of now, not of import time
+        self.tty = self.stream.isatty()
         self.last_decile = -1
 
     def __call__(self, s: dict[str, Any]) -> None:
