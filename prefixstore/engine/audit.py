@@ -668,6 +668,13 @@ def _drop_in_flight_findings(rep: AuditReport, reread: Callable[[], CatalogRows]
     if dropped:
         gone = {id(v) for v in dropped}
         rep.violations = [v for v in rep.violations if id(v) not in gone]
+        newer = {(v.subject[1], v.subject[2]) for v in dropped if v.subject[0] in ("orphan", "foreign")}
+        rep.unknown_files = [u for u in rep.unknown_files
+                             if (int(u.split("/", 1)[0][4:]), u.split("/", 1)[1]) not in newer]
+        for info in rep.ranks:
+            info["unknown"] = [e for e in info["unknown"] if (info["rank"], e) not in newer]
+        if rep.accounting:
+            rep.accounting["unknown_files"] = len(rep.unknown_files)
         rep.notes.append(f"{len(dropped)} finding(s) against the catalog snapshot were explained by "
                          "the running engine's work (re-checked against a later catalog read)")
 
