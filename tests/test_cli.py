@@ -176,7 +176,6 @@ def test_soak_removes_its_temp_dir_unless_keep(own_tmp, capsys):
     assert len(kept) == 1 and kept[0].startswith("prefixstore-soak-") and "kept" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_seed_scenario_removes_its_temp_dir(own_tmp, capsys):
     assert main(["replay", "--scenario", "seed", "--json"]) == 0
     cap = capsys.readouterr()
