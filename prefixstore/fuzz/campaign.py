@@ -354,81 +354,70 @@ def run_campaign(
             return False
         return deadline is None or time.monotonic() < deadline
 
-    saved: Counter[str] = Counter()
+    saved: Counter[str] = Counter()  # reproducers written, per violation kind
     try:
-        _runs(res, master, budget_left, ranks, plant, prof, workdir, watchdog_s, progress, t0,
-              lambda kind: reproducers_per_kind is None or saved[kind] < reproducers_per_kind,
-              saved, out, stop_after, shrink_s)
+        while budget_left():
+            run_seed = master.getrandbits(32)
+            cfg = draw_config(run_seed, ranks, plant)
+            gen = OpGen(run_seed, cfg, prof)
+            res.runs += 1
+            res.configs[f"ranks={cfg.ranks} {cfg.synchronous} {'snap' if cfg.snapshot else 'nosnap'} {cfg.policy}"] += 1
+            base = _workdir(workdir)
+            ops: list[dict[str, Any]] = []
+            violation: Violation | None = None
+            d: Driver | None = None
+            interrupted = False
+            try:
+                d = Driver(cfg, os.path.join(base, "cache"), plant)
+                last = time.monotonic()
+                while len(ops) < prof.run_ops and budget_left():
+                    op = gen.next()
+                    ops.append(op)
+                    res.steps += 1
+                    if watchdog_s:
+                        watchdog_s = _arm_watchdog(watchdog_s)
+                    try:
+                        d.apply(op)
+                    except Violation as v:
+                        violation = v
+                        break
+                    finally:
+                        if watchdog_s:
+                            faulthandler.cancel_dump_traceback_later()
+                    if progress is not None and time.monotonic() - last > 1.0:
+                        last = time.monotonic()
+                        progress(_merged(res, d))
+            except KeyboardInterrupt:
+                interrupted = True
+                raise
+            finally:
+                if d is not None:
+                    try:
+                        d.close()
+                    except Exception as exc:  # a clean close must not fail (unless interrupted)
+                        if not interrupted:
+                            violation = violation or Violation(
+                                "exception", f"close raised {type(exc).__name__}: {exc}")
+                    res.counts.update(d.counts)
+                    res.faults.update(d.fault_counts())
+                shutil.rmtree(base, ignore_errors=True)
+            if violation is not None:
+                keep = reproducers_per_kind is None or saved[violation.kind] < reproducers_per_kind
+                res.violations.append(_report(res, cfg, run_seed, ops, violation, plant,
+                                              out if keep else None, workdir,
+                                              (prof.shrink_s if shrink_s is None else shrink_s) if keep else 0))
+                saved[violation.kind] += keep and out is not None
+                if not keep:
+                    res.violations[-1]["repeat"] = True  # its kind has a reproducer already
+                if stop_after is not None and len(res.violations) >= stop_after:
+                    break
+            if progress is not None:
+                res.elapsed_s = time.monotonic() - t0
+                progress(res)
     except KeyboardInterrupt:
         res.interrupted = True
     res.elapsed_s = time.monotonic() - t0
     return res
-
-
-def _runs(res: CampaignResult, master: random.Random, budget_left: Callable[[], bool],
-          ranks: int | None, plant: Any, prof: Profile, workdir: str | None,
-          watchdog_s: float | None, progress: Callable[[CampaignResult], None] | None,
-          t0: float, wanted: Callable[[str], bool], saved: Counter[str], out: str | None,
-          stop_after: int | None, shrink_s: float | None) -> None:
-    """The campaign's loop of runs (``run_campaign``'s body)."""
-    while budget_left():
-        run_seed = master.getrandbits(32)
-        cfg = draw_config(run_seed, ranks, plant)
-        gen = OpGen(run_seed, cfg, prof)
-        res.runs += 1
-        res.configs[f"ranks={cfg.ranks} {cfg.synchronous} {'snap' if cfg.snapshot else 'nosnap'} {cfg.policy}"] += 1
-        base = _workdir(workdir)
-        ops: list[dict[str, Any]] = []
-        violation: Violation | None = None
-        d: Driver | None = None
-        interrupted = False
-        try:
-            d = Driver(cfg, os.path.join(base, "cache"), plant)
-            last = time.monotonic()
-            while len(ops) < prof.run_ops and budget_left():
-                op = gen.next()
-                ops.append(op)
-                res.steps += 1
-                if watchdog_s:
-                    watchdog_s = _arm_watchdog(watchdog_s)
-                try:
-                    d.apply(op)
-                except Violation as v:
-                    violation = v
-                    break
-                finally:
-                    if watchdog_s:
-                        faulthandler.cancel_dump_traceback_later()
-                if progress is not None and time.monotonic() - last > 1.0:
-                    last = time.monotonic()
-                    progress(_merged(res, d))
-        except KeyboardInterrupt:
-            interrupted = True
-            raise
-        finally:
-            if d is not None:
-                try:
-                    d.close()
-                except Exception as exc:  # a clean close must not fail (unless interrupted)
-                    if not interrupted:
-                        violation = violation or Violation(
-                            "exception", f"close raised {type(exc).__name__}: {exc}")
-                res.counts.update(d.counts)
-                res.faults.update(d.fault_counts())
-            shutil.rmtree(base, ignore_errors=True)
-        if violation is not None:
-            keep = wanted(violation.kind)
-            res.violations.append(_report(res, cfg, run_seed, ops, violation, plant,
-                                          out if keep else None, workdir,
-                                          (prof.shrink_s if shrink_s is None else shrink_s) if keep else 0))
-            saved[violation.kind] += keep and out is not None
-            if not keep:
-                res.violations[-1]["repeat"] = True  # its kind has a reproducer already
-            if stop_after is not None and len(res.violations) >= stop_after:
-                break
-        if progress is not None:
-            res.elapsed_s = time.monotonic() - t0
-            progress(res)
 
 
 def _arm_watchdog(seconds: float) -> float | None:
