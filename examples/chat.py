@@ -13,20 +13,27 @@ random (``torch.manual_seed``), so the replies are noise, but the bookkeeping is
 
 ``--model`` takes any ``model_type`` of the installed transformers, built tiny from its
 default config (``prefixstore.adapters.hf_tiny``; sliding windows of 24 tokens).
+
+Needs the ``transformers`` extra: ``pip install 'prefixstore[transformers]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from prefixstore.adapters.hf import HFPrefixCache, greedy
-from prefixstore.adapters.hf_tiny import tiny_model
+try:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prefixstore.adapters.hf import HFPrefixCache, greedy
+    from prefixstore.adapters.hf_tiny import tiny_model
+except ImportError:
+    sys.exit("examples/chat.py needs transformers: pip install 'prefixstore[transformers]'")
 
 MESSAGES = [
     "Hello! Can you help me plan a trip?",

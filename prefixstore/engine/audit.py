@@ -32,6 +32,15 @@ Shards are read with ``O_NOATIME`` where the OS allows it. Invariants checked he
 6. (live engine) every pinned or fenced node is still in the index;
 7. the journal holds no unfinished transaction (a violation when ``quiescent``);
 8. no ready node depends on an evicted segment (every ancestor has its backing).
+
+Beside a running engine the catalog is one read transaction (a snapshot), and the
+rank directories are scanned after it, while the engine keeps working. Its
+unfinished journal rows are transactions in flight, not violations. What the scan
+finds against the snapshot (an entry the snapshot does not know, a ready node's
+shard missing, short or unreadable) is re-checked against a second catalog read
+taken after the scan: an entry the second read knows, or that is gone by then, is
+newer than the snapshot; a shard whose node was evicted, replaced or marked damaged
+in between was retired by the engine. Only what survives the re-check is reported.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import shutil
 import sqlite3
 import stat
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -90,6 +99,9 @@ _ROOT_ENTRIES = {CATALOG_NAME, f"{CATALOG_NAME}-wal", f"{CATALOG_NAME}-shm", f"{
 class Violation:
     invariant: int
     detail: str
+    subject: tuple | None = attrs.field(default=None, eq=False, repr=False)
+    """What the finding rests on, for the re-check beside a running engine:
+    ``("entry", rank, name)`` or ``("shard", node, generation, rank, name)``."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"invariant": self.invariant, "detail": self.detail}
@@ -119,8 +131,8 @@ class AuditReport:
     def ok(self) -> bool:
         return not self.violations
 
-    def add(self, invariant: int, detail: str) -> None:
-        self.violations.append(Violation(invariant, detail))
+    def add(self, invariant: int, detail: str, subject: tuple | None = None) -> None:
+        self.violations.append(Violation(invariant, detail, subject))
 
     def status(self, invariant: int) -> str:
         """'ok', 'violated' or 'not checked' for one invariant."""
@@ -259,17 +271,21 @@ def audit_dir(
     rank_dirs: Sequence[str] | None = None,
     checksums: bool = True,
     expected: Iterable[bytes] = (),
-    quiescent: bool = True,
+    quiescent: bool | None = None,
     live: bool | None = None,
 ) -> AuditReport:
     """Audit the cache at ``root``. Raises NotACacheError / SchemaVersionError if unreadable.
 
     ``expected``: keys of acknowledged checkpoints (invariant 4). ``quiescent``:
-    an unfinished transaction is a violation (False while an engine works).
+    an unfinished transaction is a violation (default: unless an engine holds the
+    directory). ``live``: whether an engine holds it (probed when None); beside one,
+    findings against the catalog snapshot are re-checked (see the module docstring).
     """
-    rows = read_catalog(root, live=live)
+    running = engine_running(root) if live is None else live
+    rows = read_catalog(root, live=running)
     return audit_rows(rows, root, rank_dirs=rank_dirs, checksums=checksums,
-                      expected=set(expected), quiescent=quiescent)
+                      expected=set(expected), quiescent=not running if quiescent is None else quiescent,
+                      recheck=(lambda: read_catalog(root, live=True)) if running else None)
 
 
 def _audit_index(eng: Engine, rep: AuditReport) -> None:
@@ -333,8 +349,13 @@ def audit_rows(
     checksums: bool = True,
     expected: set[bytes] | None = None,
     quiescent: bool = True,
+    recheck: Callable[[], CatalogRows] | None = None,
 ) -> AuditReport:
-    """Audit catalog ``rows`` against the rank directories (the core of ``audit_dir``)."""
+    """Audit catalog ``rows`` against the rank directories (the core of ``audit_dir``).
+
+    ``recheck``: a running engine holds the directory; it reads the catalog again
+    after the scan, and findings the engine's own work explains are dropped.
+    """
     rep = AuditReport(source=rows.source)
     try:
         layout = Layout.from_json(rows.meta.get("layout", ""))
@@ -371,7 +392,7 @@ def audit_rows(
                             f"{', '.join(moved[:5])}" + (" ..." if len(moved) > 5 else ""))
         files = S.reattached(nodes, files)
 
-    _journal(rep, rows, files, quiescent)
+    _journal(rep, rows, files, quiescent, in_flight=recheck is not None)
     on_disk = durable_shards(dirs, files) if rows.meta.get("backing") == "memory" else []
     if on_disk:
         rep.add(3, f"the catalog says backing=memory, but {len(on_disk)} shard files it names are on disk "
@@ -398,6 +419,9 @@ def audit_rows(
     nodes_after = {n: (*r[: S.GEN], regen[n], *r[S.GEN + 1 :]) if n in regen else r for n, r in nodes.items()}
     files = _as_recovered(rep, layout, nodes, files, dirs, disk, checksums)
     _ready_nodes(rep, layout, nodes_after, files, dirs, disk, checksums, backed)
+    if recheck is not None:
+        _drop_in_flight_findings(rep, recheck, dirs)
+    _recovery_lines(rep)
     if expected:
         present = {bytes(r[S.KEY]) for r in nodes.values()}
         lost = expected - present
@@ -410,7 +434,9 @@ def audit_rows(
     return rep
 
 
-def _journal(rep: AuditReport, rows: CatalogRows, files, quiescent: bool) -> None:
+def _journal(rep: AuditReport, rows: CatalogRows, files, quiescent: bool, in_flight: bool = False) -> None:
+    """Each unfinished transaction with what recovery would do with it; a violation
+    when ``quiescent``; ``in_flight``: a running engine is working on them."""
     by_txn: dict[int, list[tuple]] = {}
     for f in files:
         if f[7] is not None:
@@ -444,10 +470,14 @@ def _journal(rep: AuditReport, rows: CatalogRows, files, quiescent: bool) -> Non
         else:
             action = f"finish rolling back {what}: unlink {len(owned)} files ({nbytes} bytes)"
         entry["action"] = action
+        if in_flight:
+            entry["in_flight"] = True
         rep.journal.append(entry)
         if quiescent:
             rep.add(7, f"journal holds unfinished {kind} transaction {tid} in state {state}")
-    rep.checked[7] = f"{len(rows.journal)} unfinished transactions" + ("" if quiescent else " (engine at work)")
+    rep.checked[7] = f"{len(rows.journal)} unfinished transactions" + (
+        "" if quiescent else " in flight (a running engine holds the directory)" if in_flight
+        else " (engine at work)")
 
 
 @attrs.define
@@ -467,7 +497,6 @@ def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, fil
     # A file in flight owns its temporary; so does garbage (a failed cleanup may have
     # left a short temporary of a failed write; reclaiming removes both).
     in_flight = {(f[0], f[1]) for f in files if f[6] in ("writing", "garbage")}
-    orphans, foreign = [], []
     for r, d in enumerate(dirs):
         # A rank "directory" may be a view of a RAM-only rank (backing='memory'): an
         # object with listdir(), size(name) and read_shard(name).
@@ -520,18 +549,10 @@ def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, fil
                 rep.recovery.append(f"re-attach {where} to node {current[e]} if it verifies as that shard "
                                     "(else move it to lost+found/)")
             elif S.SHARD_RE.match(base) and regular:
-                orphans.append(where)
-                rep.add(3, f"file {where} is unknown to the catalog (an orphan shard)")
+                rep.add(3, f"file {where} is unknown to the catalog (an orphan shard)", ("orphan", r, e))
             else:
-                foreign.append(where)
-                rep.add(3, f"entry {where} is unknown to the catalog (foreign)")
+                rep.add(3, f"entry {where} is unknown to the catalog (foreign)", ("foreign", r, e))
         rep.ranks.append(info)
-    if orphans:
-        rep.recovery.append(f"remove {len(orphans)} orphan shard files: {', '.join(orphans[:5])}"
-                            + (" ..." if len(orphans) > 5 else ""))
-    if foreign:
-        rep.recovery.append(f"move {len(foreign)} foreign entries to lost+found/: {', '.join(foreign[:5])}"
-                            + (" ..." if len(foreign) > 5 else ""))
     if os.path.isdir(root):
         rank_names = {rank_dir_name(r) for r in range(layout.ranks)}
         extra = sorted(set(os.listdir(root)) - _ROOT_ENTRIES - rank_names)
@@ -647,48 +668,38 @@ def _ready_nodes(
     for rank, name, node, gen, size, ck, status, _txn in files:
         if status == "live" and node in nodes:
             live_by_node.setdefault(node, {})[rank] = (name, gen, size, ck)
-    stat_damaged, read_damaged = [], []
     for nid, row in sorted(nodes.items()):
         if row[S.STATE] != "ready":
             continue
         live = live_by_node.get(nid, {})
         if set(live) != set(range(layout.ranks)):
-            rep.add(1, f"ready node {nid} has shards on ranks {sorted(live)}, needs 0..{layout.ranks - 1}")
-            stat_damaged.append(nid)
+            rep.add(1, f"ready node {nid} has shards on ranks {sorted(live)}, needs 0..{layout.ranks - 1}",
+                    ("missing", nid, row[S.GEN], None, None))
             continue
         for r, (name, _gen, size, ck) in sorted(live.items()):
             rep.files_checked += 1
             on = disk.entries.get((r, name))
+            missing = ("missing", nid, row[S.GEN], r, name)
             if on is None:
-                rep.add(1, f"node {nid} rank {r}: shard {name} missing")
-                stat_damaged.append(nid)
+                rep.add(1, f"node {nid} rank {r}: shard {name} missing", missing)
                 break
             if not on[1]:
-                rep.add(1, f"node {nid} rank {r}: shard {name} is not a regular file")
-                stat_damaged.append(nid)
+                rep.add(1, f"node {nid} rank {r}: shard {name} is not a regular file", missing)
                 break
             if on[0] != size:
-                rep.add(1, f"node {nid} rank {r}: shard {name} is {on[0]} bytes, catalog says {size}")
-                stat_damaged.append(nid)
+                rep.add(1, f"node {nid} rank {r}: shard {name} is {on[0]} bytes, catalog says {size}", missing)
                 break
             if checksums:
                 why = (verify_shard(layout, os.path.join(dirs[r], name), r, row, ck) if isinstance(dirs[r], str)
                        else verify_bytes(layout, dirs[r].read_shard(name), r, row, ck))
                 if why is not None:
-                    rep.add(1, f"node {nid} rank {r}: {why}")
-                    read_damaged.append(nid)
+                    rep.add(1, f"node {nid} rank {r}: {why}", ("unreadable", nid, row[S.GEN], r, name))
                     break
     ready = sum(1 for r in nodes.values() if r[S.STATE] == "ready")
     how = "size, checksum and header" if checksums else "presence and size only (--quick)"
     rep.checked[1] = f"{ready} ready nodes, {rep.files_checked} shards checked ({how})"
     rep.checked[5] = ("each verified shard decoded against the layout with its own key, generation, span "
                       "and rank" if checksums else "not checked (--quick reads no shard)")
-    if stat_damaged:
-        rep.recovery.append(f"mark {len(stat_damaged)} nodes damaged (a shard missing or of the wrong size): "
-                            f"{sorted(set(stat_damaged))[:10]}")
-    if read_damaged:
-        rep.recovery.append(f"leave {len(read_damaged)} nodes with bad shard contents for the first restore "
-                            f"to mark damaged (`--repair` marks them now): {sorted(set(read_damaged))[:10]}")
 
     # Invariant 8: no ready node depends on an evicted segment.
     bad8 = 0
@@ -703,6 +714,80 @@ def _ready_nodes(
                 break
             p, hops = nodes[p][S.PARENT], hops + 1
     rep.checked[8] = f"ancestors of {ready} ready nodes have backing" if not bad8 else f"{ready} ready nodes"
+
+
+def _recovery_lines(rep: AuditReport) -> None:
+    """What recovery would do about the disk findings (orphans, foreign entries, nodes
+    whose shards fail), in that order after the catalog's own lines."""
+    by: dict[str, list[tuple]] = {}
+    for v in rep.violations:
+        if v.subject is not None:
+            by.setdefault(v.subject[0], []).append(v.subject)
+    orphans = [f"rank{r}/{e}" for _, r, e in by.get("orphan", [])]
+    foreign = [f"rank{r}/{e}" for _, r, e in by.get("foreign", [])]
+    missing = sorted({s[1] for s in by.get("missing", [])})
+    unreadable = sorted({s[1] for s in by.get("unreadable", [])})
+    if orphans:
+        rep.recovery.append(f"remove {len(orphans)} orphan shard files: {', '.join(orphans[:5])}"
+                            + (" ..." if len(orphans) > 5 else ""))
+    if foreign:
+        rep.recovery.append(f"move {len(foreign)} foreign entries to lost+found/: {', '.join(foreign[:5])}"
+                            + (" ..." if len(foreign) > 5 else ""))
+    if missing:
+        rep.recovery.append(f"mark {len(missing)} nodes damaged (a shard missing or of the wrong size): "
+                            f"{missing[:10]}")
+    if unreadable:
+        rep.recovery.append(f"leave {len(unreadable)} nodes with bad shard contents for the first restore "
+                            f"to mark damaged (`--repair` marks them now): {unreadable[:10]}")
+
+
+def _drop_in_flight_findings(rep: AuditReport, reread: Callable[[], CatalogRows], dirs) -> None:
+    """Beside a running engine: drop each disk finding that a catalog read taken after
+    the scan explains (see the module docstring); note how many were dropped."""
+    suspects = [v for v in rep.violations if v.subject is not None]
+    if not suspects:
+        return
+    try:
+        fresh = reread()
+    except (NotACacheError, SchemaVersionError, OSError):
+        return  # nothing to re-check against: every finding stands
+    known = {(f[0], f[1]) for f in fresh.files}
+    live = {(f[0], f[1]): f[2] for f in fresh.files if f[6] == "live"}
+
+    def explained(s: tuple) -> bool:
+        if s[0] in ("orphan", "foreign"):
+            _, r, e = s
+            base = e[: -len(TMP_SUFFIX)] if e.endswith(TMP_SUFFIX) else e
+            return (r, e) in known or (r, base) in known or not _exists(dirs[r], e)
+        _, nid, gen, r, name = s
+        node = fresh.nodes.get(nid)
+        if node is None or node[S.STATE] != "ready" or node[S.GEN] != gen:
+            return True  # evicted, replaced or marked damaged since the snapshot
+        return r is not None and live.get((r, name)) != nid
+
+    dropped = [v for v in suspects if explained(v.subject)]
+    if dropped:
+        gone = {id(v) for v in dropped}
+        rep.violations = [v for v in rep.violations if id(v) not in gone]
+        newer = {(v.subject[1], v.subject[2]) for v in dropped if v.subject[0] in ("orphan", "foreign")}
+        rep.unknown_files = [u for u in rep.unknown_files
+                             if (int(u.split("/", 1)[0][4:]), u.split("/", 1)[1]) not in newer]
+        for info in rep.ranks:
+            info["unknown"] = [e for e in info["unknown"] if (info["rank"], e) not in newer]
+        if rep.accounting:
+            rep.accounting["unknown_files"] = len(rep.unknown_files)
+        rep.notes.append(f"{len(dropped)} finding(s) against the catalog snapshot were explained by "
+                         "the running engine's work (re-checked against a later catalog read)")
+
+
+def _exists(d: Any, name: str) -> bool:
+    if not isinstance(d, str):
+        return name in d.listdir()
+    try:
+        os.lstat(os.path.join(d, name))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def verify_shard(layout: Layout, path: str, rank: int, row: Sequence, ck: str | None) -> str | None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from prefixstore.engine.errors import PrefixStoreError
 
 COMMANDS = [
     "prefixstore.engine.cmd_demo",
@@ -43,10 +46,36 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
+        return rc
+    except PrefixStoreError as exc:
+        print(f"prefixstore {args.command}: {one_line(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141  # what a shell reports for a process ended by SIGPIPE
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (its type name when it has none)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout is gone: point stdout at /dev/null so the interpreter's
+    final flush does not fail a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

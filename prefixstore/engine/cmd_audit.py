@@ -102,9 +102,12 @@ def print_report(rep: AuditReport, where: str) -> None:
         if len(got) > 20:
             print(f"      ... and {len(got) - 20} more")
     if rep.journal:
-        print(f"  journal: {len(rep.journal)} unfinished transaction(s)")
+        live = any(j.get("in_flight") for j in rep.journal)
+        print(f"  journal: {len(rep.journal)} unfinished transaction(s)"
+              + (" in flight (the running engine's work, not violations)" if live else ""))
         for j in rep.journal:
-            print(f"    txn {j['txn']}: {j['kind']} in {j['state']} -> {j['recovery']}: {j.get('action', '')}")
+            then = "if the engine died now: " if j.get("in_flight") else ""
+            print(f"    txn {j['txn']}: {j['kind']} in {j['state']} -> {then}{j['recovery']}: {j.get('action', '')}")
     else:
         print("  journal: no unfinished transaction")
     print(

@@ -4,11 +4,15 @@ Creates (or reuses) a cache in DIR with a small two-rank hybrid layout (KV segme
 plus a recurrent snapshot), stores checkpoints of two conversations, looks up a
 prefix that diverges mid-way, restores it, verifies the bytes, reopens the cache
 and audits it. Prints what it did at each step.
+
+Without DIR the cache goes to a new temporary directory, named on the first line and
+removed at the end unless --keep is given. A DIR you name is always kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 
 import torch
@@ -25,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", nargs="?", default=None, help="cache directory (default: a new temp dir)")
     p.add_argument("--ranks", type=int, default=2, help="tensor-parallel ranks (default 2)")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temporary cache directory (without DIR) instead of removing it")
 
 
 def demo_layout(ranks: int, block_tokens: int) -> Layout:
@@ -37,8 +43,21 @@ def demo_layout(ranks: int, block_tokens: int) -> Layout:
 
 
 def run(args: argparse.Namespace) -> int:
-    root = args.dir or tempfile.mkdtemp(prefix="prefixstore-demo-")
     layout = demo_layout(args.ranks, args.block_tokens)
+    if args.dir is not None:
+        return _demo(args.dir, layout)
+    root = tempfile.mkdtemp(prefix="prefixstore-demo-")
+    try:
+        return _demo(root, layout)
+    finally:
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+            print(f"removed {root} (--keep keeps it)")
+
+
+def _demo(root: str, layout: Layout) -> int:
     bt = layout.block_tokens
     g = torch.Generator().manual_seed(0)
     convs = {

@@ -637,9 +637,11 @@ class Engine:
                 self.catalog.set_meta(c, "layout", self.layout.to_json())
                 self.catalog.set_meta(c, "capacity", str(self.capacity))
             return
-        if Layout.from_json(stored) != self.layout:
+        created = Layout.from_json(stored)
+        if created != self.layout:
             raise LayoutMismatchError(
-                f"{self.root} was created with layout {stored}, not {self.layout.to_json()}"
+                f"{self.root} was created with another layout (created vs given: "
+                f"{'; '.join(created.differences(self.layout))})"
             )
         if self.catalog.meta("capacity") != str(self.capacity):
             with self.catalog.txn("capacity") as c:

@@ -185,6 +185,26 @@ class Layout:
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), sort_keys=True)
 
+    def differences(self, other: Layout) -> list[str]:
+        """What differs from ``other``, one short phrase per field: ``ranks 2 vs 4``,
+        ``segment k dtype bfloat16 vs float16``, ``snapshot state missing``..."""
+        out = [f"{f} {getattr(self, f)} vs {getattr(other, f)}"
+               for f in ("ranks", "block_tokens") if getattr(self, f) != getattr(other, f)]
+        for kind, mine, theirs in (("segment", self.segments, other.segments),
+                                   ("snapshot", self.snapshots, other.snapshots)):
+            a, b = {s.name: s for s in mine}, {s.name: s for s in theirs}
+            for name in [*a, *(n for n in b if n not in a)]:
+                if name not in b:
+                    out.append(f"{kind} {name} only in the first")
+                elif name not in a:
+                    out.append(f"{kind} {name} only in the second")
+                else:
+                    out += [f"{kind} {name} {f} {getattr(a[name], f)} vs {getattr(b[name], f)}"
+                            for f in ("dtype", "shape") if getattr(a[name], f) != getattr(b[name], f)]
+            if not out and [s.name for s in mine] != [s.name for s in theirs]:
+                out.append(f"{kind} order {[s.name for s in mine]} vs {[s.name for s in theirs]}")
+        return out
+
     @classmethod
     def from_json(cls, text: str) -> Layout:
         try:

@@ -290,6 +290,7 @@ class CampaignResult:
     configs: Counter[str] = attrs.field(factory=Counter)
     violations: list[dict[str, Any]] = attrs.field(factory=list)
     elapsed_s: float = 0.0
+    interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         c = self.counts
@@ -311,6 +312,7 @@ class CampaignResult:
             "configs": dict(sorted(self.configs.items())),
             "violations": self.violations,
             "elapsed_s": round(self.elapsed_s, 1),
+            "interrupted": self.interrupted,
             "steps_per_s": round(self.steps / self.elapsed_s, 1) if self.elapsed_s else None,
         }
 
@@ -329,11 +331,15 @@ def run_campaign(
     shrink_s: float | None = None,
     progress: Callable[[CampaignResult], None] | None = None,
     watchdog_s: float | None = None,
+    reproducers_per_kind: int | None = 1,
 ) -> CampaignResult:
     """Run fuzz runs until ``steps`` ops or ``minutes`` pass (or ``stop_after`` violations).
 
-    Failures are shrunk and saved under ``out`` (when given) as reproducers. With
-    ``watchdog_s``, an op that runs longer prints every thread's stack to stderr.
+    Failures are shrunk and saved under ``out`` (when given) as reproducers, at most
+    ``reproducers_per_kind`` per violation kind (None: every one); the others are
+    listed without shrinking. With ``watchdog_s``, an op that runs longer prints every
+    thread's stack to stderr. A KeyboardInterrupt ends the campaign early: the result
+    so far comes back with ``interrupted`` set.
     """
     prof = PROFILES[profile]
     if steps is None and minutes is None:
@@ -348,53 +354,68 @@ def run_campaign(
             return False
         return deadline is None or time.monotonic() < deadline
 
-    while budget_left():
-        run_seed = master.getrandbits(32)
-        cfg = draw_config(run_seed, ranks, plant)
-        gen = OpGen(run_seed, cfg, prof)
-        res.runs += 1
-        res.configs[f"ranks={cfg.ranks} {cfg.synchronous} {'snap' if cfg.snapshot else 'nosnap'} {cfg.policy}"] += 1
-        base = _workdir(workdir)
-        ops: list[dict[str, Any]] = []
-        violation: Violation | None = None
-        d: Driver | None = None
-        try:
-            d = Driver(cfg, os.path.join(base, "cache"), plant)
-            last = time.monotonic()
-            while len(ops) < prof.run_ops and budget_left():
-                op = gen.next()
-                ops.append(op)
-                res.steps += 1
-                if watchdog_s:
-                    watchdog_s = _arm_watchdog(watchdog_s)
-                try:
-                    d.apply(op)
-                except Violation as v:
-                    violation = v
-                    break
-                finally:
+    saved: Counter[str] = Counter()  # reproducers written, per violation kind
+    try:
+        while budget_left():
+            run_seed = master.getrandbits(32)
+            cfg = draw_config(run_seed, ranks, plant)
+            gen = OpGen(run_seed, cfg, prof)
+            res.runs += 1
+            res.configs[f"ranks={cfg.ranks} {cfg.synchronous} {'snap' if cfg.snapshot else 'nosnap'} {cfg.policy}"] += 1
+            base = _workdir(workdir)
+            ops: list[dict[str, Any]] = []
+            violation: Violation | None = None
+            d: Driver | None = None
+            interrupted = False
+            try:
+                d = Driver(cfg, os.path.join(base, "cache"), plant)
+                last = time.monotonic()
+                while len(ops) < prof.run_ops and budget_left():
+                    op = gen.next()
+                    ops.append(op)
+                    res.steps += 1
                     if watchdog_s:
-                        faulthandler.cancel_dump_traceback_later()
-                if progress is not None and time.monotonic() - last > 1.0:
-                    last = time.monotonic()
-                    progress(_merged(res, d))
-        finally:
-            if d is not None:
-                try:
-                    d.close()
-                except Exception as exc:  # a clean close must not fail
-                    violation = violation or Violation("exception", f"close raised {type(exc).__name__}: {exc}")
-                res.counts.update(d.counts)
-                res.faults.update(d.fault_counts())
-            shutil.rmtree(base, ignore_errors=True)
-        if violation is not None:
-            res.violations.append(_report(res, cfg, run_seed, ops, violation, plant, out, workdir,
-                                          prof.shrink_s if shrink_s is None else shrink_s))
-            if stop_after is not None and len(res.violations) >= stop_after:
-                break
-        if progress is not None:
-            res.elapsed_s = time.monotonic() - t0
-            progress(res)
+                        watchdog_s = _arm_watchdog(watchdog_s)
+                    try:
+                        d.apply(op)
+                    except Violation as v:
+                        violation = v
+                        break
+                    finally:
+                        if watchdog_s:
+                            faulthandler.cancel_dump_traceback_later()
+                    if progress is not None and time.monotonic() - last > 1.0:
+                        last = time.monotonic()
+                        progress(_merged(res, d))
+            except KeyboardInterrupt:
+                interrupted = True
+                raise
+            finally:
+                if d is not None:
+                    try:
+                        d.close()
+                    except Exception as exc:  # a clean close must not fail (unless interrupted)
+                        if not interrupted:
+                            violation = violation or Violation(
+                                "exception", f"close raised {type(exc).__name__}: {exc}")
+                    res.counts.update(d.counts)
+                    res.faults.update(d.fault_counts())
+                shutil.rmtree(base, ignore_errors=True)
+            if violation is not None:
+                keep = reproducers_per_kind is None or saved[violation.kind] < reproducers_per_kind
+                res.violations.append(_report(res, cfg, run_seed, ops, violation, plant,
+                                              out if keep else None, workdir,
+                                              (prof.shrink_s if shrink_s is None else shrink_s) if keep else 0))
+                saved[violation.kind] += keep and out is not None
+                if not keep:
+                    res.violations[-1]["repeat"] = True  # its kind has a reproducer already
+                if stop_after is not None and len(res.violations) >= stop_after:
+                    break
+            if progress is not None:
+                res.elapsed_s = time.monotonic() - t0
+                progress(res)
+    except KeyboardInterrupt:
+        res.interrupted = True
     res.elapsed_s = time.monotonic() - t0
     return res
 

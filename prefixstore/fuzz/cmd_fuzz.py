@@ -2,9 +2,13 @@
 loss, lost commits, per-rank I/O errors, full disks and bit rot, with every invariant
 checked after every step and every recovery.
 
-One seed replays a whole campaign. Each failure is shrunk to a short op list and saved
-as a JSON reproducer under --out; `prefixstore fuzz --replay FILE` replays it.
-Exit status: 0 clean, 1 a violation was found (or replayed), 2 bad arguments.
+One seed replays a whole campaign. The first failure of each kind is shrunk to a short
+op list and saved as a JSON reproducer under --out (--all-reproducers: every failure);
+`prefixstore fuzz --replay FILE` replays it. Interrupted (Ctrl-C), it prints the
+summary of what ran. It needs no extra (the Hypothesis machines in `stateful.py`
+need the `fuzz` extra).
+Exit status: 0 clean, 1 a violation was found (or replayed), 2 bad arguments,
+130 interrupted without a violation.
 
 Examples:
   prefixstore fuzz --minutes 30 --json > campaign.json
@@ -39,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-plants", action="store_true", help="name the planted bugs and exit")
     p.add_argument("--replay", metavar="FILE", help="replay a saved reproducer")
     p.add_argument("--out", default="fuzz-failures", help="where reproducers go (default ./fuzz-failures)")
+    p.add_argument("--all-reproducers", action="store_true",
+                   help="shrink and save every failure (default: the first of each kind)")
     p.add_argument("--workdir", help="where run directories go (default /dev/shm or the temp dir)")
     p.add_argument("--stop-after", type=int, metavar="N", help="stop after N violations")
     p.add_argument("--shrink-seconds", type=float, help="time to shrink each failure (0: do not)")
@@ -81,6 +87,7 @@ def _campaign(args: argparse.Namespace, plant: Any) -> int:
         args.seed, steps=args.steps, minutes=args.minutes, ranks=args.ranks, plant=plant,
         profile=profile, out=args.out, workdir=args.workdir, stop_after=args.stop_after,
         shrink_s=args.shrink_seconds, progress=show, watchdog_s=300,
+        reproducers_per_kind=None if args.all_reproducers else 1,
     )
     show.done()
     d = res.to_dict()
@@ -88,7 +95,9 @@ def _campaign(args: argparse.Namespace, plant: Any) -> int:
         print(json.dumps(d))
     else:
         _print_summary(d)
-    return 1 if res.violations else 0
+    if res.violations:
+        return 1
+    return 130 if res.interrupted else 0
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -118,7 +127,8 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _print_summary(d: dict[str, Any]) -> None:
     print(f"fuzz campaign seed {d['seed']} ({d['profile']}{', plant ' + d['plant'] if d['plant'] else ''}): "
-          f"{d['steps']} steps in {d['runs']} runs, {d['elapsed_s']} s")
+          f"{d['steps']} steps in {d['runs']} runs, {d['elapsed_s']} s"
+          f"{' (INTERRUPTED)' if d.get('interrupted') else ''}")
     print(f"  crashes {d['crashes']} (power losses {d['power_losses']}, during recovery "
           f"{d['recovery_crashes']}), recoveries {d['recoveries']}, faults {d['faults_total']}")
     for k, v in d["faults"].items():
@@ -127,9 +137,12 @@ def _print_summary(d: dict[str, Any]) -> None:
         print("  no violation")
     for v in d["violations"]:
         print(f"  VIOLATION [{v['kind']}] {v['detail']}")
-        print(f"    run {v['run']} step {v['step']}, shrunk to {v.get('shrunk_ops')} ops")
+        shrunk = "not shrunk" if v.get("repeat") else f"shrunk to {v.get('shrunk_ops')} ops"
+        print(f"    run {v['run']} step {v['step']}, {shrunk}")
         if v.get("replay"):
             print(f"    replay: {v['replay']}")
+        elif v.get("repeat"):
+            print("    not saved: a reproducer of this kind was saved already (--all-reproducers)")
 
 
 class _Progress:

@@ -315,6 +315,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", type=int, default=400, help="operations while armed (default 400)")
     p.add_argument("--p", type=float, default=0.05, help="failure probability per call (default 0.05)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temporary work directory (without --dir) instead of removing it")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plant", choices=sorted(PLANTS), default=None,
                    help="run against a deliberately broken engine (the check must fail)")
@@ -324,7 +326,20 @@ def run(args: argparse.Namespace) -> int:
     if not fiu_available():
         print("fiu-run is not installed (apt-get install fiu-utils)", file=sys.stderr)
         return 2
-    root = args.dir or tempfile.mkdtemp(prefix="prefixstore-fiu-")
+    if args.dir is not None:
+        return _run(args, args.dir)
+    root = tempfile.mkdtemp(prefix="prefixstore-fiu-")
+    print(f"fiu: working in {root} (removed at the end; --keep keeps it)", file=sys.stderr)
+    try:
+        return _run(args, root)
+    finally:
+        if args.keep:
+            print(f"fiu: kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, root: str) -> int:
     res = run_under_fiu(root, target=args.target, ops=args.ops, probability=args.p, seed=args.seed,
                         plant=args.plant)
     if args.json:

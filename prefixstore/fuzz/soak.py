@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -348,13 +349,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--effect-delay-ms", type=float, default=0.0,
                    help="model a slow disk: sleep this long after every effect in the child, so "
                         "more kills land inside transactions (default 0)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temporary work directory (without --dir) instead of removing it")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plant", choices=sorted(PLANTS), default=None,
                    help="run against a deliberately broken engine (the soak must report it)")
 
 
 def run(args: argparse.Namespace) -> int:
-    root = args.dir or tempfile.mkdtemp(prefix="prefixstore-soak-")
+    if args.dir is not None:
+        return _run(args, args.dir)
+    root = tempfile.mkdtemp(prefix="prefixstore-soak-")
+    print(f"soak: working in {root} (removed at the end; --keep keeps it)", file=sys.stderr)
+    try:
+        return _run(args, root)
+    finally:
+        if args.keep:
+            print(f"soak: kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, root: str) -> int:
     st = soak(root, kills=args.kills, ranks=tuple(args.ranks), seed=args.seed,
               max_delay=args.max_delay, progress=not args.json, plant=args.plant,
               effect_delay=args.effect_delay_ms / 1000)

@@ -19,17 +19,22 @@ import shutil
 import tempfile
 from typing import Any
 
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    consumes,
-    initialize,
-    invariant,
-    multiple,
-    precondition,
-    rule,
-)
+try:
+    from hypothesis import strategies as st
+    from hypothesis.stateful import (
+        Bundle,
+        RuleBasedStateMachine,
+        consumes,
+        initialize,
+        invariant,
+        multiple,
+        precondition,
+        rule,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "prefixstore.fuzz.stateful needs hypothesis: pip install 'prefixstore[fuzz]'"
+    ) from exc
 
 from prefixstore.engine.core import Engine
 from prefixstore.fuzz.driver import DAMAGE, Driver, RunConfig

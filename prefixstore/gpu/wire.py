@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import json
 import re
+import socket
 import struct
 import time
 from typing import Any
@@ -48,14 +49,32 @@ def store_client(host: str, port: int, timeout: float) -> dist.TCPStore:
     """A new client connection to the coordinator's TCPStore.
 
     Each pair rendezvous uses its own client: a TCPStore client serves one request at
-    a time, so two rendezvous sharing one would wait on each other.
+    a time, so two rendezvous sharing one would wait on each other. The coordinator's
+    port is probed with a plain socket first: a store client that cannot connect logs
+    its C++ stack to stderr at every retry.
     """
+    wait_listening(host, port, timeout)
     try:
         return dist.TCPStore(
             host, port, None, False, datetime.timedelta(seconds=timeout), wait_for_workers=False
         )
     except (RuntimeError, ValueError) as exc:
         raise LinkError(f"cannot reach the coordinator at {host}:{port}: {first_line(exc)}") from None
+
+
+def wait_listening(host: str, port: int, timeout: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection; LinkError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0))):
+                return
+        except OSError as exc:
+            if time.monotonic() + 0.2 >= deadline:
+                raise LinkError(f"cannot reach the coordinator at {host}:{port} within "
+                                f"{timeout:g} s: {exc.strerror or exc}") from None
+        time.sleep(0.2)
 
 
 def open_pair(

@@ -8,7 +8,9 @@ conversation growing to 855k tokens beside a ~170k-token classifier transcript c
 once per turn, in a tier that cannot hold everything. It prints the classifier's
 restore ratio after its first call, its modeled call latencies (median, p99) and the
 engine's counters; ``--json`` prints one JSON object instead. ``--policy leaf-lru``
-runs the pre-fix eviction (only leaves, by recency) for comparison.
+runs the pre-fix eviction (only leaves, by recency) for comparison. Without DIR the
+files go to a new temporary directory, named in the report and removed at the end
+unless --keep is given.
 
 Positional arguments are ``[TRACE] [DIR]``: with ``--scenario`` the only one is DIR;
 without it, TRACE names a request trace (Mooncake JSONL) to replay.
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 
 from prefixstore.engine.errors import InvalidInputError
 from prefixstore.statemachine.policy import POLICIES
@@ -70,11 +74,21 @@ def run(args: argparse.Namespace) -> int:
             print("replay: --scenario takes only DIR, not a trace", file=sys.stderr)
             return 2
         root = args.dir if args.dir is not None else args.trace
-        return run_scenario(args.scenario, root, args.policy, args.json)
+        if root is not None:
+            return run_scenario(args.scenario, root, args.policy, args.json)
+        root = tempfile.mkdtemp(prefix="prefixstore-seed-")
+        try:
+            return run_scenario(args.scenario, root, args.policy, args.json)
+        finally:
+            if args.keep:
+                print(f"replay: kept {root}", file=sys.stderr)
+            else:
+                shutil.rmtree(root, ignore_errors=True)
+                print(f"replay: removed {root} (--keep keeps it)", file=sys.stderr)
     return run_trace(args)
 
 
-def run_scenario(name: str, root: str | None, policy: str, as_json: bool) -> int:
+def run_scenario(name: str, root: str, policy: str, as_json: bool) -> int:
     from prefixstore.replay.seed import SeedConfig, run_seed
 
     assert name == "seed", name

@@ -36,16 +36,17 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                    help="the catalog's SQLite synchronous setting (default NORMAL)")
     g.add_argument("--plots", default=None, metavar="PLOTDIR",
                    help="write hit_ratio.png, capacity.png and latency.png there")
-    g.add_argument("--keep", action="store_true", help="keep the temp cache directory")
+    g.add_argument("--keep", action="store_true",
+                   help="keep the temp cache directory (trace or --scenario, without DIR)")
     g.add_argument("--quiet", action="store_true", help="no progress display on stderr")
 
 
 class Progress:
     """A one-line progress display on stderr (a line every 10%% when not a terminal)."""
 
-    def __init__(self, stream=sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None) -> None:
+        self.stream = sys.stderr if stream is None else stream  # the stderr of now, not of import time
+        self.tty = self.stream.isatty()
         self.last_decile = -1
 
     def __call__(self, s: dict[str, Any]) -> None:
@@ -80,7 +81,8 @@ def run_trace(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("replay: --plots needs matplotlib (pip install -e '.[plots]')", file=sys.stderr)
+            print("replay: --plots needs matplotlib: install the plots extra "
+                  "(pip install 'prefixstore[plots]')", file=sys.stderr)
             return 2
     try:
         cfg = ReplayConfig(

@@ -1,0 +1,90 @@
+"""The package as installed: pytest and hypothesis are extras, not runtime
+dependencies; the library and every command but the test machinery import without
+them; py.typed ships; a command or example whose extra is missing says in one line
+which extra to install."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs a snippet in a fresh interpreter in which the named top-level packages cannot be
+# imported (as when they are not installed).
+_WITHOUT = """
+import sys
+BLOCKED = set(sys.argv[1].split(","))
+
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Missing())
+sys.argv = sys.argv[2:]
+exec(compile(sys.argv[0], "<snippet>", "exec"))
+"""
+
+
+def _without(blocked: str, code: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-c", _WITHOUT, blocked, code, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_pytest_and_hypothesis_are_extras_and_py_typed_ships():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    deps = {d.split(">")[0].split("=")[0].strip() for d in project["project"]["dependencies"]}
+    assert not deps & {"pytest", "hypothesis"}, deps
+    extras = project["project"]["optional-dependencies"]
+    assert any(d.startswith("hypothesis") for d in extras["fuzz"])
+    assert {d.split(">")[0] for d in extras["test"]} >= {"pytest", "hypothesis"}
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["prefixstore"]
+    assert os.path.isfile(os.path.join(REPO, "prefixstore", "py.typed"))
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        assert "test" in f.read().split("pip install -q -e")[1].split("\n")[0]
+
+
+def test_library_and_commands_need_neither_pytest_nor_hypothesis(tmp_path):
+    code = """
+import importlib, pkgutil, sys
+import prefixstore
+skip = {"prefixstore.fuzz.stateful", "prefixstore.adapters.hf"}
+for m in pkgutil.walk_packages(prefixstore.__path__, "prefixstore."):
+    if m.name not in skip:
+        importlib.import_module(m.name)
+from prefixstore.engine.cli import main
+rc = main(["demo", sys.argv[1]]) or main(["audit", sys.argv[1]]) or main(["fuzz", "--steps", "40", "--quiet"])
+assert not {"pytest", "hypothesis"} & set(sys.modules), "imported"
+print("RC", rc)
+"""
+    p = _without("pytest,hypothesis", code, str(tmp_path / "c"))
+    assert p.returncode == 0 and "RC 0" in p.stdout, p.stdout[-1500:] + p.stderr[-3000:]
+
+
+def test_stateful_machines_without_hypothesis_name_the_extra():
+    p = _without("hypothesis", "import prefixstore.fuzz.stateful")
+    assert p.returncode == 1
+    assert "ImportError: prefixstore.fuzz.stateful needs hypothesis: pip install 'prefixstore[fuzz]'" in p.stderr
+
+
+def test_replay_plots_without_matplotlib_names_the_extra(tmp_path):
+    code = "import sys; from prefixstore.engine.cli import main; sys.exit(main(sys.argv[1:]))"
+    trace = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+    p = _without("matplotlib", code, "replay", trace, "--limit", "5", "--plots", str(tmp_path / "p"))
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "replay: --plots needs matplotlib: install the plots extra (pip install 'prefixstore[plots]')"]
+
+
+def test_chat_example_without_transformers_names_the_extra():
+    code = "import runpy; runpy.run_path('examples/chat.py', run_name='__main__')"
+    p = _without("transformers", code)
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines() == [
+        "examples/chat.py needs transformers: pip install 'prefixstore[transformers]'"]
