@@ -247,3 +247,27 @@ def test_bad_calls_are_typed_errors_and_change_nothing(tmp_path):
         assert rk.backend.engine_stats()["kv"]["nodes"] == 1
     finally:
         rk.close()
+
+
+REPLAY_SLICE = 1000
+FULL = pytest.mark.skipif(
+    not os.environ.get("PREFIXSTORE_FULL_REPLAY"),
+    reason="the whole trace takes minutes: PREFIXSTORE_FULL_REPLAY=1 (or python tests/sglang_replay.py)")
+
+
+@pytest.mark.parametrize(("limit", "partial_page"), [
+    (REPLAY_SLICE, True),  # the engine replay's request model: the same sightings
+    pytest.param(None, True, marks=FULL),
+    pytest.param(None, False, marks=FULL),  # what SGLang sends: full pages only
+])
+def test_mooncake_replay_through_the_adapter_matches_the_engine_replay(limit, partial_page):
+    import sglang_replay
+
+    try:
+        requests = sglang_replay.load_trace(sglang_replay.trace_path())[:limit]
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    out = sglang_replay.compare(requests, "10%", partial_page=partial_page)
+    assert out["adapter_wrong_bytes"] == 0 and out["adapter_audit_ok"]
+    assert out["engine_hit_ratio_tokens"] > 0.05  # a slice with real reuse, not a vacuous match
+    assert sglang_replay.within_1_percent(out), out

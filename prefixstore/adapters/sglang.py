@@ -429,10 +429,17 @@ class PrefixStoreHiCache(HiCacheStorage):
         flat = host_indices.reshape(-1)
         return [int(flat[i * p.host_page]) for i in range(len(keys))]
 
-    def _positions(self, base: int, n: int) -> list[int]:
+    def _positions(self, p: _Pool, prefix: Prefix, base: int, n: int) -> list[int]:
+        """Where the checkpoints of pages ``base..base+n`` end: every ``checkpoint_pages``
+        and at the end, cut at the retention rule's admission limit (as the replay does)."""
+        end = base + n
+        if p.name == KV and self.admission is not None:
+            end = self.admission.admit_limit(prefix.keys, base, end)
+            if end <= base:
+                return []
         every = self.checkpoint_pages
-        out = list(range((base // every + 1) * every, base + n, every)) if every else []
-        out.append(base + n)
+        out = list(range((base // every + 1) * every, end, every)) if every else []
+        out.append(end)
         return out
 
     def _store_chain(self, p: _Pool, digests: list[bytes], base: int, pages: list[torch.Tensor]) -> list[bool]:
@@ -441,7 +448,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         rows = torch.cat(pages).view(n * p.bt, -1)
         prefix = Prefix(digests)
         done = base
-        for end in self._positions(base, n):
+        for end in self._positions(p, prefix, base, n):
             try:
                 ok = p.store(prefix[:end], {"page": rows[: (end - base) * p.bt]}, tokens_from=base * p.bt)
             except InvalidInputError:
