@@ -11,8 +11,8 @@ The driver issues the calls in the order of SGLang's cache controllers
 (``managers/cache_controller.py``, ``mem_cache/hybrid_cache/hybrid_cache_controller.py``):
 write-back: the trailing pools' ``batch_set_v2`` first, then KV ``batch_set_v1`` in
 batches of ``STORAGE_BATCH_SIZE`` with ``prefix_keys`` advancing, stopping at the first
-failed batch; prefetch: ``batch_exists`` (``batch_exists_v2`` with trailing pools), the
-ranks' agreement (MIN, or the intersection of ``restorable_prefix_pages``), then KV
+failed batch; prefetch: one ``batch_exists`` over every page (``batch_exists_v2`` with
+trailing pools; in 0.5.23 even KV-only models get the hybrid controller), the ranks' agreement (MIN, or the intersection of ``restorable_prefix_pages``), then KV
 ``batch_get_v1`` batch by batch, then the trailing pools' ``batch_get_v2``.
 
 Run as a script it is the process a crash test SIGKILLs:
@@ -150,15 +150,8 @@ def write_back(rk: Rank, prefix: list[str], keys: list[str], state_at_end: bool 
 def query(rk: Rank, prefix: list[str], keys: list[str]):
     """The rank's answer to the prefetch query: (pages, restorable set or None)."""
     info = HiCacheStorageExtraInfo(prefix_keys=list(prefix))
-    if rk.mamba is None:
-        hit = 0
-        for s in range(0, len(keys), STORAGE_BATCH_SIZE):
-            batch = keys[s: s + STORAGE_BATCH_SIZE]
-            n = rk.backend.batch_exists(batch, HiCacheStorageExtraInfo(prefix_keys=prefix + keys[:s]))
-            hit += n
-            if n < len(batch):
-                break
-        return hit, None
+    if rk.mamba is None:  # the hybrid controller (every model's in 0.5.23) asks in one call
+        return rk.backend.batch_exists(keys, info), None
     t = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
     res = rk.backend.batch_exists_v2(keys, [t], info)
     return res.kv_hit_pages, set(res.restorable_prefix_pages or [])

@@ -204,7 +204,8 @@ class PrefixStoreHiCache(HiCacheStorage):
         self.pools: dict[str, _Pool] = {}
         self.admission: RetentionAdmission | None = None
         self._metrics = HiCacheMetrics()
-        self._metrics_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._held: tuple[list[bytes], int] | None = None  # a request's query not yet observed
 
     # ------------------------------------------------------------------ registration
 
@@ -265,8 +266,32 @@ class PrefixStoreHiCache(HiCacheStorage):
         m = p.engine.lookup(prefix, gpu_blocks=base)
         hit = max(0, m.blocks - base) if m.hit else 0
         if self.admission is not None:
-            self.admission.observe(prefix.keys[base:], hit)
+            self._observe(prefix.keys, base, hit)
         return hit
+
+    def _observe(self, keys: Sequence[bytes], base: int, hit: int) -> None:
+        """Tell the retention rule what a request found, once per request: a query that
+        SGLang splits into batches (each next batch continues a fully hit one) is held
+        until it ends, or until any other call."""
+        with self._lock:
+            held = self._held
+            if not (held is not None and base and len(held[0]) == base and held[1] == base
+                    and held[0][-1] == keys[base - 1]):
+                self._flush_observe_locked()  # not the next batch of the query held
+            self._held = (list(keys), base + hit)
+            if base + hit < len(keys):
+                self._flush_observe_locked()  # the query ended inside this batch
+
+    def _flush_observe_locked(self) -> None:
+        if self._held is not None and self.admission is not None:
+            keys, hit = self._held
+            self.admission.observe(keys, hit)
+        self._held = None
+
+    def _flush_observe(self) -> None:
+        if self._held is not None:
+            with self._lock:
+                self._flush_observe_locked()
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -286,7 +311,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         if not self.config.enable_storage_metrics:
             return
         gbps = pages * p.page_bytes / max(time.perf_counter() - t0, 1e-9) / 1e9
-        with self._metrics_lock:
+        with self._lock:
             getattr(self._metrics, f"{kind}_pgs").append(pages)
             getattr(self._metrics, f"{kind}_bandwidth").append(gbps)
 
@@ -305,6 +330,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         if not keys:
             return []
         p = self.pool(KV)
+        self._flush_observe()
         rows = self._read_rows(p, keys, None)
         out: list[torch.Tensor | None] = []
         for i in range(len(keys)):
@@ -331,6 +357,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         if values is None or len(values) != len(keys):
             raise InvalidInputError(f"values: need one page per key, got {values!r:.60}")
         p = self.pool(KV)
+        self._flush_observe()
         pages = [torch.as_tensor(v).contiguous().view(torch.uint8).reshape(-1) for v in values]
         return all(self._store_chain(p, [page_digest(k) for k in keys], 0, pages))
 
@@ -389,7 +416,7 @@ class PrefixStoreHiCache(HiCacheStorage):
     def get_stats(self) -> HiCacheMetrics:
         """The KV calls' pages and bandwidth since the last call (SGLang's storage
         metrics), with every pool engine's ``stats()`` under ``prefixstore``."""
-        with self._metrics_lock:
+        with self._lock:
             out, self._metrics = self._metrics, HiCacheMetrics()
         out.prefixstore = self.engine_stats()
         return out
@@ -413,6 +440,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         return True
 
     def close(self) -> None:
+        self._flush_observe()
         for p in self.pools.values():
             p.engine.close()
         self.pools.clear()
@@ -460,6 +488,7 @@ class PrefixStoreHiCache(HiCacheStorage):
 
     def _set_pages(self, p: _Pool, keys: list[str], host_indices: torch.Tensor,
                    extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        self._flush_observe()
         if not keys:
             return []
         digests, base = chain_of(keys, extra_info)
@@ -476,6 +505,7 @@ class PrefixStoreHiCache(HiCacheStorage):
 
     def _get_pages(self, p: _Pool, keys: list[str], host_indices: torch.Tensor,
                    extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        self._flush_observe()
         if not keys:
             return []
         indices = self._indices(p, keys, host_indices)
@@ -497,6 +527,7 @@ class PrefixStoreHiCache(HiCacheStorage):
 
     def _set_states(self, p: _Pool, keys: list[str], host_indices: torch.Tensor,
                     extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        self._flush_observe()
         if not keys:
             return []
         digests, base = chain_of(keys, extra_info)
@@ -510,6 +541,7 @@ class PrefixStoreHiCache(HiCacheStorage):
 
     def _get_states(self, p: _Pool, keys: list[str], host_indices: torch.Tensor,
                     extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        self._flush_observe()
         if not keys:
             return []
         digests, base = chain_of(keys, extra_info)
