@@ -271,3 +271,34 @@ def test_mooncake_replay_through_the_adapter_matches_the_engine_replay(limit, pa
     assert out["adapter_wrong_bytes"] == 0 and out["adapter_audit_ok"]
     assert out["engine_hit_ratio_tokens"] > 0.05  # a slice with real reuse, not a vacuous match
     assert sglang_replay.within_1_percent(out), out
+
+
+def test_a_query_in_batches_is_one_observation_for_the_retention_rule(tmp_path):
+    keys = drv.page_keys(10, 200)
+    states = []
+    for name, batches in (("one", [keys]), ("two", [keys[:128], keys[128:]])):
+        (rk,) = [drv.Rank(str(tmp_path / name), retention=True)]
+        try:
+            assert drv.write_back(rk, [], keys[:150]) == 150
+            for s, batch in zip((0, 128), batches, strict=False):  # the base controller's split
+                rk.backend.batch_exists(batch, HiCacheStorageExtraInfo(prefix_keys=keys[:s]))
+            rk.backend.batch_get_v1(keys[:1], rk.slots(1), HiCacheStorageExtraInfo([]))  # ends the query
+            adm = rk.backend.admission  # its clock counts the block touches it was told of
+            states.append((adm.stats(), adm.rule.clock))
+        finally:
+            rk.close()
+    assert states[0] == states[1]
+
+
+def test_legacy_calls_without_prefix_context_round_trip(tmp_path):
+    (rk,) = ranks(tmp_path, 1)
+    try:
+        keys = drv.page_keys(11, 3)
+        pages = [drv.page_data(rk.kv, k, 0).flatten() for k in keys]
+        assert rk.backend.batch_set(keys, pages)
+        assert rk.backend.exists(keys[0]) and rk.backend.batch_exists(keys) == 3
+        got = rk.backend.batch_get(keys, [rk.kv.get_dummy_flat_data_page() for _ in keys])
+        assert all(torch.equal(g, p) for g, p in zip(got, pages, strict=True))
+        assert rk.backend.get(drv.page_keys(12, 1)[0]) is None
+    finally:
+        rk.close()
