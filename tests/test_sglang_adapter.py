@@ -55,6 +55,8 @@ def test_bad_config_is_a_typed_error_naming_the_key(tmp_path):
         PrefixStoreHiCache(drv.config(str(tmp_path), capacity_bytes=-1))
     with pytest.raises(InvalidInputError, match="unknown keys"):
         PrefixStoreHiCache(drv.config(str(tmp_path), capcity_bytes=1))
+    with pytest.raises(InvalidInputError, match="'mamba' must be a positive integer"):
+        PrefixStoreHiCache(drv.config(str(tmp_path), pool_capacity_bytes={"mamba": "8G"}))
     with pytest.raises(InvalidInputError, match="dir"):
         PrefixStoreHiCache(drv.config(""))
 

@@ -176,6 +176,8 @@ class PrefixStoreHiCache(HiCacheStorage):
             raise InvalidInputError(f"extra_config['dir'] must be a directory path, got {root!r}")
         self.capacity = _positive(extra, "capacity_bytes", 64 << 30)
         self.pool_capacity = dict(extra.get("pool_capacity_bytes") or {})
+        for name in self.pool_capacity:
+            _positive(self.pool_capacity, name, 0)
         self.checkpoint_pages = _non_negative(extra, "checkpoint_pages", 0)
         self.retention = bool(extra.get("retention", False))
         self.opts: dict[str, Any] = {
@@ -205,6 +207,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         self.admission: RetentionAdmission | None = None
         self._metrics = HiCacheMetrics()
         self._lock = threading.Lock()
+        self._open_lock = threading.Lock()  # the prefetch and backup threads may open a pool at once
         self._held: tuple[list[bytes], int] | None = None  # a request's query not yet observed
 
     # ------------------------------------------------------------------ registration
@@ -219,7 +222,10 @@ class PrefixStoreHiCache(HiCacheStorage):
 
     def pool(self, name: Any, trailing: bool = False) -> _Pool:
         """The engine of pool ``name``, opened (and recovered) at its first use."""
-        name = str(name)
+        with self._open_lock:
+            return self._pool(str(name), trailing)
+
+    def _pool(self, name: str, trailing: bool) -> _Pool:
         p = self.pools.get(name)
         if p is not None:
             if p.trailing != trailing:
@@ -561,12 +567,12 @@ class PrefixStoreHiCache(HiCacheStorage):
 def _positive(extra: Mapping[str, Any], key: str, default: int) -> int:
     v = extra.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise InvalidInputError(f"extra_config[{key!r}] must be a positive integer, got {v!r}")
+        raise InvalidInputError(f"extra_config: {key!r} must be a positive integer, got {v!r}")
     return v
 
 
 def _non_negative(extra: Mapping[str, Any], key: str, default: int) -> int:
     v = extra.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise InvalidInputError(f"extra_config[{key!r}] must be a non-negative integer, got {v!r}")
+        raise InvalidInputError(f"extra_config: {key!r} must be a non-negative integer, got {v!r}")
     return v
