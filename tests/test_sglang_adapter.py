@@ -257,21 +257,53 @@ FULL = pytest.mark.skipif(
     reason="the whole trace takes minutes: PREFIXSTORE_FULL_REPLAY=1 (or python tests/sglang_replay.py)")
 
 
-@pytest.mark.parametrize(("limit", "partial_page"), [
-    (REPLAY_SLICE, True),  # the engine replay's request model: the same sightings
-    pytest.param(None, True, marks=FULL),
-    pytest.param(None, False, marks=FULL),  # what SGLang sends: full pages only
-])
-def test_mooncake_replay_through_the_adapter_matches_the_engine_replay(limit, partial_page):
+def load_requests(limit):
     import sglang_replay
 
     try:
-        requests = sglang_replay.load_trace(sglang_replay.trace_path())[:limit]
+        return sglang_replay.load_trace(sglang_replay.trace_path())[:limit]
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    out = sglang_replay.compare(requests, "10%", partial_page=partial_page)
+
+
+@pytest.fixture
+def shm_dir():
+    """A temp dir on /dev/shm when there is one (as the engine replay's), removed also on failure."""
+    import shutil
+
+    from prefixstore.replay.engine_replay import default_root
+
+    root = default_root()
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_mooncake_slice_through_the_adapter_matches_the_engine_replay(shm_dir):
+    import sglang_replay
+
+    requests = load_requests(REPLAY_SLICE)
+    cfg = sglang_replay.ReplayConfig(capacity="10%")
+    engine = sglang_replay.replay(requests, cfg).summary["hit_ratio_tokens"]
+    assert engine > 0.05  # a slice with real reuse, not a vacuous match
+    full_pages = sglang_replay.adapter_replay(requests, cfg, os.path.join(shm_dir, "a"))
+    assert full_pages["wrong_bytes"] == 0 and full_pages["audit_ok"]
+    assert abs(full_pages["hit_ratio_tokens"] - engine) <= 0.01 * engine
+    # offered the partial last blocks too, the retention rule sees what the engine replay's
+    # lookup sees: the same decisions, the same hits
+    same_view = sglang_replay.adapter_replay(requests, cfg, os.path.join(shm_dir, "b"), partial_page=True)
+    assert same_view["hit_ratio_tokens"] == engine
+
+
+@FULL
+@pytest.mark.parametrize("partial_page", [False, True])
+def test_mooncake_whole_trace_through_the_adapter_matches_the_engine_replay(partial_page):
+    import sglang_replay
+
+    out = sglang_replay.compare(load_requests(None), "10%", partial_page=partial_page)
     assert out["adapter_wrong_bytes"] == 0 and out["adapter_audit_ok"]
-    assert out["engine_hit_ratio_tokens"] > 0.05  # a slice with real reuse, not a vacuous match
     assert sglang_replay.within_1_percent(out), out
 
 
