@@ -16,8 +16,9 @@ trailing pools; in 0.5.23 even KV-only models get the hybrid controller), the ra
 ``batch_get_v1`` batch by batch, then the trailing pools' ``batch_get_v2``.
 
 Run as a script it is the process a crash test SIGKILLs:
-``python tests/sglang_driver.py DIR`` reads batch numbers on stdin, writes each batch of
-``CRASH_BATCH`` pages and prints ``ACK <batch> <ok>`` once ``batch_set_v1`` returned.
+``python tests/sglang_driver.py DIR [hybrid]`` reads batch numbers on stdin, writes each
+batch of ``CRASH_BATCH`` pages (and, hybrid, a Mamba state at its end) and prints
+``ACK <batch> <ok>`` once ``batch_set_v1`` returned.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class Rank:
             self.backend.register_mem_host_pool_v2(self.mamba, PoolName.MAMBA)
         self.backend.on_host_pools_registered()
         self.next_slot = 0
+        self.state_ok = False  # whether the last write-back's state was acknowledged
 
     def slots(self, pages: int) -> torch.Tensor:
         """Fresh host slots for ``pages`` KV pages (wrapping around the buffer)."""
@@ -135,7 +137,8 @@ def write_back(rk: Rank, prefix: list[str], keys: list[str], state_at_end: bool 
         rk.mamba.set_from_flat_data_page(slot[0], page_data(rk.mamba, keys[-1], rk.rank).flatten())
         t = PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=[keys[-1]],
                          hit_policy=PoolHitPolicy.TRAILING_PAGES)
-        rk.backend.batch_set_v2([t], HiCacheStorageExtraInfo(prefix_keys=prefix + keys[:-1]))
+        res = rk.backend.batch_set_v2([t], HiCacheStorageExtraInfo(prefix_keys=prefix + keys[:-1]))
+        rk.state_ok = res[str(PoolName.MAMBA)] == [True]
     done = 0
     for s in range(0, len(keys), STORAGE_BATCH_SIZE):
         batch = keys[s: s + STORAGE_BATCH_SIZE]
@@ -190,15 +193,15 @@ def fetch(rk: Rank, prefix: list[str], keys: list[str], pages: int):
     return got, rows, state
 
 
-def main(root: str) -> None:
-    rk = Rank(root)
+def main(root: str, hybrid: bool) -> None:
+    rk = Rank(root, hybrid=hybrid)
     keys = page_keys(7, 64 * CRASH_BATCH)
     for line in sys.stdin:
         b = int(line)
         s = b * CRASH_BATCH
-        ok = write_back(rk, keys[:s], keys[s: s + CRASH_BATCH]) == CRASH_BATCH
-        print(f"ACK {b} {int(ok)}", flush=True)
+        ok = write_back(rk, keys[:s], keys[s: s + CRASH_BATCH], state_at_end=hybrid) == CRASH_BATCH
+        print(f"ACK {b} {int(ok and (rk.state_ok or not hybrid))}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["hybrid"])

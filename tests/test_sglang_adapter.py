@@ -200,12 +200,13 @@ def test_a_damaged_shard_answers_false_and_the_hit_shrinks(tmp_path):
         rk.close()
 
 
-def test_batch_set_v1_acknowledged_pages_survive_sigkill(tmp_path):
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_acknowledged_pages_and_states_survive_sigkill(tmp_path, hybrid):
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(here)  # this checkout's prefixstore, not an installed one
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, os.path.join(here, "sglang_driver.py"), str(tmp_path)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
+    argv = [sys.executable, os.path.join(here, "sglang_driver.py"), str(tmp_path)] + (["hybrid"] if hybrid else [])
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
     acked = 0
     try:
         for b in range(3):
@@ -219,19 +220,26 @@ def test_batch_set_v1_acknowledged_pages_survive_sigkill(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    (rk,) = ranks(tmp_path, 1)
+    (rk,) = ranks(tmp_path, 1, hybrid=hybrid)
     try:
         keys = drv.page_keys(7, 64 * drv.CRASH_BATCH)
         pages = acked * drv.CRASH_BATCH
-        hit = drv.query(rk, [], keys)[0]
-        assert hit >= pages
-        got, rows, _ = drv.fetch(rk, [], keys, hit)
-        assert got == hit
+        hit, restorable = drv.query(rk, [], keys[:pages])
+        assert hit == pages
+        got, rows, state = drv.fetch(rk, [], keys, pages)
+        assert got == pages
         assert all(torch.equal(r, drv.page_data(rk.kv, k, 0)) for r, k in zip(rows, keys, strict=False))
+        if hybrid:  # every acknowledged state, at its boundary
+            assert {(b + 1) * drv.CRASH_BATCH for b in range(acked)} <= restorable
+            for b in range(acked):
+                end = (b + 1) * drv.CRASH_BATCH
+                _, _, state = drv.fetch(rk, [], keys, end)
+                assert torch.equal(state, drv.page_data(rk.mamba, keys[end - 1], 0))
         assert all(a.ok for a in rk.backend.audit().values())
-        audit = subprocess.run([sys.executable, "-m", "prefixstore.engine.cli", "audit",
-                                str(tmp_path / "tp0of1" / "kv")], capture_output=True, cwd=repo, env=env)
-        assert audit.returncode == 0, audit.stdout
+        for pool in ("kv", "mamba") if hybrid else ("kv",):
+            audit = subprocess.run([sys.executable, "-m", "prefixstore.engine.cli", "audit",
+                                    str(tmp_path / "tp0of1" / pool)], capture_output=True, cwd=repo, env=env)
+            assert audit.returncode == 0, audit.stdout
     finally:
         rk.close()
 
