@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import prometheus_client
 import pytest
 import torch
 
@@ -69,6 +70,7 @@ def test_attention_pages_read_back_bit_identical_and_hits_are_the_longest_prefix
         for rk in rks:
             assert drv.write_back(rk, [], keys) == 300
             assert rk.backend.engine_stats()["kv"]["nodes"] == 3  # one checkpoint per batch
+            assert rk.backend.get_stats().backup_pgs == [128, 128, 44]  # SGLang's storage metrics
         assert drv.agree([drv.query(rk, [], keys) for rk in rks]) == 300
         for rk in rks:
             got, rows, _ = drv.fetch(rk, [], keys, 300)
@@ -85,6 +87,8 @@ def test_attention_pages_read_back_bit_identical_and_hits_are_the_longest_prefix
         assert drv.agree([drv.query(rk, [], drv.page_keys(3, 10)) for rk in rks]) == 0
         for rk in rks:
             assert all(a.ok for a in rk.backend.audit().values())
+        text = prometheus_client.generate_latest(rks[0].backend.registries()["kv"]).decode()
+        assert 'prefixstore_lookups_total{outcome="hit"}' in text
     finally:
         close_all(rks)
 
