@@ -311,6 +311,16 @@ def tree(root: str) -> dict[str, bytes]:
     return out
 
 
+def flip_byte(path: str) -> bytes:
+    """Flip one byte of ``path`` in place (no block allocated); returns its new bytes."""
+    with open(path, "r+b") as fh:
+        data = bytearray(fh.read())
+        data[len(data) // 2] ^= 0xFF
+        fh.seek(0)
+        fh.write(data)
+    return bytes(data)
+
+
 def spent_and_full(small_fs: str, root: str) -> str:
     """The reserve gone, and another writer holding every free byte: returns the filler."""
     with contextlib.suppress(FileNotFoundError):
@@ -357,6 +367,14 @@ def test_open_on_a_full_disk_with_nothing_to_free_opens_read_only(small_fs):
                 assert ok and eng.stats()["pinned"] == 2
             assert_refuses_every_mutation(eng, 7)
             assert assert_every_node_restores(eng, stored) == len(stored)
+            leaf = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(conversation(0, 8)[0], BT).keys[-1]]]
+            with eng._lock, pytest.raises(ReadOnlyError):
+                eng._evict_nodes([leaf])  # an eviction's early unlink on a full disk: refused too
+            name = eng._file_rows([leaf])[leaf.id][1][0]
+            before[f"rank1/{name}"] = flip_byte(os.path.join(root, "rank1", name))
+            m = eng.lookup(Prefix.from_tokens(conversation(0, 8)[0], BT))
+            assert m.hit and eng.restore(m) is None  # verified: a miss, never other bytes
+            assert not leaf.ready and eng.lookup(Prefix.from_tokens(conversation(0, 8)[0], BT)).blocks == 4
         after = tree(root)
         assert after.keys() == before.keys(), sorted(set(after) ^ set(before))
         assert after == before  # not a byte written: catalog, shards, no reserve taken
@@ -364,8 +382,10 @@ def test_open_on_a_full_disk_with_nothing_to_free_opens_read_only(small_fs):
         os.unlink(filler)
     with Engine.open(root, LAYOUT, CAP) as eng:
         assert eng.read_only is None and eng.stats()["read_only"] is None
+        m = eng.lookup(Prefix.from_tokens(conversation(0, 8)[0], BT))
+        assert m.hit and eng.restore(m) is None  # the flipped shard, found again and recorded
         fill_cache(eng, 20, 2, stored)
-        assert assert_every_node_restores(eng, stored) == len(stored)
+        assert assert_every_node_restores_or_damaged(eng, stored) == len(stored) - 1
         assert os.path.isfile(os.path.join(root, RESERVE_NAME))
         rep = eng.audit()
         assert rep.ok, rep.violations

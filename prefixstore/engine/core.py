@@ -992,6 +992,7 @@ class Engine:
 
     def _write_all(self, name: str, datas: list[bytes]) -> list[tuple[int, OSError]]:
         """Write ``name`` on every rank (in parallel); return the ranks that failed."""
+        self._check_writable("write")
         if len(datas) == 1:
             try:
                 pipeline.write_shard(self, 0, name, datas[0])
@@ -1084,6 +1085,7 @@ class Engine:
 
     def _unlink_rows(self, rows) -> set[tuple[int, str]]:
         """Remove the files of ``rows`` on their ranks; return those that failed."""
+        self._check_writable("unlink")
         failed: set[tuple[int, str]] = set()
         touched: set[int] = set()
         for r, name, _size in rows:
