@@ -367,6 +367,8 @@ def test_open_on_a_full_disk_with_nothing_to_free_opens_read_only(small_fs):
                 assert ok and eng.stats()["pinned"] == 2
             assert_refuses_every_mutation(eng, 7)
             assert assert_every_node_restores(eng, stored) == len(stored)
+            rep = eng.audit()
+            assert rep.ok, rep.violations
             leaf = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(conversation(0, 8)[0], BT).keys[-1]]]
             with eng._lock, pytest.raises(ReadOnlyError):
                 eng._evict_nodes([leaf])  # an eviction's early unlink on a full disk: refused too
