@@ -147,7 +147,7 @@ class Engine:
     """Size of the catalog's reserve file (``gpu/diskroom.py``); 0 holds none."""
     read_only: DiskFullError | None = None
     """Why the engine was opened read-only (``engine/readonly.py``); None when writable."""
-    unsettled: set[int] = frozenset()  # type: ignore[assignment]
+    unsettled: frozenset[int] = frozenset()
     """Read-only: the nodes held out of service (an unfinished transaction touches them)."""
 
     # ------------------------------------------------------------------ public
@@ -294,7 +294,7 @@ class Engine:
                 try:
                     self._open_read_only(reason, bandwidth, logs)
                     return
-                except (CatalogIOError, OSError):
+                except (CatalogIOError, ReadOnlyError, OSError):
                     pass  # cannot even be read without writing: the disk-full error stands
                 except BaseException:
                     self._release_lock()
@@ -615,7 +615,7 @@ class Engine:
                 "damaged_bytes": damaged,
                 "snapshot_bytes_used": snap_nodes * self.layout.snapshot_bytes * self.layout.ranks,
                 "nodes": len(self.index),
-                "nodes_damaged": sum(1 for n in self.index if not n.ready),
+                "nodes_damaged": sum(1 for n in self.index if n.state == "damaged"),
                 "pinned": len(self._pins),
                 "fenced": len(self._fences),
                 "pending_retries": len(self._pending),

@@ -56,14 +56,14 @@ def touched(journal: Iterable[tuple[int, str, str, dict]], txn_nodes: Iterable[A
     return out
 
 
-def hold_out(catalog: Catalog, index: Index) -> set[int]:
+def hold_out(catalog: Catalog, index: Index) -> frozenset[int]:
     """Mark ``unsettled`` (in memory) every indexed node an unfinished transaction
     touches; returns their ids."""
     journal = catalog.journal()
     if not journal:
-        return set()
+        return frozenset()
     txn_nodes = [r[0] for r in catalog.query("SELECT DISTINCT node FROM files WHERE txn IS NOT NULL")]
     held = touched(journal, txn_nodes, dict(index.by_key)) & set(index.nodes)
     for nid in held:
         index.nodes[nid].state = UNSETTLED
-    return held
+    return frozenset(held)
