@@ -45,7 +45,10 @@ def touched(journal: Iterable[tuple[int, str, str, dict]], txn_nodes: Iterable[A
             for nid in value if isinstance(value, list) else [value]:
                 if isinstance(nid, int) and not isinstance(nid, bool):
                     out.add(nid)
-        written = [payload.get("key")] + [r.get("key") for r in payload.get("new") or [] if isinstance(r, dict)]
+        new = payload.get("new")
+        written = [payload.get("key")]
+        if isinstance(new, list):
+            written += [r.get("key") for r in new if isinstance(r, dict)]
         for key in written:
             try:
                 nid = keys.get(bytes.fromhex(key)) if isinstance(key, str) else None
