@@ -19,7 +19,12 @@ import torch
 
 from prefixstore.engine.audit import audit_dir
 from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import DiskFullError, SimulatedCrash
+from prefixstore.engine.errors import (
+    DiskFullError,
+    InvalidArgumentError,
+    ReadOnlyError,
+    SimulatedCrash,
+)
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.engine.repair import repair
@@ -209,7 +214,7 @@ def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs
 
 def test_open_on_a_disk_another_writer_holds_entirely_names_the_disk(small_fs):
     """Nothing the cache may free without a commit (no reserve, no garbage) and not a
-    byte free: open refuses with DiskFullError and changes nothing; once the other
+    byte free: open with ``read_only_fallback=False`` refuses with DiskFullError and changes nothing; once the other
     writer lets go, the cache opens and serves."""
     root = os.path.join(small_fs, "cache")
     stored: dict[tuple[int, int], bool] = {}
@@ -221,7 +226,7 @@ def test_open_on_a_disk_another_writer_holds_entirely_names_the_disk(small_fs):
     filler = fill(small_fs)
     try:
         with pytest.raises(DiskFullError, match="the disk is full"):
-            Engine.open(root, LAYOUT, CAP)
+            Engine.open(root, LAYOUT, CAP, read_only_fallback=False)
         assert sorted(os.listdir(os.path.join(root, "rank0"))) == rank0
     finally:
         os.unlink(filler)
@@ -293,3 +298,157 @@ def assert_every_node_restores_or_damaged(eng: Engine, stored) -> int:
         if not damaged.intersection(keys):
             clear[(seed, blocks)] = True
     return assert_every_node_restores(eng, clear)
+
+
+def tree(root: str) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes (the catalog, its log, the shards, LOCK)."""
+    out = {}
+    for d, _dirs, files in os.walk(root):
+        for f in files:
+            path = os.path.join(d, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, root)] = fh.read()
+    return out
+
+
+def flip_byte(path: str) -> bytes:
+    """Flip one byte of ``path`` in place (no block allocated); returns its new bytes."""
+    with open(path, "r+b") as fh:
+        data = bytearray(fh.read())
+        data[len(data) // 2] ^= 0xFF
+        fh.seek(0)
+        fh.write(data)
+    return bytes(data)
+
+
+def spent_and_full(small_fs: str, root: str) -> str:
+    """The reserve gone, and another writer holding every free byte: returns the filler."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, RESERVE_NAME))
+    return fill(small_fs)
+
+
+def assert_refuses_every_mutation(eng: Engine, seed: int) -> None:
+    toks, segs = conversation(seed, 4)
+    prefix = Prefix.from_tokens(toks, BT)
+    snap = [{"state": torch.zeros((32, 64))} for _ in range(LAYOUT.ranks)]
+    calls = {
+        "store": lambda: eng.store(prefix, segs, snap),
+        "store_async": lambda: eng.store_async(prefix, segs, snap),
+        "evict": lambda: eng.evict(64 << 10),
+        "evict(prefix)": lambda: eng.evict(prefix=prefix),
+        "reclaim": eng.reclaim,
+        "compact": eng.compact,
+    }
+    for name, call in calls.items():
+        with pytest.raises(ReadOnlyError, match="open read-only: .*the disk is full") as err:
+            call()
+        assert err.value.reason is eng.read_only, name
+
+
+def test_open_on_a_full_disk_with_nothing_to_free_opens_read_only(small_fs):
+    """No reserve, no garbage, not a byte free: open succeeds read-only with the reason,
+    restores every checkpoint bit for bit, refuses every mutation with ReadOnlyError and
+    writes nothing (catalog bytes and directory listing unchanged, no -wal/-shm, no
+    reserve). Once the disk has room, a normal open recovers, audits clean and stores."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 0, 4, stored)
+    filler = spent_and_full(small_fs, root)
+    try:
+        before = tree(root)
+        with Engine.open(root, LAYOUT, CAP) as eng:
+            assert isinstance(eng.read_only, DiskFullError)
+            assert "the disk is full" in eng.stats()["read_only"]
+            assert assert_every_node_restores(eng, stored) == len(stored)
+            m = eng.lookup(Prefix.from_tokens(conversation(1, 8)[0], BT))
+            with eng.pinned(m) as ok:  # pins are in memory: allowed
+                assert ok and eng.stats()["pinned"] == 2
+            assert_refuses_every_mutation(eng, 7)
+            assert assert_every_node_restores(eng, stored) == len(stored)
+            rep = eng.audit()
+            assert rep.ok, rep.violations
+            leaf = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(conversation(0, 8)[0], BT).keys[-1]]]
+            with eng._lock, pytest.raises(ReadOnlyError):
+                eng._evict_nodes([leaf])  # an eviction's early unlink on a full disk: refused too
+            name = eng._file_rows([leaf])[leaf.id][1][0]
+            before[f"rank1/{name}"] = flip_byte(os.path.join(root, "rank1", name))
+            m = eng.lookup(Prefix.from_tokens(conversation(0, 8)[0], BT))
+            assert m.hit and eng.restore(m) is None  # verified: a miss, never other bytes
+            assert not leaf.ready and eng.lookup(Prefix.from_tokens(conversation(0, 8)[0], BT)).blocks == 4
+        after = tree(root)
+        assert after.keys() == before.keys(), sorted(set(after) ^ set(before))
+        assert after == before  # not a byte written: catalog, shards, no reserve taken
+    finally:
+        os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        assert eng.read_only is None and eng.stats()["read_only"] is None
+        m = eng.lookup(Prefix.from_tokens(conversation(0, 8)[0], BT))
+        assert m.hit and eng.restore(m) is None  # the flipped shard, found again and recorded
+        fill_cache(eng, 20, 2, stored)
+        assert assert_every_node_restores_or_damaged(eng, stored) == len(stored) - 1
+        assert os.path.isfile(os.path.join(root, RESERVE_NAME))
+        rep = eng.audit()
+        assert rep.ok, rep.violations
+    assert audit_dir(root).ok
+
+
+class _CrashBeforeWrite(FaultHook):
+    """Process death before any rank writes a shard whose name contains ``match``."""
+
+    def __init__(self, match: str) -> None:
+        self.match = match
+
+    def before(self, op, target, rank):
+        if op == "write" and self.match in target:
+            raise SimulatedCrash(f"crash before writing {target}")
+
+
+def test_read_only_open_holds_out_what_an_unfinished_transaction_touches(small_fs):
+    """A compact-replace of an interior node died after its intent commit; the disk is then
+    full with nothing to free. The read-only engine cannot recover it, so that node (and
+    the checkpoint below it) is a miss, every other checkpoint restores bit for bit, and
+    the journal is left as it was; the open that follows once there is room rolls it back."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        fill_cache(eng, 0, 6, stored)
+    interior = Prefix.from_tokens(conversation(3, 4)[0], BT).keys[-1]
+    eng = Engine.open(root, LAYOUT, CAP, hook=_CrashBeforeWrite(interior.hex()))
+    node = eng.index.nodes[eng.index.by_key[interior]]
+    with pytest.raises(SimulatedCrash), eng._lock:
+        eng._retire_snapshot(node)
+    eng._abandon()
+    filler = spent_and_full(small_fs, root)
+    held = {(3, 4), (3, 8)}
+    try:
+        before = tree(root)
+        with Engine.open(root, LAYOUT, CAP) as eng:
+            assert eng.read_only is not None
+            assert eng.catalog.journal(), "the unfinished compaction is left to a later open"
+            assert eng.unsettled == {eng.index.by_key[interior]}
+            assert eng.stats()["nodes_unsettled"] == 1
+            for seed, blocks in held:
+                m = eng.lookup(Prefix.from_tokens(conversation(seed, blocks)[0], BT))
+                assert not m.hit, (seed, blocks, m)
+            rest = {k: v for k, v in stored.items() if k not in held}
+            assert assert_every_node_restores(eng, rest) == len(rest)
+            assert_refuses_every_mutation(eng, 9)
+        assert tree(root) == before
+    finally:
+        os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP) as eng:
+        assert eng.read_only is None and eng.recovery_report.rolled_back
+        assert not eng.catalog.journal()
+        assert assert_every_node_restores(eng, stored) == len(stored)
+        assert eng.audit().ok
+
+
+def test_read_only_fallback_is_validated(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="read_only_fallback"):
+        Engine.open(str(tmp_path / "c"), LAYOUT, CAP, read_only_fallback="yes")
+    assert not (tmp_path / "c").exists()
+    for value in (True, False):
+        with Engine.open(str(tmp_path / "c"), LAYOUT, CAP, read_only_fallback=value) as eng:
+            assert eng.read_only is None

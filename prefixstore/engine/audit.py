@@ -319,7 +319,7 @@ def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
         rank_dirs=[r if getattr(r, "volatile", False) else getattr(r, "directory", "") for r in eng.ranks],
         checksums=checksums,
         quiescent=not eng._fences,
-        live=True,
+        live=eng.read_only is None,  # a read-only engine never writes: read as at rest, creating nothing
     )
     catalog_charged = rep.accounting.get("charged", 0)
     if eng._charged != catalog_charged:

@@ -21,11 +21,14 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
+from urllib.parse import quote
 
 from prefixstore.engine.errors import (
     CatalogCorruptError,
     CatalogIOError,
     NotACacheError,
+    PrefixStoreError,
+    ReadOnlyError,
     SchemaVersionError,
 )
 from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
@@ -83,6 +86,9 @@ def catalog_path(root: str) -> str:
 class Catalog:
     """The engine's single writer connection, with fault-hooked commits."""
 
+    read_only: PrefixStoreError | None = None
+    """Set on a catalog opened by ``read_only``: why; every write transaction is refused."""
+
     def __init__(
         self,
         root: str,
@@ -121,6 +127,41 @@ class Catalog:
         except BaseException:
             self.conn.close()
             raise
+
+    @classmethod
+    def open_read_only(cls, root: str, reason: PrefixStoreError, hook: FaultHook | None = None) -> Catalog:
+        """The catalog opened without writing a byte: ``immutable`` when it has no log
+        (no ``-wal`` / ``-shm`` is created), read-only over its log and index when both
+        exist; ``reason`` is raised when only one of them does (the log cannot be read
+        without writing its index). Every write transaction raises ReadOnlyError."""
+        path = catalog_path(root)
+        if _size(path + "-wal"):
+            if not os.path.exists(path + "-shm"):
+                raise reason
+            mode = "mode=ro"
+        else:
+            mode = "immutable=1"  # an empty or absent log: the file holds every commit
+        self = cls.__new__(cls)
+        self.path, self.synchronous, self.hook = path, "FULL", hook or FaultHook()
+        self.before_write, self.failed, self.read_only = (lambda: None), None, reason
+        try:
+            self.conn = sqlite3.connect(f"file:{quote(path)}?{mode}", uri=True, isolation_level=None,
+                                        check_same_thread=False, timeout=30)
+        except sqlite3.OperationalError as exc:
+            raise CatalogIOError(f"{root}: cannot open {CATALOG_NAME} read-only: {exc}") from exc
+        try:
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise SchemaVersionError(f"catalog schema version {version} > {SCHEMA_VERSION}")
+            if self.meta("format") != FORMAT_MARKER:
+                raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
+        except sqlite3.DatabaseError as exc:
+            self.conn.close()
+            raise CatalogIOError(f"{root}: cannot read {CATALOG_NAME} read-only: {exc}") from exc
+        except BaseException:
+            self.conn.close()
+            raise
+        return self
 
     def _setup(self, fresh: bool) -> None:
         c = self.conn
@@ -166,6 +207,9 @@ class Catalog:
         state): a transaction whose next state could not be committed is left to
         recovery, which runs when the engine is reopened.
         """
+        if self.read_only is not None:
+            raise ReadOnlyError(f"catalog write {label!r} refused: opened read-only ({self.read_only})",
+                                self.read_only)
         if self.failed is not None:
             raise CatalogIOError(f"an earlier catalog write failed ({self.failed}); reopen the engine")
         c = self.conn
@@ -262,6 +306,36 @@ def _io_error(exc: sqlite3.DatabaseError) -> bool:
 
 def _split_sql(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
+
+
+LOG_SUFFIXES = ("-wal", "-shm")
+
+
+def _size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def log_files(root: str) -> frozenset[str]:
+    """Which of the catalog's log files (``LOG_SUFFIXES``) exist."""
+    path = catalog_path(root)
+    return frozenset(s for s in LOG_SUFFIXES if os.path.lexists(path + s))
+
+
+def drop_empty_log(root: str, existed: frozenset[str]) -> None:
+    """After an open that failed with no connection left: remove the log files it
+    created (those not in ``existed``), when the write-ahead log is empty (it then
+    holds no commit, and its index describes nothing)."""
+    path = catalog_path(root)
+    if _size(path + "-wal"):
+        return
+    for s in LOG_SUFFIXES:
+        if s not in existed:
+            with suppress(FileNotFoundError):
+                if os.path.isfile(path + s) and not os.path.islink(path + s):
+                    os.unlink(path + s)
 
 
 def open_readonly(root: str) -> sqlite3.Connection:

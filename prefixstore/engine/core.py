@@ -28,8 +28,8 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine import cachedirs, dirlock, pipeline, recovery, validate
-from prefixstore.engine.catalog import CATALOG_NAME, Catalog
+from prefixstore.engine import cachedirs, dirlock, pipeline, readonly, recovery, validate
+from prefixstore.engine.catalog import CATALOG_NAME, Catalog, drop_empty_log, log_files
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
     CapacityError,
@@ -42,6 +42,7 @@ from prefixstore.engine.errors import (
     NotRegularFileError,
     PrefixStoreError,
     RankUnavailableError,
+    ReadOnlyError,
     ShardError,
     SimulatedCrash,
 )
@@ -144,6 +145,10 @@ class Engine:
     _garbage_hint = True  # loose garbage may exist (set at open and by a failed unlink)
     disk_reserve_bytes = RESERVE_BYTES
     """Size of the catalog's reserve file (``gpu/diskroom.py``); 0 holds none."""
+    read_only: DiskFullError | None = None
+    """Why the engine was opened read-only (``engine/readonly.py``); None when writable."""
+    unsettled: frozenset[int] = frozenset()
+    """Read-only: the nodes held out of service (an unfinished transaction touches them)."""
 
     # ------------------------------------------------------------------ public
 
@@ -169,7 +174,9 @@ class Engine:
         ``ram_bytes`` (the RAM tier's budget), ``executor`` ('cpu' default, 'cuda',
         'cuda:N' or an executor object; see ``gpu/executor.py``), ``bandwidth`` (None,
         bytes/s, 'measure' or 'remeasure': the cost rule's restore bandwidth; see
-        ``gpu/calibrate.py``).
+        ``gpu/calibrate.py``), ``read_only_fallback`` (True default: on a full disk
+        where nothing can be freed without a commit, open read-only, with the reason in
+        ``read_only``, instead of raising DiskFullError; see ``engine/readonly.py``).
         """
         root = validate.open_args(cls, path, layout, capacity_bytes, opts)
         return cls(root, layout, capacity_bytes, **opts)
@@ -197,6 +204,7 @@ class Engine:
         ram_bytes: int | None = None,
         executor: Any = None,
         bandwidth: Any = None,
+        read_only_fallback: bool = True,
     ) -> None:
         self.root = root
         self.layout = layout
@@ -239,6 +247,7 @@ class Engine:
         self._check_root(create)
         self._take_lock()
         self.disk = DiskRoom(root, self.disk_reserve_bytes)
+        logs = log_files(root)
         try:
             # before the catalog opens: a symlinked own directory is refused with nothing touched
             cachedirs.check_own_dirs(root, layout.ranks if ranks is None and backing != "memory" else 0)
@@ -275,14 +284,60 @@ class Engine:
                 self.catalog.close()
                 raise
         except BaseException as exc:
+            full = isinstance(exc, CatalogIOError) and self.disk.tight()
+            reason = DiskFullError(
+                f"{root}: the disk is full ({free_bytes(root)} bytes free, no reserve left, nothing "
+                f"this cache can free without a catalog write): free {LOW_WATER} bytes on that "
+                "file system and open again"
+            ) if full else None
+            if reason is not None and read_only_fallback and ranks is None and backing == "disk":
+                try:
+                    self._open_read_only(reason, bandwidth, logs)
+                    return
+                except (CatalogIOError, ReadOnlyError, OSError):
+                    pass  # cannot even be read without writing: the disk-full error stands
+                except BaseException:
+                    self._release_lock()
+                    raise
             self._release_lock()
-            if isinstance(exc, CatalogIOError) and self.disk.tight():
-                raise DiskFullError(
-                    f"{root}: the disk is full ({free_bytes(root)} bytes free, no reserve left, nothing "
-                    f"this cache can free without a catalog write): free {LOW_WATER} bytes on that "
-                    "file system and open again"
-                ) from exc
+            if reason is not None:
+                raise reason from exc
             raise
+
+    def _open_read_only(self, reason: DiskFullError, bandwidth: Any, logs: frozenset[str]) -> None:
+        """Open this (locked) cache read-only: no recovery, no write (``engine/readonly.py``).
+        ``logs``: the catalog's log files before the failed open (those it created are removed)."""
+        drop_empty_log(self.root, logs)
+        self.catalog = Catalog.open_read_only(self.root, reason, self.hook)
+        try:
+            self._check_layout()
+            recovery.check_structure(self)
+            if (self.catalog.meta(backings.META_KEY) or "disk") != "disk":
+                raise reason
+            self.backing = backings.open_backing(self, "disk", None)
+            self.ranks = self.backing.bind([LocalRank(r, os.path.join(self.root, rank_dir_name(r)), self.fs, self.hook)
+                                            for r in range(self.layout.ranks)], given=False)
+            self._pool = ThreadPoolExecutor(max_workers=max(1, self.layout.ranks), thread_name_prefix="rank")
+            self.disk.bind([r.directory for r in self.ranks], self.layout.ranks)
+            self.recovery_report = recovery.RecoveryReport()
+            self._load()
+            self.unsettled = readonly.hold_out(self.catalog, self.index)
+            self.calibration = calibrate.resolve(self, None if isinstance(bandwidth, str) else bandwidth)
+            self.transfers = pipeline.Transfers(self.layout.ranks)
+            self.compactor = None
+        except BaseException:
+            pool = getattr(self, "_pool", None)
+            if pool is not None:
+                pool.shutdown(wait=False)
+            self.catalog.close()
+            raise
+        self.read_only = reason
+        log.warning("opened_read_only", root=self.root, reason=str(reason), unsettled=len(self.unsettled))
+
+    def _check_writable(self, call: str) -> None:
+        """Raise ReadOnlyError naming the reason when the engine was opened read-only."""
+        if self.read_only is not None:
+            raise ReadOnlyError(f"{call}: {self.root} is open read-only: {self.read_only}", self.read_only)
 
     pin_wait_s = 2.0  # how long a refill waits for a restore's pin before it rolls back
     close_wait_s = 30.0  # how long close() waits for public calls in flight on other threads
@@ -314,6 +369,7 @@ class Engine:
         fits or ``valid()`` turns false (then it is dropped and counted).
         """
         segs, snaps = self._check_store_input(prefix, segments, snapshot, tokens_from, valid)
+        self._check_writable("store")
         with self._guard():
             result = self._store(prefix, segs, snaps, tokens_from)
             if result.status == REFUSED and valid is not None:
@@ -341,6 +397,7 @@ class Engine:
         refused for space with ``valid`` given is queued with its staged host copy
         (the device tensors are never read again), retried while ``valid()`` holds.
         """
+        self._check_writable("store_async")
         return pipeline.store_async(self, prefix, segments, snapshot, tokens_from, valid)
 
     def lookup(self, prefix: Prefix, *, gpu_blocks: int = 0, total_tokens: int | None = None) -> Match:
@@ -410,6 +467,7 @@ class Engine:
         """Reclaim space: ``nbytes`` by policy, or the node at the end of ``prefix``
         (a leaf is evicted; an interior node refuses). Returns bytes freed."""
         nbytes, prefix = validate.evict_args(self, nbytes, prefix)
+        self._check_writable("evict")
         with self._guard():
             with self._lock:
                 before = self._charged
@@ -431,6 +489,7 @@ class Engine:
     def reclaim(self) -> int:
         """Unlink garbage left by failed cleanups (then retry queued stores); returns
         bytes reclaimed."""
+        self._check_writable("reclaim")
         with self._guard():
             with self._lock:
                 before = self._charged
@@ -446,6 +505,7 @@ class Engine:
         from prefixstore.engine import compaction
 
         validate.compact_policy(policy)
+        self._check_writable("compact")
         return compaction.compact(self, policy)
 
     def retry_pending(self) -> None:
@@ -555,7 +615,7 @@ class Engine:
                 "damaged_bytes": damaged,
                 "snapshot_bytes_used": snap_nodes * self.layout.snapshot_bytes * self.layout.ranks,
                 "nodes": len(self.index),
-                "nodes_damaged": sum(1 for n in self.index if not n.ready),
+                "nodes_damaged": sum(1 for n in self.index if n.state == "damaged"),
                 "pinned": len(self._pins),
                 "fenced": len(self._fences),
                 "pending_retries": len(self._pending),
@@ -563,6 +623,8 @@ class Engine:
                 "last_decision": self.counters.last_decision,
                 "backing": self.backing.stats(self),
                 "disk": self.disk.stats(),
+                "read_only": None if self.read_only is None else str(self.read_only),
+                "nodes_unsettled": len(self.unsettled),
                 "transfers": {**self.transfers.stats(), "copies": self.executor.stats.snapshot(),
                               "staging_pool": self.executor.pool.stats(), "calibration": self.calibration},
             }
@@ -605,7 +667,8 @@ class Engine:
             if self._closed:  # abandoned meanwhile (a simulated crash)
                 return
             try:
-                self._flush_recency()
+                if self.read_only is None:
+                    self._flush_recency()
             finally:
                 self._shutdown()
 
@@ -643,7 +706,7 @@ class Engine:
                 f"{self.root} was created with another layout (created vs given: "
                 f"{'; '.join(created.differences(self.layout))})"
             )
-        if self.catalog.meta("capacity") != str(self.capacity):
+        if self.catalog.meta("capacity") != str(self.capacity) and self.catalog.read_only is None:
             with self.catalog.txn("capacity") as c:
                 self.catalog.set_meta(c, "capacity", str(self.capacity))
 
@@ -929,6 +992,7 @@ class Engine:
 
     def _write_all(self, name: str, datas: list[bytes]) -> list[tuple[int, OSError]]:
         """Write ``name`` on every rank (in parallel); return the ranks that failed."""
+        self._check_writable("write")
         if len(datas) == 1:
             try:
                 pipeline.write_shard(self, 0, name, datas[0])
@@ -1021,6 +1085,7 @@ class Engine:
 
     def _unlink_rows(self, rows) -> set[tuple[int, str]]:
         """Remove the files of ``rows`` on their ranks; return those that failed."""
+        self._check_writable("unlink")
         failed: set[tuple[int, str]] = set()
         touched: set[int] = set()
         for r, name, _size in rows:
@@ -1357,8 +1422,9 @@ class Engine:
         """Mark ``node`` damaged (one commit); descendants keep their links."""
         if node.state == "damaged":
             return
-        with self.catalog.txn("invalidate") as c:
-            c.execute("UPDATE nodes SET state='damaged' WHERE id=?", (node.id,))
+        if self.read_only is None:  # read-only: damaged in memory, found again by the next open
+            with self.catalog.txn("invalidate") as c:
+                c.execute("UPDATE nodes SET state='damaged' WHERE id=?", (node.id,))
         node.state = "damaged"
         self.heap.offer(node)
         self.counters.inc("faults", "damaged_node")

@@ -128,3 +128,11 @@ class CapacityError(PrefixStoreError):
 
 class DiskFullError(CatalogIOError):
     """The catalog cannot be opened or written: its disk is full and nothing is left to free first."""
+
+
+class ReadOnlyError(PrefixStoreError):
+    """The engine was opened read-only (``reason`` says why) and refuses every mutation; nothing was changed."""
+
+    def __init__(self, message: str, reason: PrefixStoreError | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -132,6 +132,7 @@ OPEN_CHECKS: dict[str, Callable[[Any], Any]] = {
     "ram_bytes": lambda v: integer("ram_bytes", v, minimum=1, none=True),
     "executor": _executor,
     "bandwidth": _bandwidth,
+    "read_only_fallback": lambda v: flag("read_only_fallback", v),
 }
 
 
