@@ -24,10 +24,10 @@ does not announce. The driver is single-threaded so the log's order is the order
 the calls.
 
 How much a child gets done before its kill depends on the machine's speed and load,
-so a soak can also ask for a number of acknowledged stores (``min_acked``, split over
-the rank counts like the kills): once its kills are done, each rank count keeps
-killing until its log holds its share of acknowledged stores, or the soak's time
-budget (``max_seconds``) is spent; ``SoakStats.target_met`` says which.
+so a soak can also ask for a number of acknowledged stores (``min_acked``): once its
+kills are done, it keeps killing, the rank counts in turn, until that many stores
+were acknowledged in all, or its time budget (``max_seconds``) is spent;
+``SoakStats.target_met`` says which.
 
 Run: ``prefixstore soak [--kills N] [--ranks 1 4] [--seed S] [--json]`` or
 ``python -m prefixstore.fuzz.soak``.
@@ -203,7 +203,7 @@ class SoakStats:
     rolled_forward: int = 0
     acked_stores: int = 0
     acked_by_ranks: dict[int, int] = attrs.field(factory=dict)
-    target_met: bool = True  # every rank count reached its share of ``min_acked``
+    target_met: bool = True  # ``min_acked`` was reached within ``max_seconds``
     acked_checks: int = 0
     evictions_announced: int = 0
     restores_verified: int = 0
@@ -314,45 +314,52 @@ def soak(
     min_acked: int = 0,
     max_seconds: float = 600.0,
 ) -> SoakStats:
-    """Run ``kills`` SIGKILL rounds, split evenly over the rank counts, then more until
-    each rank count's log holds its share of ``min_acked`` acknowledged stores or
-    ``max_seconds`` have passed since the start; return the figures."""
+    """Run ``kills`` SIGKILL rounds, split evenly over the rank counts, then more (the
+    rank counts in turn) until the logs hold ``min_acked`` acknowledged stores in all
+    or ``max_seconds`` have passed since the start; return the figures."""
     torch.set_num_threads(1)  # no intra-op pool to inherit across fork
     st = SoakStats()
     t0 = time.monotonic()
     rng = random.Random(seed)
-    per = _split(kills, len(ranks))
-    acked_per = _split(min_acked, len(ranks))
-    for nranks, n, want in zip(ranks, per, acked_per, strict=True):
-        d = os.path.join(root, f"ranks{nranks}")
-        log_path = os.path.join(root, f"ranks{nranks}.acks")
-        os.makedirs(root, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
+    dirs = {nranks: os.path.join(root, f"ranks{nranks}") for nranks in ranks}
+    logs = {nranks: os.path.join(root, f"ranks{nranks}.acks") for nranks in ranks}
+    for log_path in logs.values():
         open(log_path, "ab").close()
-        i = 0
-        while i < n or parse_log(log_path)[1] < want:
-            if i >= n and time.monotonic() - t0 >= max_seconds:
-                st.target_met = False
-                break
-            st.extra_kills += i >= n
-            where = f"ranks={nranks} kill {i + 1}"
-            sync = "NORMAL" if i % 3 == 2 else "FULL"
-            status = _kill_round(d, nranks, rng.randrange(1 << 30), log_path,
-                                 rng.uniform(min_delay, max_delay), sync, plant, effect_delay)
-            if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-                st.kills += 1
-                st.kills_by_ranks[nranks] = st.kills_by_ranks.get(nranks, 0) + 1
-            else:
-                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
-                st.violations.append(f"{where}: the child ended by itself (status {code})")
-            _check(d, nranks, log_path, recover=i % 2 == 1 and i > 2, st=st, where=where)
-            if progress and (i + 1) % 50 == 0:
-                print(f"  ranks={nranks}: {i + 1}/{n} kills, {len(st.violations)} violations", file=sys.stderr)
-            i += 1
-        _, s, e, _ = parse_log(log_path)
+    done = dict.fromkeys(ranks, 0)  # rounds run per rank count
+
+    def one_round(nranks: int) -> None:
+        i = done[nranks]
+        done[nranks] += 1
+        where = f"ranks={nranks} kill {i + 1}"
+        sync = "NORMAL" if i % 3 == 2 else "FULL"
+        status = _kill_round(dirs[nranks], nranks, rng.randrange(1 << 30), logs[nranks],
+                             rng.uniform(min_delay, max_delay), sync, plant, effect_delay)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            st.kills += 1
+            st.kills_by_ranks[nranks] = st.kills_by_ranks.get(nranks, 0) + 1
+        else:
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
+            st.violations.append(f"{where}: the child ended by itself (status {code})")
+        _check(dirs[nranks], nranks, logs[nranks], recover=i % 2 == 1 and i > 2, st=st, where=where)
+        if progress and (i + 1) % 50 == 0:
+            print(f"  ranks={nranks}: {i + 1} kills, {len(st.violations)} violations", file=sys.stderr)
+
+    for nranks, n in zip(ranks, _split(kills, len(ranks)), strict=True):
+        for _ in range(n):
+            one_round(nranks)
+    while sum(parse_log(p)[1] for p in logs.values()) < min_acked:
+        if time.monotonic() - t0 >= max_seconds:
+            st.target_met = False
+            break
+        one_round(ranks[st.extra_kills % len(ranks)])
+        st.extra_kills += 1
+    for nranks in ranks:
+        _, s, e, _ = parse_log(logs[nranks])
         st.acked_stores += s
         st.acked_by_ranks[nranks] = s
         st.evictions_announced += e
-        _check(d, nranks, log_path, recover=True, st=st, where=f"ranks={nranks} final")
+        _check(dirs[nranks], nranks, logs[nranks], recover=True, st=st, where=f"ranks={nranks} final")
     st.seconds = round(time.monotonic() - t0, 1)
     return st
 
@@ -375,8 +382,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model a slow disk: sleep this long after every effect in the child, so "
                         "more kills land inside transactions (default 0)")
     p.add_argument("--min-acked", type=int, default=0,
-                   help="after the kills, keep killing until this many stores were acknowledged "
-                        "(split over --ranks), within --max-seconds (default 0)")
+                   help="after the kills, keep killing (the --ranks in turn) until this many stores "
+                        "were acknowledged in all, within --max-seconds (default 0)")
     p.add_argument("--max-seconds", type=float, default=600.0,
                    help="time budget for the rounds past --kills, from the start (default 600)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
