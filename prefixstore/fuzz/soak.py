@@ -29,7 +29,8 @@ kills are done, it keeps killing, the rank counts in turn, until that many store
 were acknowledged in all, or its time budget (``max_seconds``) is spent;
 ``SoakStats.target_met`` says which.
 
-Run: ``prefixstore soak [--kills N] [--ranks 1 4] [--seed S] [--json]`` or
+Run: ``prefixstore soak [--kills N] [--ranks 1 4] [--seed S] [--min-acked M] [--max-seconds T]
+[--json]`` or
 ``python -m prefixstore.fuzz.soak``.
 """
 
