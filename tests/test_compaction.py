@@ -510,6 +510,36 @@ def test_a_row_that_gains_a_child_during_the_write_aborts_the_merge(cache_dir, l
         clean(eng)
 
 
+class AuditOnUnlink(FaultHook):
+    """Audits the engine once, before the first unlink of a retired shard: the moment
+    a merge has swapped its rows in and not yet ended its transaction."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng, self.report = eng, None
+
+    def before(self, op, target, rank):
+        if op == "unlink" and self.report is None:
+            self.report = self.eng.audit()
+
+
+def test_a_merge_holds_no_fence_on_a_row_it_deleted(cache_dir, layout):
+    """The rows a merge deletes leave the fence table with the index: an audit at any
+    point after the swap (here: while the old generation is unlinked) sees every
+    fenced node indexed, and the merge's fences are all gone once it returns."""
+    with Engine.open(cache_dir, layout, CAP) as eng:
+        chain(eng)
+        doomed = {n.id for n in eng.index if n.end != 12}
+        hook = AuditOnUnlink(eng)
+        eng.ranks[0].fs.hook = hook
+        assert eng.compact().merges == 1
+        assert hook.report is not None and len(eng.index) == 1
+        assert not doomed & set(eng.index.nodes)
+        assert hook.report.ok, hook.report.to_dict()
+        assert not eng._fences
+        assert_restores(eng, CONV, blocks=12)
+        clean(eng)
+
+
 class FailOnce(FaultHook):
     def __init__(self) -> None:
         self.armed = True

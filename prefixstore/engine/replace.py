@@ -205,6 +205,7 @@ def run(
             r.name = shard_name(r.key, r.gen)
         for n in job.old:
             eng._fences[n.id] += 1
+        fenced = set(job.old_ids)  # this run's fences not yet released
     tid = None
     published = False
     try:
@@ -237,7 +238,11 @@ def run(
                 if not pinned:
                     old_files = _swap(eng, job, tid)
                     published = True
+                    # a deleted row's fence goes with its index entry; the kept rows'
+                    # fences end with the transaction, in this same lock section
+                    _unfence(eng, job, fenced, {n.id for n in job.dropped})
                     eng._finish_retire(tid, KIND, old_files)
+                    _unfence(eng, job, fenced, fenced)
                     eng.counters.inc("replaces", use)
                     if job.state == "damaged":
                         eng.counters.inc("refills")
@@ -254,14 +259,24 @@ def run(
         raise
     finally:
         with eng._lock:
-            for n in job.old:
-                eng._fences[n.id] -= 1
-                if not eng._fences[n.id]:
-                    del eng._fences[n.id]
-            for n in job.old:
-                if eng.index.get(n.id) is n:
-                    eng.heap.offer(n)
-            eng._settled.notify_all()  # stores waiting for these rows re-plan
+            _unfence(eng, job, fenced, fenced)
+
+
+def _unfence(eng: Engine, job: Job, fenced: set[int], ids: set[int]) -> None:
+    """Release this run's fence on each of ``ids`` still in ``fenced`` (once each);
+    offer the old rows still indexed to the heap. Caller holds the lock."""
+    ids = ids & fenced
+    if not ids:
+        return
+    fenced.difference_update(ids)
+    for nid in ids:
+        eng._fences[nid] -= 1
+        if not eng._fences[nid]:
+            del eng._fences[nid]
+    for n in job.old:
+        if n.id in ids and eng.index.get(n.id) is n:
+            eng.heap.offer(n)
+    eng._settled.notify_all()  # stores waiting for these rows re-plan
 
 
 def _abort(eng: Engine, job: Job, why: str, status: str) -> Outcome:

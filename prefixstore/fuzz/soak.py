@@ -23,7 +23,14 @@ bounded: a few conversations of a few blocks), so no eviction happens that the l
 does not announce. The driver is single-threaded so the log's order is the order of
 the calls.
 
-Run: ``prefixstore soak [--kills N] [--ranks 1 4] [--seed S] [--json]`` or
+How much a child gets done before its kill depends on the machine's speed and load,
+so a soak can also ask for a number of acknowledged stores (``min_acked``): once its
+kills are done, it keeps killing, the rank counts in turn, until that many stores
+were acknowledged in all, or its time budget (``max_seconds``) is spent;
+``SoakStats.target_met`` says which.
+
+Run: ``prefixstore soak [--kills N] [--ranks 1 4] [--seed S] [--min-acked M] [--max-seconds T]
+[--json]`` or
 ``python -m prefixstore.fuzz.soak``.
 """
 
@@ -190,12 +197,15 @@ class SoakStats:
 
     kills: int = 0
     kills_by_ranks: dict[int, int] = attrs.field(factory=dict)
+    extra_kills: int = 0  # rounds run past ``kills`` to reach ``min_acked``
     unfinished_at_kill: int = 0
     unfinished_kinds: dict[str, int] = attrs.field(factory=dict)
     recoveries: int = 0
     rolled_back: int = 0
     rolled_forward: int = 0
     acked_stores: int = 0
+    acked_by_ranks: dict[int, int] = attrs.field(factory=dict)
+    target_met: bool = True  # ``min_acked`` was reached within ``max_seconds``
     acked_checks: int = 0
     evictions_announced: int = 0
     restores_verified: int = 0
@@ -303,38 +313,62 @@ def soak(
     progress: bool = False,
     plant: str | None = None,
     effect_delay: float = 0.0,
+    min_acked: int = 0,
+    max_seconds: float = 600.0,
 ) -> SoakStats:
-    """Run ``kills`` SIGKILL rounds, split evenly over the rank counts; return the figures."""
+    """Run ``kills`` SIGKILL rounds, split evenly over the rank counts, then more (the
+    rank counts in turn) until the logs hold ``min_acked`` acknowledged stores in all
+    or ``max_seconds`` have passed since the start; return the figures."""
     torch.set_num_threads(1)  # no intra-op pool to inherit across fork
     st = SoakStats()
     t0 = time.monotonic()
     rng = random.Random(seed)
-    per = [kills // len(ranks) + (i < kills % len(ranks)) for i in range(len(ranks))]
-    for nranks, n in zip(ranks, per, strict=True):
-        d = os.path.join(root, f"ranks{nranks}")
-        log_path = os.path.join(root, f"ranks{nranks}.acks")
-        os.makedirs(root, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
+    dirs = {nranks: os.path.join(root, f"ranks{nranks}") for nranks in ranks}
+    logs = {nranks: os.path.join(root, f"ranks{nranks}.acks") for nranks in ranks}
+    for log_path in logs.values():
         open(log_path, "ab").close()
-        for i in range(n):
-            where = f"ranks={nranks} kill {i + 1}"
-            sync = "NORMAL" if i % 3 == 2 else "FULL"
-            status = _kill_round(d, nranks, rng.randrange(1 << 30), log_path,
-                                 rng.uniform(min_delay, max_delay), sync, plant, effect_delay)
-            if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-                st.kills += 1
-                st.kills_by_ranks[nranks] = st.kills_by_ranks.get(nranks, 0) + 1
-            else:
-                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
-                st.violations.append(f"{where}: the child ended by itself (status {code})")
-            _check(d, nranks, log_path, recover=i % 2 == 1 and i > 2, st=st, where=where)
-            if progress and (i + 1) % 50 == 0:
-                print(f"  ranks={nranks}: {i + 1}/{n} kills, {len(st.violations)} violations", file=sys.stderr)
-        _, s, e, _ = parse_log(log_path)
+    done = dict.fromkeys(ranks, 0)  # rounds run per rank count
+
+    def one_round(nranks: int) -> None:
+        i = done[nranks]
+        done[nranks] += 1
+        where = f"ranks={nranks} kill {i + 1}"
+        sync = "NORMAL" if i % 3 == 2 else "FULL"
+        status = _kill_round(dirs[nranks], nranks, rng.randrange(1 << 30), logs[nranks],
+                             rng.uniform(min_delay, max_delay), sync, plant, effect_delay)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            st.kills += 1
+            st.kills_by_ranks[nranks] = st.kills_by_ranks.get(nranks, 0) + 1
+        else:
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
+            st.violations.append(f"{where}: the child ended by itself (status {code})")
+        _check(dirs[nranks], nranks, logs[nranks], recover=i % 2 == 1 and i > 2, st=st, where=where)
+        if progress and (i + 1) % 50 == 0:
+            print(f"  ranks={nranks}: {i + 1} kills, {len(st.violations)} violations", file=sys.stderr)
+
+    for nranks, n in zip(ranks, _split(kills, len(ranks)), strict=True):
+        for _ in range(n):
+            one_round(nranks)
+    while sum(parse_log(p)[1] for p in logs.values()) < min_acked:
+        if time.monotonic() - t0 >= max_seconds:
+            st.target_met = False
+            break
+        one_round(ranks[st.extra_kills % len(ranks)])
+        st.extra_kills += 1
+    for nranks in ranks:
+        _, s, e, _ = parse_log(logs[nranks])
         st.acked_stores += s
+        st.acked_by_ranks[nranks] = s
         st.evictions_announced += e
-        _check(d, nranks, log_path, recover=True, st=st, where=f"ranks={nranks} final")
+        _check(dirs[nranks], nranks, logs[nranks], recover=True, st=st, where=f"ranks={nranks} final")
     st.seconds = round(time.monotonic() - t0, 1)
     return st
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` split over ``parts`` as evenly as integers allow, the larger first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 # ---------------------------------------------------------------------- CLI
@@ -351,6 +385,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "more kills land inside transactions (default 0)")
     p.add_argument("--keep", action="store_true",
                    help="keep the temporary work directory (without --dir) instead of removing it")
+    p.add_argument("--min-acked", type=int, default=0,
+                   help="after the kills, keep killing (the --ranks in turn) until this many stores "
+                        "were acknowledged in all, within --max-seconds (default 0)")
+    p.add_argument("--max-seconds", type=float, default=600.0,
+                   help="time budget for the rounds past --kills, from the start (default 600)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plant", choices=sorted(PLANTS), default=None,
                    help="run against a deliberately broken engine (the soak must report it)")
@@ -373,18 +412,22 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, root: str) -> int:
     st = soak(root, kills=args.kills, ranks=tuple(args.ranks), seed=args.seed,
               max_delay=args.max_delay, progress=not args.json, plant=args.plant,
-              effect_delay=args.effect_delay_ms / 1000)
+              effect_delay=args.effect_delay_ms / 1000, min_acked=args.min_acked,
+              max_seconds=args.max_seconds)
     lost_or_bad = st.lost or st.violations
     if args.json:
         print(json.dumps(st.to_dict()))
     else:
-        print(f"soak in {root}: {st.kills} SIGKILLs {dict(st.kills_by_ranks)} in {st.seconds} s")
+        print(f"soak in {root}: {st.kills} SIGKILLs {dict(st.kills_by_ranks)} in {st.seconds} s"
+              f" ({st.extra_kills} past --kills to reach --min-acked)")
         print(f"  kills that left an unfinished transaction: {st.unfinished_at_kill} "
               f"{dict(Counter(st.unfinished_kinds))}")
         print(f"  recoveries by the checker: {st.recoveries} (rolled back {st.rolled_back}, "
               f"forward {st.rolled_forward}); the others by the next child")
-        print(f"  acknowledged stores: {st.acked_stores}; acknowledged checkpoints checked: "
-              f"{st.acked_checks}; evictions announced: {st.evictions_announced}")
+        print(f"  acknowledged stores: {st.acked_stores} {dict(st.acked_by_ranks)}"
+              f"{'' if st.target_met else ' (below --min-acked: --max-seconds ran out)'}; "
+              f"acknowledged checkpoints checked: {st.acked_checks}; evictions announced: "
+              f"{st.evictions_announced}")
         print(f"  restores verified bit-identical after recovery: {st.restores_verified}")
         print(f"  lost acknowledged stores: {st.lost}; violations: {len(st.violations)}")
         for v in st.violations[:20]:
