@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import Gate, make_layout, store_tokens, tokens_for
 
+from prefixstore.engine.catalog_reader import read_listing
 from prefixstore.engine.cli import main as cli_main
 from prefixstore.engine.core import Engine
+from prefixstore.engine.errors import InvalidArgumentError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAP = 16 << 20
@@ -320,3 +322,16 @@ def test_what_is_not_a_cache_is_one_line_and_exit_2(tmp_path, capsys):
     _one_line_exit_2(capsys, [str(newer)], "schema version 99 is newer")
     _one_line_exit_2(capsys, [str(newer), "--limit", "-1"], "--limit: must be a whole number >= 0")
     assert {k: v for k, v in tree(str(tmp_path)).items() if not k.startswith("newer")} == before
+
+
+def test_read_listing_names_a_bad_argument(tmp_path):
+    root = str(tmp_path / "c")
+    build(root).close()
+    before = tree(root)
+    for kwargs, argument in (({"tables": ["nodes", "bogus"]}, "tables"), ({"limit": -1}, "limit"),
+                             ({"limit": True}, "limit"), ({"limit": "3"}, "limit")):
+        with pytest.raises(InvalidArgumentError) as ei:
+            read_listing(root, **kwargs)
+        assert ei.value.argument == argument
+    assert [t.name for t in read_listing(root, ["meta"], limit=1).tables] == ["meta"]
+    assert tree(root) == before

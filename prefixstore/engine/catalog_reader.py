@@ -1,14 +1,14 @@
 """Read a cache's catalog tables without writing a byte, beside a running engine or not.
 
-How the catalog is opened depends only on the files next to it; no lock of the
-engine's is probed or taken:
+How the catalog is opened depends only on the files next to it; the engine's lock
+(its ``flock`` on the directory and ``LOCK``) is neither taken nor probed:
 
 - no ``-wal`` file (no engine has the catalog open): ``immutable=1``; SQLite creates
-  no ``-wal``/``-shm`` file and takes no lock;
+  no ``-wal``/``-shm`` file and takes no lock of its own either;
 - a ``-wal`` and a ``-shm`` file (a running engine's, or left by a crash):
-  ``mode=ro&readonly_shm=1``; the shared-memory index is opened read-only, so a
-  crash's leftovers are read without rebuilding it (SQLite then indexes the log in
-  private memory) and a running engine's are shared as any WAL reader does;
+  ``mode=ro&readonly_shm=1``; the shared-memory index is opened read-only: a
+  running engine's is used with SQLite's shared read locks only (no read mark is
+  written), a crash's is not rebuilt (SQLite indexes the log in private memory);
 - a ``-wal`` without a ``-shm``: the catalog and its log are copied to a private
   temporary directory and read there.
 
@@ -102,17 +102,17 @@ def read_listing(root: str, tables: Sequence[str] = TABLES, limit: int | None = 
         raise InvalidArgumentError("limit", f"must be a whole number >= 0 or None, got {limit!r}")
     path = catalog_path(root)
     for _ in range(_ATTEMPTS):
-        before = _files(path)
+        before = _files(root)
         try:
             with _snapshot(path, before) as (db, source):
                 listing = _read(db, root, source, tables, limit)
         except (sqlite3.Error, OSError) as exc:
-            if _mode(_files(path)) != _mode(before):
+            if _mode(_files(root)) != _mode(before):
                 continue  # an engine opened or closed the catalog meanwhile
             if isinstance(exc, sqlite3.Error):
                 raise NotACacheError(f"{root}: {CATALOG_NAME} is not a readable prefixstore catalog: {exc}") from exc
             raise CatalogIOError(f"{root}: cannot read {CATALOG_NAME}: {exc}") from exc
-        if _mode(before) == "ro" or _files(path) == before:
+        if _mode(before) == "ro" or _files(root) == before:
             return listing
     raise CatalogIOError(f"{root}: {CATALOG_NAME} kept changing while it was read; try again")
 
@@ -136,11 +136,9 @@ def _stat(path: str) -> tuple[int, int, int] | None:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _files(path: str) -> _Files:
-    root = os.path.dirname(path) or "."
-    if not os.path.isfile(path):
-        raise NotACacheError(f"{root}: no {CATALOG_NAME} (not a prefixstore cache)")
-    catalog = _stat(path)
+def _files(root: str) -> _Files:
+    path = catalog_path(root)
+    catalog = _stat(path) if os.path.isfile(path) else None
     if catalog is None:
         raise NotACacheError(f"{root}: no {CATALOG_NAME} (not a prefixstore cache)")
     return _Files(catalog, _stat(path + "-wal"), os.path.exists(path + "-shm"))
