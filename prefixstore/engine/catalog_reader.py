@@ -133,6 +133,8 @@ def _stat(path: str) -> tuple[int, int, int] | None:
         st = os.stat(path)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise CatalogIOError(f"cannot stat {path}: {exc}") from exc
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
