@@ -16,6 +16,7 @@ from prefixstore.engine.errors import PrefixStoreError
 COMMANDS = [
     "prefixstore.engine.cmd_demo",
     "prefixstore.engine.cmd_audit",
+    "prefixstore.engine.cmd_catalog",
     "prefixstore.engine.cmd_rank_server",
     "prefixstore.replay.cmd_replay",
     "prefixstore.fuzz.cmd_fuzz",
