@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from prefixstore.engine.core import Engine
+from prefixstore.engine.index import Node
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
 
@@ -67,6 +68,17 @@ def store_tokens(eng: Engine, tokens: list[int], salt: int = 0, **kw):
     L = eng.layout
     return eng.store(Prefix.from_tokens(tokens, L.block_tokens), seg_tensors(L, tokens, salt),
                      snap_tensors(L, tokens, salt), **kw)
+
+
+def key_at(tokens: list[int], bt: int = BT) -> bytes:
+    """The chained key of the last block of ``tokens``."""
+    return Prefix.from_tokens(tokens, bt).keys[-1]
+
+
+def node_at(eng: Engine, tokens: list[int]) -> Node | None:
+    """The node whose checkpoint ends at the last block of ``tokens``, or None."""
+    nid = eng.index.by_key.get(key_at(tokens, eng.layout.block_tokens))
+    return eng.index.get(nid) if nid is not None else None
 
 
 def assert_restores(eng: Engine, tokens: list[int], salt: int = 0, blocks: int | None = None) -> None:

@@ -20,6 +20,7 @@ from conftest import (
     Gate,
     assert_restores,
     make_layout,
+    node_at,
     seg_tensors,
     snap_tensors,
     store_tokens,
@@ -54,10 +55,6 @@ def rows(eng: Engine, among: frozenset | None = None) -> frozenset:
         wanted = {r[0] for r in among}
         out = frozenset(r for r in out if r[0] in wanted)
     return out
-
-
-def node_at(eng: Engine, tokens: list[int]):
-    return eng.index.nodes[eng.index.by_key[Prefix.from_tokens(tokens, BT).keys[-1]]]
 
 
 def _retire(eng: Engine, *ends: int) -> None:
