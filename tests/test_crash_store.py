@@ -13,7 +13,7 @@ import contextlib
 import os
 
 import pytest
-from conftest import Gate, assert_restores, make_layout, store_tokens, tokens_for
+from conftest import Gate, assert_restores, make_layout, store_tokens, store_until_crash, tokens_for
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import SimulatedCrash
@@ -41,13 +41,7 @@ def _scenario(root: str, ranks: int, hook, kind: str):
         target = a  # lands below the acknowledged a[:8]
     else:
         target = tokens_for(12, 5)  # a new root child
-    gate.arm(hook)
-    result = None
-    with contextlib.suppress(SimulatedCrash):
-        result = store_tokens(eng, target)
-    gate.disarm()
-    if not eng._closed:
-        eng.close()
+    result = store_until_crash(eng, gate, hook, target)
     return L, acked, target, result
 
 

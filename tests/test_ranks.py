@@ -23,7 +23,6 @@ Cases (DESIGN.md section 3):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sqlite3
 
@@ -36,11 +35,11 @@ from conftest import (
     node_at,
     seg_tensors,
     store_tokens,
+    store_until_crash,
     tokens_for,
 )
 
 from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import ChainHook, CountingHook, CrashAt, FaultFS, FaultPlan, flip_bit
 from prefixstore.gpu.fileio import FaultHook
@@ -500,13 +499,7 @@ def _crash_scenario(base, ranks: int, hook, kind: str):
         assert store_tokens(eng, t).ok
     if kind == "failing":  # the last rank fails: the crash points run through the rollback
         plan.fail_nth("rename", 1, "EIO", rank=ranks - 1)
-    gate.arm(hook)
-    result = None
-    with contextlib.suppress(SimulatedCrash):
-        result = store_tokens(eng, a)
-    gate.disarm()
-    if not eng._closed:
-        eng.close()
+    result = store_until_crash(eng, gate, hook, a)
     return L, acked, a, result
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    BugAtFirstUnlink,
     Gate,
     assert_restores,
     make_layout,
@@ -314,16 +315,7 @@ def test_unexpected_error_during_evict_cleanup_does_not_strand_its_transaction(c
     try:
         a, b = tokens_for(1, 4), tokens_for(2, 4)
         assert store_tokens(eng, a).ok and store_tokens(eng, b).ok
-
-        class BugOnce(FaultHook):
-            fired = False
-
-            def before(self, op, target, rank):
-                if op == "unlink" and not self.fired:
-                    self.fired = True
-                    raise RuntimeError("a rank agent bug, not an I/O error")
-
-        gate.arm(BugOnce())
+        gate.arm(BugAtFirstUnlink())
         with contextlib.suppress(RuntimeError):  # may propagate; what it leaves behind matters
             eng.evict(prefix=Prefix.from_tokens(a, BT))
         gate.disarm()

@@ -3,7 +3,6 @@ refused-store retries, the restore cost rule, pins and fences, counters."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import tempfile
@@ -11,6 +10,7 @@ import tempfile
 import pytest
 import torch
 from conftest import (
+    FailUnlinks,
     Gate,
     assert_restores,
     make_layout,
@@ -171,7 +171,7 @@ def test_garbage_is_reclaimed_before_any_victim(tmp_path):
     with Engine.open(str(tmp_path / "g2"), L, 2 * size + 8, hook=gate) as eng:
         store_tokens(eng, a)
         store_tokens(eng, b)
-        gate.arm(_FailUnlink())
+        gate.arm(FailUnlinks())
         assert eng.evict(prefix=Prefix.from_tokens(a, 4)) == 0  # the unlink failed: garbage
         gate.disarm()
         assert eng.stats()["garbage_bytes"] == size
@@ -179,12 +179,6 @@ def test_garbage_is_reclaimed_before_any_victim(tmp_path):
         assert node_at(eng, b) is not None  # the garbage made the room, not b
         assert eng.stats()["counters"]["evicted_bytes.garbage"] == size
         assert eng.audit().ok
-
-
-class _FailUnlink(FaultHook):
-    def before(self, op, target, rank):
-        if op == "unlink":
-            raise OSError(errno.EIO, "injected unlink failure")
 
 
 # ----------------------------------------------------------------------------- retries
@@ -233,7 +227,7 @@ def test_refused_store_is_retried_after_reclaim(tmp_path, layout):
     with Engine.open(str(tmp_path / "r"), layout, 2 * size + 8, hook=gate) as eng:
         store_tokens(eng, a)
         store_tokens(eng, b)
-        gate.arm(_FailUnlink())
+        gate.arm(FailUnlinks())
         eng.evict(prefix=Prefix.from_tokens(a, 4))  # a's files stay as charged garbage
         mb = eng.lookup(Prefix.from_tokens(b, 4))
         eng.pin(mb)
