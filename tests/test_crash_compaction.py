@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 from conftest import (
+    BT,
     Gate,
     assert_restores,
     make_layout,
@@ -35,7 +36,6 @@ from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS
 from prefixstore.statemachine.compaction import CompactionPolicy
 
 CAP = 16 << 20
-BT = 4
 CONV = tokens_for(40, 12)  # one conversation: checkpoints at blocks 3, 6, 9, 12
 OTHER = tokens_for(41, 4)
 USES = ["merge", "split", "republish", "refill", "retire"]

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import contextlib
 
-from conftest import BugAtFirstUnlink, Gate, assert_restores, make_layout, store_tokens, tokens_for
+from conftest import (
+    BT,
+    BugAtFirstUnlink,
+    Gate,
+    assert_restores,
+    make_layout,
+    store_tokens,
+    tokens_for,
+)
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.keys import Prefix
 
 CAP = 16 << 20
-BT = 4
 
 
 def test_unexpected_error_after_snapshot_retirement_publish_ends_its_transaction(cache_dir):

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 
 import pytest
-from conftest import assert_restores, key_at, make_layout, store_tokens, tokens_for
+from conftest import BT, assert_restores, key_at, make_layout, store_tokens, tokens_for
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import SimulatedCrash
@@ -33,7 +33,6 @@ from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS, FaultPlan, 
 from prefixstore.gpu.fileio import FaultHook
 
 CAP = 16 << 20
-BT = 4
 CONV = tokens_for(60, 12)
 OTHER = tokens_for(61, 4)
 KINDS = ["store", "refill", "evict", "retire"] + (["compact"] if hasattr(Engine, "compact") else [])

@@ -27,7 +27,7 @@ import threading
 import time
 
 import pytest
-from conftest import assert_restores, make_layout, node_at, store_tokens, tokens_for
+from conftest import BT, assert_restores, make_layout, node_at, store_tokens, tokens_for
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import RankUnavailableError
@@ -38,7 +38,6 @@ from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.rank_server import RankServer
 
 CAP = 16 << 20
-BT = 4
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -29,6 +29,7 @@ import sqlite3
 import pytest
 import torch
 from conftest import (
+    BT,
     Gate,
     assert_restores,
     make_layout,
@@ -46,7 +47,6 @@ from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 
 CAP = 16 << 20
-BT = 4
 CASES = [(2, 0), (2, 1), (4, 0), (4, 2), (4, 3)]
 IDS = ["2r-first", "2r-last", "4r-first", "4r-middle", "4r-last"]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    BT,
     BugAtFirstUnlink,
     Gate,
     assert_restores,
@@ -44,7 +45,6 @@ from prefixstore.gpu import shards
 from prefixstore.gpu.fileio import FaultHook
 
 CAP = 16 << 20
-BT = 4
 WAIT = 10.0  # seconds any single handshake may take before the test gives up
 
 
