@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from conftest import Gate, assert_restores, key_at, make_layout, store_tokens, tokens_for
+from conftest import Gate, assert_restores, key_at, make_layout, node_at, store_tokens, tokens_for
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import SimulatedCrash
@@ -73,7 +73,7 @@ def _check(root: str, L, policy: str, kind: str, cap: int) -> None:
         rep = eng.audit()
         assert rep.ok, rep.to_dict()
         assert not eng.catalog.journal()
-        pinned = eng.index.get(eng.index.by_key.get(key_at(PINNED)))
+        pinned = node_at(eng, PINNED)
         assert pinned is not None and pinned.generation == 1 and pinned.has_snapshot
         assert_restores(eng, PINNED, blocks=2)
         present = {k: key_at(t) in eng.index.by_key for k, t in (("mid", A[:8]), ("a", A), ("b", B), ("c", C))}
@@ -86,7 +86,7 @@ def _check(root: str, L, policy: str, kind: str, cap: int) -> None:
             assert_restores(eng, B, blocks=3)
         elif kind == "retire":
             assert present["mid"] and present["a"] and present["b"]  # nothing leaves the tree
-            mid = eng.index.nodes[eng.index.by_key[key_at(A[:8])]]
+            mid = node_at(eng, A[:8])
             assert mid.generation in (1, 2) and mid.has_snapshot == (mid.generation == 1)
             assert_restores(eng, B, blocks=3)
         else:
@@ -126,7 +126,7 @@ def test_uninterrupted_store_under_pressure_retires_then_evicts(tmp_path):
     L, _ = _scenario(str(tmp_path / "run"), 1, CountingHook(), "store", cap)
     with Engine.open(str(tmp_path / "run"), L, cap) as eng:
         assert key_at(C) in eng.index.by_key
-        mid = eng.index.nodes[eng.index.by_key[key_at(A[:8])]]
+        mid = node_at(eng, A[:8])
         assert not mid.has_snapshot  # the oldest unpinned candidate was retired
         assert key_at(B) not in eng.index.by_key  # and the oldest leaf went
         assert key_at(PINNED) in eng.index.by_key

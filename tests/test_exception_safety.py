@@ -11,12 +11,12 @@ from conftest import (
     Gate,
     assert_restores,
     make_layout,
+    node_at,
     store_tokens,
     tokens_for,
 )
 
 from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
 
 CAP = 16 << 20
 
@@ -29,7 +29,7 @@ def test_unexpected_error_after_snapshot_retirement_publish_ends_its_transaction
         a = tokens_for(1, 6)
         assert store_tokens(eng, a[: 4 * BT]).status == "stored"
         assert store_tokens(eng, a).status == "stored"  # (0,4] is now a compactable ancestor
-        n = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(a[: 4 * BT], BT).keys[-1]]]
+        n = node_at(eng, a[: 4 * BT])
         assert n.has_snapshot
         bug = BugAtFirstUnlink()  # at the cleanup after the publish
         gate.arm(bug)
