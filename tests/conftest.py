@@ -1,4 +1,4 @@
-"""Shared fixtures: small layouts, deterministic tensors, engines in temp dirs."""
+"""Shared fixtures and helpers: small layouts, deterministic tensors, node look-ups, fault hooks."""
 
 from __future__ import annotations
 
