@@ -1,7 +1,9 @@
-"""Shared fixtures: small layouts, deterministic tensors, engines in temp dirs."""
+"""Shared fixtures and helpers: small layouts, deterministic tensors, node look-ups, fault hooks."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 
 import pytest
@@ -9,8 +11,11 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from prefixstore.engine.core import Engine
+from prefixstore.engine.errors import SimulatedCrash
+from prefixstore.engine.index import Node
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.gpu.fileio import FaultHook
 
 settings.register_profile("dev", max_examples=30, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -69,6 +74,17 @@ def store_tokens(eng: Engine, tokens: list[int], salt: int = 0, **kw):
                      snap_tensors(L, tokens, salt), **kw)
 
 
+def key_at(tokens: list[int], bt: int = BT) -> bytes:
+    """The chained key of the last block of ``tokens``."""
+    return Prefix.from_tokens(tokens, bt).keys[-1]
+
+
+def node_at(eng: Engine, tokens: list[int]) -> Node | None:
+    """The node whose checkpoint ends at the last block of ``tokens``, or None."""
+    nid = eng.index.by_key.get(key_at(tokens, eng.layout.block_tokens))
+    return eng.index.get(nid) if nid is not None else None
+
+
 def assert_restores(eng: Engine, tokens: list[int], salt: int = 0, blocks: int | None = None) -> None:
     """The deepest match of ``tokens`` restores bit-identically (at ``blocks`` if given)."""
     L = eng.layout
@@ -118,3 +134,38 @@ class Gate:
     def after(self, op, target, rank):
         if self.inner is not None:
             self.inner.after(op, target, rank)
+
+
+def store_until_crash(eng: Engine, gate: Gate, hook, tokens: list[int]):
+    """Store ``tokens`` with ``hook`` armed on ``gate``, then close ``eng``.
+
+    Returns the store's result, or None when the hook crashed it (SimulatedCrash).
+    """
+    gate.arm(hook)
+    result = None
+    with contextlib.suppress(SimulatedCrash):
+        result = store_tokens(eng, tokens)
+    gate.disarm()
+    if not eng._closed:
+        eng.close()
+    return result
+
+
+class BugAtFirstUnlink(FaultHook):
+    """Raises a non-OSError (a bug, not an I/O error) at the first unlink only."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def before(self, op, target, rank):
+        if op == "unlink" and not self.fired:
+            self.fired = True
+            raise RuntimeError("a rank agent bug, not an I/O error")
+
+
+class FailUnlinks(FaultHook):
+    """Every unlink fails with EIO."""
+
+    def before(self, op, target, rank):
+        if op == "unlink":
+            raise OSError(errno.EIO, "injected EIO on unlink", target)

@@ -10,6 +10,7 @@ import pytest
 from conftest import (
     assert_restores,
     make_layout,
+    node_at,
     seg_tensors,
     snap_tensors,
     store_tokens,
@@ -129,7 +130,7 @@ def test_composite_serves_ram_hits_and_falls_back_to_disk_after_lru_eviction(tmp
         rep = eng.audit()
         assert rep.ok, rep.to_dict()
         # evicting a node removes it from both tiers
-        node = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(convs[0], 4).keys[-1]]]
+        node = node_at(eng, convs[0])
         name = f"{node.key.hex()}-g{node.generation}.st"
         assert (0, name) in dict(eng.backing.tier.items())
         assert eng.evict(prefix=Prefix.from_tokens(convs[0], 4)) == sizes[0]
@@ -150,7 +151,7 @@ def test_mixed_ram_and_disk_restore_returns_every_buffer_on_success_and_on_damag
         for b in (2, 4, 6, 8):
             assert store_tokens(eng, toks[: b * 4]).ok
         tier = eng.backing.tier
-        path = eng.index.path(eng.index.nodes[eng.index.by_key[Prefix.from_tokens(toks, 4).keys[-1]]])
+        path = eng.index.path(node_at(eng, toks))
         names = [f"{x.key.hex()}-g{x.generation}.st" for x in path]
         for name in names[:2]:  # the two deepest stay in RAM; the others are read from disk
             for r in range(ranks):

@@ -14,6 +14,7 @@ import torch
 from conftest import (
     assert_restores,
     make_layout,
+    node_at,
     seg_tensors,
     snap_tensors,
     store_tokens,
@@ -35,10 +36,6 @@ CONV = tokens_for(70, 12)
 
 def P(tokens: list[int]) -> Prefix:
     return Prefix.from_tokens(tokens, BT)
-
-
-def node_at(eng: Engine, tokens: list[int]):
-    return eng.index.nodes[eng.index.by_key[P(tokens).keys[-1]]]
 
 
 def chain(eng: Engine, ends=(3, 6, 9, 12), retire=(3, 6, 9)) -> None:

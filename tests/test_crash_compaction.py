@@ -17,9 +17,11 @@ import shutil
 
 import pytest
 from conftest import (
+    BT,
     Gate,
     assert_restores,
     make_layout,
+    node_at,
     seg_tensors,
     snap_tensors,
     store_tokens,
@@ -34,7 +36,6 @@ from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS
 from prefixstore.statemachine.compaction import CompactionPolicy
 
 CAP = 16 << 20
-BT = 4
 CONV = tokens_for(40, 12)  # one conversation: checkpoints at blocks 3, 6, 9, 12
 OTHER = tokens_for(41, 4)
 USES = ["merge", "split", "republish", "refill", "retire"]
@@ -54,10 +55,6 @@ def rows(eng: Engine, among: frozenset | None = None) -> frozenset:
         wanted = {r[0] for r in among}
         out = frozenset(r for r in out if r[0] in wanted)
     return out
-
-
-def node_at(eng: Engine, tokens: list[int]):
-    return eng.index.nodes[eng.index.by_key[Prefix.from_tokens(tokens, BT).keys[-1]]]
 
 
 def _retire(eng: Engine, *ends: int) -> None:

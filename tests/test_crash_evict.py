@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from conftest import Gate, assert_restores, make_layout, store_tokens, tokens_for
+from conftest import Gate, assert_restores, key_at, make_layout, node_at, store_tokens, tokens_for
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import SimulatedCrash
@@ -27,10 +27,6 @@ PINNED = tokens_for(40, 2)
 A = tokens_for(41, 8)  # a[:8] (2 blocks) is the interior node, a (8 blocks) its child
 B = tokens_for(42, 3)
 C = A + tokens_for(43, 3)  # the store under pressure: a child of a (fenced while it runs)
-
-
-def _key(tokens):
-    return Prefix.from_tokens(tokens, 4).keys[-1]
 
 
 def _setup(eng: Engine):
@@ -77,10 +73,10 @@ def _check(root: str, L, policy: str, kind: str, cap: int) -> None:
         rep = eng.audit()
         assert rep.ok, rep.to_dict()
         assert not eng.catalog.journal()
-        pinned = eng.index.get(eng.index.by_key.get(_key(PINNED)))
+        pinned = node_at(eng, PINNED)
         assert pinned is not None and pinned.generation == 1 and pinned.has_snapshot
         assert_restores(eng, PINNED, blocks=2)
-        present = {k: _key(t) in eng.index.by_key for k, t in (("mid", A[:8]), ("a", A), ("b", B), ("c", C))}
+        present = {k: key_at(t) in eng.index.by_key for k, t in (("mid", A[:8]), ("a", A), ("b", B), ("c", C))}
         if kind == "leaf":
             assert present["mid"] and present["a"]
             assert_restores(eng, A, blocks=8)
@@ -90,7 +86,7 @@ def _check(root: str, L, policy: str, kind: str, cap: int) -> None:
             assert_restores(eng, B, blocks=3)
         elif kind == "retire":
             assert present["mid"] and present["a"] and present["b"]  # nothing leaves the tree
-            mid = eng.index.nodes[eng.index.by_key[_key(A[:8])]]
+            mid = node_at(eng, A[:8])
             assert mid.generation in (1, 2) and mid.has_snapshot == (mid.generation == 1)
             assert_restores(eng, B, blocks=3)
         else:
@@ -129,11 +125,11 @@ def test_uninterrupted_store_under_pressure_retires_then_evicts(tmp_path):
     cap = _store_cap(1, str(tmp_path / "probe"))
     L, _ = _scenario(str(tmp_path / "run"), 1, CountingHook(), "store", cap)
     with Engine.open(str(tmp_path / "run"), L, cap) as eng:
-        assert _key(C) in eng.index.by_key
-        mid = eng.index.nodes[eng.index.by_key[_key(A[:8])]]
+        assert key_at(C) in eng.index.by_key
+        mid = node_at(eng, A[:8])
         assert not mid.has_snapshot  # the oldest unpinned candidate was retired
-        assert _key(B) not in eng.index.by_key  # and the oldest leaf went
-        assert _key(PINNED) in eng.index.by_key
+        assert key_at(B) not in eng.index.by_key  # and the oldest leaf went
+        assert key_at(PINNED) in eng.index.by_key
         assert eng.audit().ok
 
 

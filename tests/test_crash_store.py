@@ -13,7 +13,15 @@ import contextlib
 import os
 
 import pytest
-from conftest import Gate, assert_restores, make_layout, store_tokens, tokens_for
+from conftest import (
+    Gate,
+    assert_restores,
+    make_layout,
+    node_at,
+    store_tokens,
+    store_until_crash,
+    tokens_for,
+)
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import SimulatedCrash
@@ -33,7 +41,7 @@ def _scenario(root: str, ranks: int, hook, kind: str):
     for t, _ in acked:
         assert store_tokens(eng, t).ok
     if kind == "refill":
-        node = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(b, 4).keys[-1]]]
+        node = node_at(eng, b)
         os.unlink(os.path.join(root, "rank0", f"{node.key.hex()}-g1.st"))
         assert eng.restore(eng.lookup(Prefix.from_tokens(b, 4))) is None  # marks it damaged
         target, acked = b, acked[:1]
@@ -41,13 +49,7 @@ def _scenario(root: str, ranks: int, hook, kind: str):
         target = a  # lands below the acknowledged a[:8]
     else:
         target = tokens_for(12, 5)  # a new root child
-    gate.arm(hook)
-    result = None
-    with contextlib.suppress(SimulatedCrash):
-        result = store_tokens(eng, target)
-    gate.disarm()
-    if not eng._closed:
-        eng.close()
+    result = store_until_crash(eng, gate, hook, target)
     return L, acked, target, result
 
 

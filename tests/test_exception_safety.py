@@ -5,26 +5,20 @@ from __future__ import annotations
 
 import contextlib
 
-from conftest import Gate, assert_restores, make_layout, store_tokens, tokens_for
+from conftest import (
+    BT,
+    BugAtFirstUnlink,
+    Gate,
+    assert_restores,
+    make_layout,
+    node_at,
+    store_tokens,
+    tokens_for,
+)
 
 from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
-from prefixstore.gpu.fileio import FaultHook
 
 CAP = 16 << 20
-BT = 4
-
-
-class _BugOnce(FaultHook):
-    """Raises a non-OSError at the first unlink (the cleanup after a publish)."""
-
-    def __init__(self) -> None:
-        self.fired = False
-
-    def before(self, op, target, rank):
-        if op == "unlink" and not self.fired:
-            self.fired = True
-            raise RuntimeError("a rank agent bug, not an I/O error")
 
 
 def test_unexpected_error_after_snapshot_retirement_publish_ends_its_transaction(cache_dir):
@@ -35,9 +29,9 @@ def test_unexpected_error_after_snapshot_retirement_publish_ends_its_transaction
         a = tokens_for(1, 6)
         assert store_tokens(eng, a[: 4 * BT]).status == "stored"
         assert store_tokens(eng, a).status == "stored"  # (0,4] is now a compactable ancestor
-        n = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(a[: 4 * BT], BT).keys[-1]]]
+        n = node_at(eng, a[: 4 * BT])
         assert n.has_snapshot
-        bug = _BugOnce()
+        bug = BugAtFirstUnlink()  # at the cleanup after the publish
         gate.arm(bug)
         with contextlib.suppress(RuntimeError):
             eng.evict(1)  # policy 'prefixstore': retires (0,4]'s snapshot (a compact-replace)

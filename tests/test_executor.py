@@ -18,6 +18,7 @@ from conftest import (
     Gate,
     assert_restores,
     make_layout,
+    node_at,
     seg_tensors,
     snap_tensors,
     store_tokens,
@@ -340,7 +341,7 @@ def test_restore_of_a_damaged_shard_is_a_miss_and_returns_its_buffers(tmp_path):
     with Engine.open(str(tmp_path / "c"), L, CAP) as eng:
         for b in (2, 4, 6, 8):
             store_tokens(eng, toks[: b * 4])
-        node = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(toks[:16], 4).keys[-1]]]
+        node = node_at(eng, toks[:16])
         path = os.path.join(eng.ranks[0].directory, f"{node.key.hex()}-g{node.generation}.st")
         with open(path, "r+b") as f:
             f.seek(-3, os.SEEK_END)

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 
 import pytest
-from conftest import assert_restores, make_layout, store_tokens, tokens_for
+from conftest import BT, assert_restores, key_at, make_layout, store_tokens, tokens_for
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import SimulatedCrash
@@ -33,7 +33,6 @@ from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS, FaultPlan, 
 from prefixstore.gpu.fileio import FaultHook
 
 CAP = 16 << 20
-BT = 4
 CONV = tokens_for(60, 12)
 OTHER = tokens_for(61, 4)
 KINDS = ["store", "refill", "evict", "retire"] + (["compact"] if hasattr(Engine, "compact") else [])
@@ -63,10 +62,6 @@ class NthEffect(FaultPlan):
         return None
 
 
-def _key(tokens: list[int]) -> bytes:
-    return Prefix.from_tokens(tokens, BT).keys[-1]
-
-
 def _build(root: str, ranks: int, kind: str) -> None:
     """The state before the operation: a 3-node chain and another conversation."""
     with Engine.open(root, make_layout(ranks=ranks), CAP, fs=FaultFS()) as eng:
@@ -74,7 +69,7 @@ def _build(root: str, ranks: int, kind: str) -> None:
             assert store_tokens(eng, CONV[: b * BT]).status == "stored"
         assert store_tokens(eng, OTHER).status == "stored"
         if kind == "refill":
-            node = eng.index.nodes[eng.index.by_key[_key(OTHER)]]
+            node = eng.index.nodes[eng.index.by_key[key_at(OTHER)]]
             os.unlink(os.path.join(root, f"rank{ranks - 1}", f"{node.key.hex()}-g{node.generation}.st"))
             assert eng.restore(eng.lookup(Prefix.from_tokens(OTHER, BT))) is None  # now damaged
         if kind == "retire":  # the leaves are used later than the interior snapshots
@@ -133,7 +128,7 @@ def _outcome_holds(eng: Engine, kind: str, result) -> None:
     if kind == "refill" and result.ok:
         assert_restores(eng, OTHER, blocks=4)
     if kind == "evict" and result:
-        assert _key(OTHER) not in eng.index.by_key
+        assert key_at(OTHER) not in eng.index.by_key
 
 
 def _shm_dir(fallback) -> str:
@@ -186,7 +181,7 @@ def test_scenarios_do_what_they_say(templates, tmp_path):
             elif kind == "refill":
                 assert result.status == "refilled"
             elif kind == "evict":
-                assert result > 0 and _key(OTHER) not in eng.index.by_key
+                assert result > 0 and key_at(OTHER) not in eng.index.by_key
             elif kind == "retire":
                 assert tally.get("evictions.retire_snapshot", 0) == 1, tally
                 assert tally.get("evictions.evict", 0) == 0, tally

@@ -8,7 +8,15 @@ import os
 
 import pytest
 import torch
-from conftest import BT, assert_restores, make_layout, seg_tensors, store_tokens, tokens_for
+from conftest import (
+    BT,
+    assert_restores,
+    make_layout,
+    node_at,
+    seg_tensors,
+    store_tokens,
+    tokens_for,
+)
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.keys import Prefix
@@ -19,10 +27,6 @@ CAP = 16 << 20
 def branch(tokens: list[int], shared_blocks: int, seed: int, extra_blocks: int) -> list[int]:
     """``tokens``' first ``shared_blocks`` blocks, then new blocks."""
     return tokens[: shared_blocks * BT] + tokens_for(seed, extra_blocks)
-
-
-def node_of(eng: Engine, tokens: list[int]):
-    return eng.index.nodes[eng.index.by_key[Prefix.from_tokens(tokens, BT).keys[-1]]]
 
 
 @pytest.mark.parametrize("backing", ["disk", "memory", "composite"])
@@ -36,7 +40,7 @@ def test_a_request_leaving_a_node_inside_its_span_restores_the_shared_rows(tmp_p
         for shared in (1, 3, 5, 7):
             assert_restores(eng, branch(a, shared, 100 + shared, 4), blocks=shared)
         m = eng.lookup(Prefix.from_tokens(branch(a, 5, 9, 4), BT))
-        assert m.path == tuple((x.id, x.generation) for x in eng.index.path(node_of(eng, a)))
+        assert m.path == tuple((x.id, x.generation) for x in eng.index.path(node_at(eng, a)))
         assert m.nbytes == ranks * L.payload_bytes(5 * BT, False)
         r = eng.restore(m)
         assert r.end_tokens == 5 * BT and r.files_read == 2 * ranks
@@ -80,7 +84,7 @@ def test_a_damaged_node_is_never_partially_restored(tmp_path):
         a = tokens_for(4, 8)
         assert store_tokens(eng, a[: 2 * BT]).ok
         assert store_tokens(eng, a).ok
-        n = node_of(eng, a)
+        n = node_at(eng, a)
         with open(os.path.join(root, "rank0", f"{n.key.hex()}-g{n.generation}.st"), "r+b") as f:
             f.seek(-1, os.SEEK_END)  # the last row: not one a partial hit uploads
             f.write(b"\x01")

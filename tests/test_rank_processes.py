@@ -27,7 +27,7 @@ import threading
 import time
 
 import pytest
-from conftest import assert_restores, make_layout, store_tokens, tokens_for
+from conftest import BT, assert_restores, make_layout, node_at, store_tokens, tokens_for
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import RankUnavailableError
@@ -38,7 +38,6 @@ from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.rank_server import RankServer
 
 CAP = 16 << 20
-BT = 4
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -79,10 +78,6 @@ def assert_clean(eng: Engine) -> None:
     assert rep.ok, rep.to_dict()
     assert eng._charged == eng.catalog.charged()
     assert not eng.catalog.journal()
-
-
-def node_of(eng: Engine, tokens):
-    return eng.index.nodes[eng.index.by_key[Prefix.from_tokens(tokens, BT).keys[-1]]]
 
 
 # ------------------------------------------------------------------------ rank threads
@@ -175,7 +170,7 @@ def test_rank_errors_cross_the_wire_and_roll_back(tmp_path, ranks, bad):
         assert_clean(eng)
         assert eng.reclaim() == garbage and eng._charged == charged
         # a damaged prior record (altered on the failing rank) is invalidated, then refilled
-        p = node_of(eng, a[:8])
+        p = node_at(eng, a[:8])
         path = os.path.join(remotes[bad].directory, f"{p.key.hex()}-g{p.generation}.st")
         with open(path, "r+b") as f:
             f.seek(-3, 2)
@@ -230,7 +225,7 @@ def _outage_then_return(eng, remotes, bad, acked, target, restart) -> None:
         m = eng.lookup(Prefix.from_tokens(t, BT))
         assert m.hit and m.blocks == blocks  # the catalog still knows it...
         assert eng.restore(m) is None  # ...but it needs the dead rank: a miss
-        assert node_of(eng, t).state == "ready"  # not damage
+        assert node_at(eng, t).state == "ready"  # not damage
     charged, n_jobs = eng._charged, eng.catalog.query("SELECT count(*) FROM files")[0][0]
     res = store_tokens(eng, tokens_for(99, 2))
     assert res.status == "failed" and "unavailable" in res.reason

@@ -23,23 +23,30 @@ Cases (DESIGN.md section 3):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sqlite3
 
 import pytest
 import torch
-from conftest import Gate, assert_restores, make_layout, seg_tensors, store_tokens, tokens_for
+from conftest import (
+    BT,
+    Gate,
+    assert_restores,
+    make_layout,
+    node_at,
+    seg_tensors,
+    store_tokens,
+    store_until_crash,
+    tokens_for,
+)
 
 from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import ChainHook, CountingHook, CrashAt, FaultFS, FaultPlan, flip_bit
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 
 CAP = 16 << 20
-BT = 4
 CASES = [(2, 0), (2, 1), (4, 0), (4, 2), (4, 3)]
 IDS = ["2r-first", "2r-last", "4r-first", "4r-middle", "4r-last"]
 
@@ -97,10 +104,6 @@ def open_engine(tmp_path, ranks: int, plan: FaultPlan, snapshot: bool = True):
     rec = Recorder(root)
     eng = Engine.open(root, make_layout(ranks=ranks, snapshot=snapshot), CAP, fs=FaultFS(plan), hook=rec)
     return eng, rec
-
-
-def node_of(eng: Engine, tokens: list[int]):
-    return eng.index.nodes[eng.index.by_key[Prefix.from_tokens(tokens, BT).keys[-1]]]
 
 
 def shard_path(eng: Engine, node, rank: int) -> str:
@@ -171,7 +174,7 @@ def test_partial_failure_rolls_back_to_parent_record(tmp_path, transitions, rank
     unlinks = [i for i, e in enumerate(rec.events) if i >= mark and e[0] == "unlink"]
     assert unlinks and min(unlinks) > rb
     assert catalog_state(eng) == before and disk(eng) == files_before
-    assert node_of(eng, a[:8]).state == "ready"
+    assert node_at(eng, a[:8]).state == "ready"
     assert eng.lookup(Prefix.from_tokens(a, BT)).blocks == 2
     assert_restores(eng, a, blocks=2)
     assert eng.stats()["garbage_bytes"] == 0
@@ -191,7 +194,7 @@ def test_partial_failure_rolls_back_to_previous_generation(tmp_path, transitions
     a = tokens_for(2, 6)
     store_tokens(eng, a[:8])
     store_tokens(eng, a)
-    p = node_of(eng, a[:8])
+    p = node_at(eng, a[:8])
     with eng._lock:
         assert eng._retire_snapshot(p)
     assert not p.has_snapshot
@@ -226,7 +229,7 @@ def test_damaged_prior_record_is_invalidated_then_refilled(tmp_path, transitions
     b = a[:8] + tokens_for(4, 3)  # another child of the same parent
     store_tokens(eng, a[:8])
     store_tokens(eng, a)
-    p, c = node_of(eng, a[:8]), node_of(eng, a)
+    p, c = node_at(eng, a[:8]), node_at(eng, a)
     p_bytes, old_gen = p.nbytes, p.generation
     old_names = {(r, os.path.basename(shard_path(eng, p, r))) for r in range(ranks)}
     damage(shard_path(eng, p, bad), how)  # by the disk or an operator, at rest
@@ -278,7 +281,7 @@ def test_damage_on_another_rank_than_the_failing_one(tmp_path, ranks, bad):
         eng, _ = open_engine(tmp_path / how, ranks, plan)
         a = tokens_for(5, 5)
         store_tokens(eng, a[:8])
-        p = node_of(eng, a[:8])
+        p = node_at(eng, a[:8])
         damage(shard_path(eng, p, other), how)
         plan.fail_nth("write", 1, "EIO", rank=bad)
         assert store_tokens(eng, a).status == "failed"
@@ -330,7 +333,7 @@ def test_cleanup_finding_files_already_missing_completes(tmp_path, transitions, 
     assert_clean(eng)
     # an evict whose shard is already gone on one rank completes too
     store_tokens(eng, a)
-    leaf = node_of(eng, a)
+    leaf = node_at(eng, a)
     os.unlink(shard_path(eng, leaf, bad))
     charged = eng._charged
     transitions.clear()
@@ -369,8 +372,8 @@ def test_failed_cleanup_leaves_charged_garbage_reclaimed_later(tmp_path, transit
     # the same checkpoint stores again meanwhile: its new generation avoids the garbage's name
     assert store_tokens(eng, a).status == "stored"
     assert_restores(eng, a, blocks=5)
-    assert node_of(eng, a).generation == 2
-    assert eng._charged == charged + size + node_of(eng, a).nbytes
+    assert node_at(eng, a).generation == 2
+    assert eng._charged == charged + size + node_at(eng, a).nbytes
     assert_clean(eng)
     if later == "reclaim":
         assert eng.reclaim() == size
@@ -391,7 +394,7 @@ def test_failed_evict_cleanup_stays_charged_until_reclaimed(tmp_path, transition
     eng, _ = open_engine(tmp_path, ranks, plan)
     a = tokens_for(8, 5)
     store_tokens(eng, a)
-    leaf = node_of(eng, a)
+    leaf = node_at(eng, a)
     size = leaf.nbytes // ranks
     plan.fail_nth("unlink", 1, "EIO", rank=bad)
     transitions.clear()
@@ -424,7 +427,7 @@ def test_all_rank_write_failure_rolls_back(tmp_path, transitions, ranks, op):
     assert rule.fired == ranks
     assert transitions == ROLLED_BACK
     assert catalog_state(eng) == before and disk(eng) == files_before
-    assert node_of(eng, a[:8]).state == "ready"
+    assert node_at(eng, a[:8]).state == "ready"
     assert_restores(eng, a, blocks=2)
     assert_clean(eng)
     plan.rules.remove(rule)
@@ -443,7 +446,7 @@ def test_gpu_resident_prefix_is_bypassed(tmp_path, ranks, bad):
     a = tokens_for(10, 6)
     store_tokens(eng, a[:8])
     store_tokens(eng, a)
-    p = node_of(eng, a[:8])
+    p = node_at(eng, a[:8])
     p_name = os.path.basename(shard_path(eng, p, bad))
     plan.add("read", "EIO", rank=bad, match=p_name, at=1, persistent=True)
     full = Prefix.from_tokens(a, BT)
@@ -455,7 +458,7 @@ def test_gpu_resident_prefix_is_bypassed(tmp_path, ranks, bad):
     # the GPU holds the parent's prefix: it is never read
     mark = len(rec.events)
     m = eng.lookup(full, gpu_blocks=2)
-    assert m.hit and m.blocks == 6 and [nid for nid, _ in m.path] == [node_of(eng, a).id]
+    assert m.hit and m.blocks == 6 and [nid for nid, _ in m.path] == [node_at(eng, a).id]
     got = eng.restore(m)
     assert got is not None and (got.start_tokens, got.end_tokens) == (8, 24)
     assert got.files_read == ranks
@@ -496,13 +499,7 @@ def _crash_scenario(base, ranks: int, hook, kind: str):
         assert store_tokens(eng, t).ok
     if kind == "failing":  # the last rank fails: the crash points run through the rollback
         plan.fail_nth("rename", 1, "EIO", rank=ranks - 1)
-    gate.arm(hook)
-    result = None
-    with contextlib.suppress(SimulatedCrash):
-        result = store_tokens(eng, a)
-    gate.disarm()
-    if not eng._closed:
-        eng.close()
+    result = store_until_crash(eng, gate, hook, a)
     return L, acked, a, result
 
 

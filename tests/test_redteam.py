@@ -20,9 +20,12 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    BT,
+    BugAtFirstUnlink,
     Gate,
     assert_restores,
     make_layout,
+    node_at,
     seg_tensors,
     snap_tensors,
     store_tokens,
@@ -42,12 +45,7 @@ from prefixstore.gpu import shards
 from prefixstore.gpu.fileio import FaultHook
 
 CAP = 16 << 20
-BT = 4
 WAIT = 10.0  # seconds any single handshake may take before the test gives up
-
-
-def _node(eng: Engine, tokens: list[int]):
-    return eng.index.nodes[eng.index.by_key[Prefix.from_tokens(tokens, BT).keys[-1]]]
 
 
 def _rows(eng: Engine) -> list[tuple[int, int, int, int, bool]]:
@@ -61,7 +59,7 @@ def _split_tree(eng: Engine) -> tuple[list[int], list[int]]:
     b = a[: 2 * BT] + tokens_for(2, 3)
     assert store_tokens(eng, a).status == "stored"
     assert store_tokens(eng, b).status == "stored"
-    e = _node(eng, a[: 2 * BT])
+    e = node_at(eng, a[: 2 * BT])
     assert (e.start, e.end, e.has_snapshot, e.ready, len(e.children)) == (0, 2, False, True, 2)
     return a, b
 
@@ -94,7 +92,7 @@ def test_refill_of_a_ready_row_never_replaces_it_under_a_restore_pin(cache_dir):
     eng = Engine.open(cache_dir, L, CAP, hook=gate)
     try:
         a, _ = _split_tree(eng)
-        e = _node(eng, a[: 2 * BT])
+        e = node_at(eng, a[: 2 * BT])
         old_file = os.path.join(cache_dir, "rank0", f"{e.key.hex()}-g{e.generation}.st")
         m = eng.lookup(Prefix.from_tokens(a, BT))
         assert m.hit and m.path[0] == (e.id, e.generation)
@@ -192,7 +190,7 @@ def test_shard_header_with_non_object_metadata_is_damage_not_a_crash(cache_dir):
     a = tokens_for(1, 4)
     with Engine.open(cache_dir, L, CAP) as eng:
         assert store_tokens(eng, a).ok
-        n = _node(eng, a)
+        n = node_at(eng, a)
         path = os.path.join(cache_dir, "rank0", f"{n.key.hex()}-g{n.generation}.st")
     data = Path(path).read_bytes()
     (hlen,) = struct.unpack("<Q", data[:8])
@@ -215,7 +213,7 @@ def test_shard_header_with_non_object_metadata_is_damage_not_a_crash(cache_dir):
         m = eng.lookup(Prefix.from_tokens(a, BT))
         assert m.hit
         assert eng.restore(m) is None  # a miss, never an exception or other bytes
-        assert _node(eng, a).state == "damaged"
+        assert node_at(eng, a).state == "damaged"
 
 
 # --------------------------------------------------------------------------- concurrency
@@ -227,7 +225,7 @@ def test_split_racing_a_snapshot_retirement_does_not_raise(cache_dir, monkeypatc
         a = tokens_for(1, 6)
         assert store_tokens(eng, a[: 4 * BT]).status == "stored"  # N = (0,4] with snapshot
         assert store_tokens(eng, a).status == "stored"  # child (4,6]: N is a compactable ancestor
-        n = _node(eng, a[: 4 * BT])
+        n = node_at(eng, a[: 4 * BT])
         assert n.has_snapshot and n.children
         real_run = replace.run
         window: list[bool] = []
@@ -259,7 +257,7 @@ def test_store_async_refills_a_damaged_checkpoint(cache_dir):
     with Engine.open(cache_dir, L, CAP) as eng:
         a = tokens_for(1, 4)
         assert store_tokens(eng, a).ok
-        n = _node(eng, a)
+        n = node_at(eng, a)
         os.unlink(os.path.join(cache_dir, "rank0", f"{n.key.hex()}-g{n.generation}.st"))
         assert eng.restore(eng.lookup(Prefix.from_tokens(a, BT))) is None
         assert n.state == "damaged"
@@ -278,7 +276,7 @@ def test_store_async_accepts_what_store_accepts(cache_dir):
         f = d[: 4 * BT] + tokens_for(6, 2)
         for t in (d[:BT], d, f):  # f splits (1,6] at 4 at a fork: (1,4] has no snapshot
             assert store_tokens(eng, t).status == "stored"
-        e = _node(eng, d[: 4 * BT])
+        e = node_at(eng, d[: 4 * BT])
         assert (e.start, e.end, e.has_snapshot) == (1, 4, False)
         tail = [{k: v[2 * BT :] for k, v in s.items()} for s in seg_tensors(L, d[: 4 * BT])]
         prefix, snap = Prefix.from_tokens(d[: 4 * BT], BT), snap_tensors(L, d[: 4 * BT])
@@ -294,7 +292,7 @@ def test_store_async_refills_a_damaged_parent_like_store(cache_dir):
     with Engine.open(cache_dir, L, CAP) as eng:
         a = tokens_for(1, 6)
         assert store_tokens(eng, a[: 4 * BT]).ok and store_tokens(eng, a).ok
-        p = _node(eng, a[: 4 * BT])
+        p = node_at(eng, a[: 4 * BT])
         os.unlink(os.path.join(cache_dir, "rank0", f"{p.key.hex()}-g{p.generation}.st"))
         assert eng.restore(eng.lookup(Prefix.from_tokens(a[: 4 * BT], BT))) is None
         assert p.state == "damaged"
@@ -317,16 +315,7 @@ def test_unexpected_error_during_evict_cleanup_does_not_strand_its_transaction(c
     try:
         a, b = tokens_for(1, 4), tokens_for(2, 4)
         assert store_tokens(eng, a).ok and store_tokens(eng, b).ok
-
-        class BugOnce(FaultHook):
-            fired = False
-
-            def before(self, op, target, rank):
-                if op == "unlink" and not self.fired:
-                    self.fired = True
-                    raise RuntimeError("a rank agent bug, not an I/O error")
-
-        gate.arm(BugOnce())
+        gate.arm(BugAtFirstUnlink())
         with contextlib.suppress(RuntimeError):  # may propagate; what it leaves behind matters
             eng.evict(prefix=Prefix.from_tokens(a, BT))
         gate.disarm()
@@ -570,7 +559,7 @@ def test_a_failed_transaction_reload_keeps_in_flight_nodes_current(cache_dir):
     try:
         a, b = tokens_for(1, 4), tokens_for(2, 4)
         assert store_tokens(eng, a).ok and store_tokens(eng, b).ok
-        x = _node(eng, a)
+        x = node_at(eng, a)
         os.unlink(os.path.join(cache_dir, "rank0", f"{x.key.hex()}-g{x.generation}.st"))
         assert eng.restore(eng.lookup(Prefix.from_tokens(a, BT))) is None
         assert x.state == "damaged"
@@ -599,7 +588,7 @@ def test_a_failed_transaction_reload_keeps_in_flight_nodes_current(cache_dir):
         assert not refill.is_alive()
         assert out["r"].status == "refilled", out
         rows = dict(eng.catalog.query("SELECT id, generation FROM nodes"))
-        live = _node(eng, a)
+        live = node_at(eng, a)
         assert (live.state, live.generation) == ("ready", rows[live.id]), "the index disagrees with the catalog"
         assert_restores(eng, a, blocks=4)
         assert eng.audit().ok

@@ -3,16 +3,13 @@ like any eviction) or refuses with CapacityError; the audit lists a violation on
 
 from __future__ import annotations
 
-import errno
-
 import pytest
-from conftest import assert_restores, make_layout, store_tokens, tokens_for
+from conftest import FailUnlinks, assert_restores, make_layout, store_tokens, tokens_for
 
 from prefixstore.engine import errors as E
 from prefixstore.engine.audit import audit_dir
 from prefixstore.engine.core import Engine
 from prefixstore.engine.keys import Prefix
-from prefixstore.gpu.fileio import FaultHook
 
 CAP = 16 << 20
 CONVS = [tokens_for(100 + i, 6) for i in range(6)]
@@ -49,18 +46,12 @@ def test_reopen_with_smaller_capacity_evicts_down_to_it(cache_dir):
         assert len(eng.index) == sum(1 for _ in kept)
 
 
-class _FailUnlinks(FaultHook):
-    def before(self, op, target, rank):
-        if op == "unlink":
-            raise OSError(errno.EIO, "injected EIO on unlink", target)
-
-
 def test_reopen_that_cannot_reach_the_capacity_refuses_and_releases_the_directory(cache_dir):
     """Evicted files that cannot be unlinked stay charged: open cannot reach the capacity."""
     L = make_layout(ranks=1, snapshot=False)
     _fill(cache_dir, L)
     with pytest.raises(E.CapacityError, match="capacity_bytes=100"):
-        Engine.open(cache_dir, L, 100, hook=_FailUnlinks())
+        Engine.open(cache_dir, L, 100, hook=FailUnlinks())
     # the directory is not held; the evictions committed are finished by the next open
     with Engine.open(cache_dir, L, CAP) as eng:
         rep = eng.audit()

@@ -3,7 +3,6 @@ refused-store retries, the restore cost rule, pins and fences, counters."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import tempfile
@@ -11,9 +10,11 @@ import tempfile
 import pytest
 import torch
 from conftest import (
+    FailUnlinks,
     Gate,
     assert_restores,
     make_layout,
+    node_at,
     seg_tensors,
     snap_tensors,
     store_tokens,
@@ -45,11 +46,6 @@ def big_snapshot_layout(ranks: int = 1) -> Layout:
         block_tokens=4,
         ranks=ranks,
     )
-
-
-def node_of(eng: Engine, tokens: list[int]):
-    nid = eng.index.by_key.get(Prefix.from_tokens(tokens, eng.layout.block_tokens).keys[-1])
-    return eng.index.get(nid) if nid is not None else None
 
 
 # ----------------------------------------------------------------------------- the seed
@@ -111,7 +107,7 @@ def test_long_conversation_retires_its_interior_snapshots_not_others_recent_leav
     ok, eng = _long_beside_recent(str(tmp_path / "a"), "prefixstore")
     with eng:
         assert ok
-        tip = node_of(eng, tokens_for(1, 40))
+        tip = node_at(eng, tokens_for(1, 40))
         path = eng.index.path(tip)
         assert len(path) == 20 and tip.has_snapshot  # the whole chain is still there
         assert sum(not x.has_snapshot for x in path) >= 10  # its interior snapshots went
@@ -130,7 +126,7 @@ def test_retirement_frees_the_old_generation_once_and_charges_the_new(tmp_path):
     with Engine.open(str(tmp_path / "c"), L, CAP) as eng:
         store_tokens(eng, toks[:8])
         store_tokens(eng, toks)
-        mid = node_of(eng, toks[:8])
+        mid = node_at(eng, toks[:8])
         old, charged = mid.nbytes, eng._charged
         freed = eng.evict(1)  # the oldest candidate: the interior node's snapshot
         assert not mid.has_snapshot and mid.generation == 2
@@ -175,20 +171,14 @@ def test_garbage_is_reclaimed_before_any_victim(tmp_path):
     with Engine.open(str(tmp_path / "g2"), L, 2 * size + 8, hook=gate) as eng:
         store_tokens(eng, a)
         store_tokens(eng, b)
-        gate.arm(_FailUnlink())
+        gate.arm(FailUnlinks())
         assert eng.evict(prefix=Prefix.from_tokens(a, 4)) == 0  # the unlink failed: garbage
         gate.disarm()
         assert eng.stats()["garbage_bytes"] == size
         assert store_tokens(eng, c).status == "stored"
-        assert node_of(eng, b) is not None  # the garbage made the room, not b
+        assert node_at(eng, b) is not None  # the garbage made the room, not b
         assert eng.stats()["counters"]["evicted_bytes.garbage"] == size
         assert eng.audit().ok
-
-
-class _FailUnlink(FaultHook):
-    def before(self, op, target, rank):
-        if op == "unlink":
-            raise OSError(errno.EIO, "injected unlink failure")
 
 
 # ----------------------------------------------------------------------------- retries
@@ -205,9 +195,9 @@ def test_refused_store_is_retried_once_space_frees_and_dropped_once_invalid(tmp_
         assert store_tokens(eng, b).status == "refused"  # no valid=: not queued
         assert store_tokens(eng, b, valid=lambda: True).status == "queued"
         assert eng.stats()["pending_retries"] == 1
-        assert node_of(eng, b) is None and node_of(eng, a) is not None  # a is pinned
+        assert node_at(eng, b) is None and node_at(eng, a) is not None  # a is pinned
         eng.unpin(ma)  # space can now be freed: the queued store runs
-        assert node_of(eng, b) is not None and node_of(eng, a) is None
+        assert node_at(eng, b) is not None and node_at(eng, a) is None
         assert_restores(eng, b)
         stats = eng.stats()
         assert stats["pending_retries"] == 0
@@ -223,7 +213,7 @@ def test_refused_store_is_retried_once_space_frees_and_dropped_once_invalid(tmp_
         eng.reclaim()  # the next retry drops it
         eng.unpin(mb)  # and it is not retried (or counted) again
         stats = eng.stats()
-        assert stats["pending_retries"] == 0 and node_of(eng, c) is None
+        assert stats["pending_retries"] == 0 and node_at(eng, c) is None
         assert stats["counters"]["retries.dropped"] == 1
         assert stats["counters"]["retries.succeeded"] == 1
         assert eng.audit().ok
@@ -237,14 +227,14 @@ def test_refused_store_is_retried_after_reclaim(tmp_path, layout):
     with Engine.open(str(tmp_path / "r"), layout, 2 * size + 8, hook=gate) as eng:
         store_tokens(eng, a)
         store_tokens(eng, b)
-        gate.arm(_FailUnlink())
+        gate.arm(FailUnlinks())
         eng.evict(prefix=Prefix.from_tokens(a, 4))  # a's files stay as charged garbage
         mb = eng.lookup(Prefix.from_tokens(b, 4))
         eng.pin(mb)
         assert store_tokens(eng, c, valid=lambda: True).status == "queued"  # unlink still fails
         gate.disarm()
         assert eng.reclaim() == size
-        assert node_of(eng, c) is not None
+        assert node_at(eng, c) is not None
         assert eng.stats()["counters"]["retries.succeeded"] == 1
         eng.unpin(mb)
         assert eng.audit().ok
@@ -257,7 +247,7 @@ def test_a_checkpoint_larger_than_what_can_be_freed_evicts_nothing(tmp_path, lay
     with Engine.open(str(tmp_path / "r"), layout, 4 * size) as eng:
         store_tokens(eng, a)
         assert store_tokens(eng, big).status == "refused"
-        assert node_of(eng, a) is not None  # nothing was evicted for a hopeless store
+        assert node_at(eng, a) is not None  # nothing was evicted for a hopeless store
         assert eng.stats()["counters"]["skips.no_space"] == 1
 
 
