@@ -61,13 +61,15 @@ reused) and when (reuse gaps: median 114 s, p90 519 s).
 
 from __future__ import annotations
 
+import functools
 import heapq
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefixstore.engine.errors import InvalidInputError
 from prefixstore.replay.trace import BLOCK_TOKENS, Request
+from prefixstore.statemachine import policy as eviction
+from prefixstore.statemachine.policy import Key
 from prefixstore.statemachine.retention import RetentionParams, RetentionRule, RuleHost, Sightings
 
 PrefillFn = Callable[[int], float]
@@ -348,36 +350,97 @@ class Policy:
         """``node`` was removed (its parent's ``nchild`` is already updated)."""
 
 
-class _RecencyLeafHeap:
-    """Leaves ordered by a per-node key, with lazy invalidation (a min-heap)."""
+class _NodeView:
+    """A simulator node as the shared policies read it (``statemachine.policy.NodeView``).
 
-    __slots__ = ("heap", "key", "state")
+    One view is reused: :meth:`at` points it at a node. The simulator has neither
+    damaged nodes nor snapshots, so every node is ``ready`` and never retires.
+    """
 
-    def __init__(self, state: CacheState) -> None:
-        self.state = state
-        self.heap: list[tuple[float, int]] = []
-        self.key: list[float] = [0.0] * len(state.parent)
+    __slots__ = ("id", "last_used", "is_leaf", "_cached", "_nchild", "_last")
 
-    def set(self, node: int, key: float) -> None:
-        self.key[node] = key
-        if self.state.nchild[node] == 0:
-            heapq.heappush(self.heap, (key, node))
+    state = "ready"
+    has_snapshot = False
+    snap_used = 0
+    nbytes = 1
 
-    def became_leaf(self, node: int) -> None:
-        heapq.heappush(self.heap, (self.key[node], node))
+    def __init__(self, state: CacheState, last: list[int]) -> None:
+        self._cached, self._nchild, self._last = state.cached, state.nchild, last
+        self.id = self.last_used = 0
+        self.is_leaf = False
 
-    def peek(self) -> int | None:
-        st = self.state
-        heap = self.heap
-        cached, nchild, key, pin, req = st.cached, st.nchild, self.key, st.pin, st.req
-        skipped: list[tuple[float, int]] = []
+    def at(self, node: int) -> _NodeView:
+        self.id = node
+        self.last_used = self._last[node]
+        self.is_leaf = bool(self._cached[node]) and self._nchild[node] == 0
+        return self
+
+
+class TreePolicy(Policy):
+    """The simulator's host of a registered eviction policy (``statemachine/policy.py``,
+    the engine's too): the policy says, for each node touched or turned leaf, whether it
+    is a candidate and its key; this host keeps candidates in a min-heap of ``(key,
+    node)`` with lazy invalidation (an entry is current while the policy still gives its
+    cached node that key) and offers the smallest unpinned one.
+
+    A node's ``last_used`` is the host's clock at its last touch (one tick per hit or
+    stored block). An ``evict`` victim is a leaf, an ``evict_subtree`` one an interior
+    node; the simulator removes either by its children.
+    """
+
+    keys: eviction.Retention | None = None
+    """Leaf keys replacing recency (``statemachine.policy.Retention``); None: recency."""
+
+    def __init__(self, policy: str = "leaf-lru") -> None:
+        self.impl = eviction.policy_named(policy)
+        self.name = self.impl.name
+
+    def bind(self, state: CacheState) -> None:
+        super().bind(state)
+        n = len(state.parent)
+        self.last = [0] * n  # the clock at each node's last touch
+        self.offered: list[Key | None] = [None] * n  # each node's current key; None: no candidate
+        self.heap: list[tuple[int, float, int]] = []  # (class, value, node): a flat Key
+        self.view = _NodeView(state, self.last)
+        self._action, self._at = self.impl.action, self.view.at
+        self._clock = 0
+
+    def touch(self, node: int) -> None:
+        """A block touch: the clock ticks, ``node`` is used now."""
+        self._clock += 1
+        self.last[node] = self._clock
+        self.offer(node)
+
+    on_access = touch
+
+    def on_insert(self, node: int) -> None:
+        self.touch(node)
+        p = self.state.parent[node]
+        if p >= 0:
+            self.offer(p)  # it gained a child
+
+    def offer(self, node: int) -> None:
+        """Ask the policy again about ``node``: after it was touched or gained or lost
+        children (the only changes of what a policy reads here)."""
+        a = self._action(self._at(node), False, self.keys)
+        if a is None:
+            self.offered[node] = None
+        elif a[1] != self.offered[node]:
+            key = self.offered[node] = a[1]
+            heapq.heappush(self.heap, (key[0], key[1], node))
+
+    def choose_victim(self) -> int | None:
+        st, heap, offered = self.state, self.heap, self.offered
+        cached, pin, req = st.cached, st.pin, st.req
+        skipped: list[tuple[int, float, int]] = []
         found: int | None = None
         while heap:
-            k, node = heap[0]
-            if not cached[node] or nchild[node] or key[node] != k:
-                heapq.heappop(heap)
+            cls, value, node = heap[0]
+            key = offered[node]
+            if not cached[node] or key is None or key[0] != cls or key[1] != value:
+                heapq.heappop(heap)  # stale: the node's current key, if any, is offered
                 continue
-            if pin[node] == req:  # the request's own leaf: look past it
+            if pin[node] == req:  # the request's own node: look past it
                 skipped.append(heapq.heappop(heap))
                 continue
             found = node
@@ -386,67 +449,54 @@ class _RecencyLeafHeap:
             heapq.heappush(heap, item)
         return found
 
+    def on_evict(self, node: int) -> None:
+        self.offered[node] = None
+        p = self.state.parent[node]
+        if p >= 0 and self.state.nchild[p] == 0:
+            self.offer(p)  # it lost its last child
+
     def __len__(self) -> int:
         return len(self.heap)
 
 
-class LeafLRU(Policy):
-    """Evict the least recently used leaf."""
+class LeafLRU(TreePolicy):
+    """The registered ``leaf-lru``: evict the least recently used leaf."""
 
-    name = "leaf-lru"
-
-    def bind(self, state: CacheState) -> None:
-        super().bind(state)
-        self.leaves = _RecencyLeafHeap(state)
-        self.clock = 0
-
-    def on_access(self, node: int) -> None:
-        self.clock += 1
-        self.leaves.set(node, self.clock)
-
-    on_insert = on_access
-
-    def choose_victim(self) -> int | None:
-        return self.leaves.peek()
-
-    def on_evict(self, node: int) -> None:
-        p = self.state.parent[node]
-        if p >= 0 and self.state.nchild[p] == 0:
-            self.leaves.became_leaf(p)
+    def __init__(self) -> None:
+        super().__init__("leaf-lru")
 
 
-class LRU(Policy):
-    """Evict the least recently used block, and its cached descendants with it."""
+class LRU(TreePolicy):
+    """The registered ``lru``: evict the least recently used block, and its cached
+    descendants with it."""
 
-    name = "lru"
-
-    def bind(self, state: CacheState) -> None:
-        super().bind(state)
-        self.order: OrderedDict[int, None] = OrderedDict()
-
-    def on_access(self, node: int) -> None:
-        self.order[node] = None
-        self.order.move_to_end(node)
-
-    on_insert = on_access
-
-    def choose_victim(self) -> int | None:
-        for node in self.order:
-            return node
-        return None
-
-    def on_evict(self, node: int) -> None:
-        del self.order[node]
+    def __init__(self) -> None:
+        super().__init__("lru")
 
 
-class PrefixStorePolicy(RuleHost, Policy):
+class _TouchKeys(list[float]):
+    """Each node's retention priority, fixed at its touch, as the shared policies ask
+    it (``statemachine.policy.Retention``)."""
+
+    def priority(self, node: eviction.NodeView) -> float:
+        return self[node.id]
+
+    def on_victim(self, node: eviction.NodeView) -> None:
+        """Nothing: the host learns from each eviction itself (``on_evict``)."""
+
+    def forget(self, live_ids: set[int]) -> None:
+        """Nothing: a list of every node's key, never trimmed."""
+
+
+class PrefixStorePolicy(RuleHost, TreePolicy):
     """Leaf eviction by recency plus a frequency-earned retention bonus, fed by a
     bounded ghost history, with admission that throttles speculative stores when the
     cache is too small to keep what comes back.
 
     The simulator's host of the rule the engine uses too
     (:class:`prefixstore.statemachine.retention.RetentionRule`; its docstring has
-    the rule). What this host decides:
+    the rule), ordering the registered policy ``policy`` (``prefixstore``, whose leaves
+    are the only candidates here, so the tree stays whole). What this host decides:
 
     - **Sightings**: how many requests held the block, counted per node while it is
       cached and, after it leaves (evicted or never admitted), in a ghost table of at
@@ -454,7 +504,7 @@ class PrefixStorePolicy(RuleHost, Policy):
       comes back with its count.
     - **Clock**: one tick per block touched (each hit block, root to leaf, and each
       stored block); a block's eviction key ``t + theta * R * log2(sightings)`` is
-      set at its touch. Only leaves are candidates, so the tree stays whole.
+      set at its touch.
     - **Full**: the cache holds ``capacity`` blocks now. The gated window
       (``F < gate``, or a fixed ``admit_window=k``) only refuses while it is full.
     - **Partial last blocks** are not admitted (``skip_partial``): when
@@ -470,8 +520,6 @@ class PrefixStorePolicy(RuleHost, Policy):
     and last touch, a bounded ghost map of recent keys to counts, ``R`` and ``F``.
     """
 
-    name = "prefixstore"
-
     def __init__(
         self,
         *,
@@ -484,7 +532,9 @@ class PrefixStorePolicy(RuleHost, Policy):
         window_share: float = 0.001,
         gate_alpha: float = 0.001,
         admit_window: int | None = None,
+        policy: str = "prefixstore",
     ) -> None:
+        TreePolicy.__init__(self, policy)
         self.params = RetentionParams(
             theta=theta,
             ghost_factor=ghost_factor,
@@ -501,9 +551,8 @@ class PrefixStorePolicy(RuleHost, Policy):
         super().bind(state)
         n = len(state.parent)
         self.rule = RetentionRule(self.params, state.capacity)
-        self.leaves = _RecencyLeafHeap(state)
+        self.keys = self.touch_keys = _TouchKeys([0.0] * n)
         self.sightings = [0] * n  # valid for cached nodes and the current path
-        self.last = [0] * n
         self.ghost = Sightings(self.rule.ghost_keys)
         self._last_pos = -1
         self._hit = 0
@@ -525,12 +574,13 @@ class PrefixStorePolicy(RuleHost, Policy):
         ghost.trim()
         self.rule.observe(hit, returned)
 
-    def _touch(self, node: int) -> None:
+    def touch(self, node: int) -> None:
         rule = self.rule
         self.last[node] = rule.tick()
-        self.leaves.set(node, rule.priority(self.sightings[node]))
+        self.touch_keys[node] = rule.priority(self.sightings[node])
+        self.offer(node)
 
-    on_access = _touch
+    on_access = touch
 
     def admit(self, node: int, pos: int) -> bool:
         if pos >= self._last_pos:
@@ -541,37 +591,36 @@ class PrefixStorePolicy(RuleHost, Policy):
 
     def on_insert(self, node: int) -> None:
         self.ghost.pop(node, None)
-        self._touch(node)
-
-    def choose_victim(self) -> int | None:
-        return self.leaves.peek()
+        super().on_insert(node)
 
     def on_evict(self, node: int) -> None:
         count = self.sightings[node]
         self.rule.learn_eviction(self.last[node], count)
         self.ghost[node] = count
         self.ghost.trim()
-        p = self.state.parent[node]
-        if p >= 0 and self.state.nchild[p] == 0:
-            self.leaves.became_leaf(p)
+        super().on_evict(node)
+
+
+def policy_for(name: str) -> Policy:
+    """A fresh simulator host of the registered policy ``name``: with the retention
+    rule when the policy takes one (``uses_retention``)."""
+    impl = eviction.policy_named(name)
+    return PrefixStorePolicy(policy=name) if impl.uses_retention else TreePolicy(name)
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {
-    "leaf-lru": LeafLRU,
-    "lru": LRU,
-    "prefixstore": PrefixStorePolicy,
+    name: functools.partial(policy_for, name) for name in eviction.POLICIES
 }
 
 
 def make_policy(policy: str | Policy) -> Policy:
     if isinstance(policy, Policy):
         return policy
-    factory = POLICIES.get(policy)
-    if factory is None:
+    if policy not in POLICIES:
         raise InvalidInputError(
             f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))} or 'optimal'"
         )
-    return factory()
+    return POLICIES[policy]()
 
 
 # ----------------------------------------------------------------------------------

@@ -16,14 +16,22 @@ Actions:
 - ``evict_subtree``: plain LRU's action on an interior node (it and every
   descendant go).
 
-Policies:
+Policies (the registry ``REGISTRY``, one class each below; hosts look them up by name):
 
 - ``prefixstore`` (the seed's fix): leaves by recency of use, and compactable
   ancestors by recency of their *snapshot's* use, in one order. A long
   conversation's interior snapshots, never restored as endpoints, age out first.
   Damaged leaves (charged in full, never served) go before every ready candidate.
+  Hosts order its leaves by the shared retention rule (``statemachine/retention.py``)
+  when they plug one in (``uses_retention``).
 - ``leaf-lru`` (the pre-fix behaviour): only leaves, by recency.
 - ``lru``: any node by recency; an interior victim takes its subtree with it.
+
+Both hosts drive these classes: the engine through :class:`VictimHeap`, the trace
+simulator (``replay/sim.py``, ``TreePolicy``) through its own dense-array heap. A new
+policy is one class here satisfying :class:`EvictionPolicy` plus its entry in
+``REGISTRY``; the engine's ``policy=`` option, the CLI choices and the simulator pick
+it up from there.
 
 Pressure and recency. The *order* is recency (within the damaged-first class). The
 *amount* is actual backing pressure: the engine keeps taking victims until the real
@@ -49,11 +57,11 @@ import itertools
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from prefixstore.engine.errors import InvalidInputError
+
 EVICT = "evict"
 RETIRE = "retire_snapshot"
 SUBTREE = "evict_subtree"
-POLICIES = ("prefixstore", "leaf-lru", "lru")
-
 DAMAGED_FIRST = 0
 NORMAL = 1
 
@@ -81,23 +89,99 @@ class NodeView(Protocol):
     def is_leaf(self) -> bool: ...
 
 
+class EvictionPolicy(Protocol):
+    """Which action a policy takes on a node, and its ordering key (smaller goes first).
+
+    ``action`` must be a pure function of the node's fields, ``layout_has_snapshot``
+    and ``retention.priority(node)`` (a leaf's key: its recency ``last_used``, or that
+    priority when a retention object is plugged in): hosts ask again whenever one of
+    them changes, and the engine recomputes it to tell stale heap entries.
+    """
+
+    name: str
+    uses_retention: bool
+    """Whether hosts plug in the shared retention rule for this policy's leaf keys."""
+
+    def retires(self, layout_has_snapshot: bool) -> bool:
+        """Whether it may return ``RETIRE`` on a layout like this."""
+        ...
+
+    def action(
+        self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
+    ) -> tuple[str, Key] | None: ...
+
+
+class PrefixStore:
+    """Leaves (damaged first), and snapshot retirements by the snapshot's recency."""
+
+    name = "prefixstore"
+    uses_retention = True
+
+    def retires(self, layout_has_snapshot: bool) -> bool:
+        return layout_has_snapshot
+
+    def action(
+        self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
+    ) -> tuple[str, Key] | None:
+        if node.is_leaf:
+            cls = NORMAL if node.state == "ready" else DAMAGED_FIRST
+            return EVICT, (cls, node.last_used if retention is None else retention.priority(node))
+        if layout_has_snapshot and node.state == "ready" and node.has_snapshot:
+            return RETIRE, (NORMAL, node.snap_used)
+        return None
+
+
+class LeafLRU:
+    """Only leaves, by recency."""
+
+    name = "leaf-lru"
+    uses_retention = False
+
+    def retires(self, layout_has_snapshot: bool) -> bool:
+        return False
+
+    def action(
+        self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
+    ) -> tuple[str, Key] | None:
+        if node.is_leaf:
+            return EVICT, (NORMAL, node.last_used if retention is None else retention.priority(node))
+        return None
+
+
+class LRU:
+    """Any node by recency; an interior victim takes its subtree."""
+
+    name = "lru"
+    uses_retention = False
+
+    def retires(self, layout_has_snapshot: bool) -> bool:
+        return False
+
+    def action(
+        self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
+    ) -> tuple[str, Key] | None:
+        if node.is_leaf:
+            return EVICT, (NORMAL, node.last_used if retention is None else retention.priority(node))
+        return SUBTREE, (NORMAL, node.last_used)
+
+
+REGISTRY: dict[str, EvictionPolicy] = {p.name: p for p in (PrefixStore(), LeafLRU(), LRU())}
+POLICIES = tuple(REGISTRY)
+
+
+def policy_named(name: str) -> EvictionPolicy:
+    """The registered policy ``name``; InvalidInputError naming the known ones."""
+    found = REGISTRY.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise InvalidInputError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return found
+
+
 def action_for(
     policy: str, node: NodeView, layout_has_snapshot: bool, retention: Retention | None = None
 ) -> tuple[str, Key] | None:
     """The action ``policy`` would take on ``node`` and its ordering key, or None."""
-    if node.is_leaf:
-        cls = DAMAGED_FIRST if policy == "prefixstore" and node.state != "ready" else NORMAL
-        return EVICT, (cls, node.last_used if retention is None else retention.priority(node))
-    if policy == "lru":
-        return SUBTREE, (NORMAL, node.last_used)
-    if (
-        policy == "prefixstore"
-        and layout_has_snapshot
-        and node.state == "ready"
-        and node.has_snapshot
-    ):
-        return RETIRE, (NORMAL, node.snap_used)
-    return None
+    return policy_named(policy).action(node, layout_has_snapshot, retention)
 
 
 def retire_rewrite_bytes(nbytes: int, snapshot_bytes_all_ranks: int) -> int:
@@ -117,11 +201,10 @@ class VictimHeap:
     """
 
     def __init__(self, policy: str, layout_has_snapshot: bool) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        self.impl = policy_named(policy)
         self.policy = policy
         self.layout_has_snapshot = layout_has_snapshot
-        self.retires = policy == "prefixstore" and layout_has_snapshot
+        self.retires = self.impl.retires(layout_has_snapshot)
         self._heap: list[Entry] = []
         self._sizes: list[tuple[int, int, int]] = []  # (-nbytes, seq, node_id) of RETIRE candidates
         self._seq = itertools.count()
@@ -139,7 +222,7 @@ class VictimHeap:
         """(Re)consider ``node`` after it was created, touched, or gained/lost children."""
         if self.retention is not None:
             self.retention.priority(node)  # fixed at the touch, for interior nodes too
-        a = action_for(self.policy, node, self.layout_has_snapshot, self.retention)
+        a = self.impl.action(node, self.layout_has_snapshot, self.retention)
         if a is None:
             return
         seq = next(self._seq)
@@ -152,7 +235,7 @@ class VictimHeap:
         live: set[int] = set()
         for n in nodes:
             live.add(n.id)
-            a = action_for(self.policy, n, self.layout_has_snapshot, self.retention)
+            a = self.impl.action(n, self.layout_has_snapshot, self.retention)
             if a is not None:
                 seq = next(self._seq)
                 self._heap.append((a[1], seq, n.id, a[0]))
@@ -181,8 +264,8 @@ class VictimHeap:
         """Whether ``entry`` still names its node's current action and key."""
         key, _seq, nid, action = entry
         node = lookup(nid)
-        return node is not None and action_for(
-            self.policy, node, self.layout_has_snapshot, self.retention
+        return node is not None and self.impl.action(
+            node, self.layout_has_snapshot, self.retention
         ) == (action, key)
 
     def push(self, entry: Entry) -> None:
@@ -218,7 +301,7 @@ class VictimHeap:
             if (
                 node is not None
                 and node.nbytes == -neg
-                and (a := action_for(self.policy, node, self.layout_has_snapshot, self.retention)) is not None
+                and (a := self.impl.action(node, self.layout_has_snapshot, self.retention)) is not None
                 and a[0] == RETIRE
             ):
                 return -neg
