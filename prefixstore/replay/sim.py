@@ -23,7 +23,12 @@ Prefill seconds come from a cumulative curve ``prefill_s(tokens)`` (default
 ``5e-5*t + 1e-10*t**2``): prefilling ``(h, T]`` on top of ``h`` cached tokens costs
 ``prefill_s(T) - prefill_s(h)``, so a hit of ``h`` tokens saves ``prefill_s(h)``.
 
-Policies (``POLICIES``):
+Policies (``POLICIES``): the engine's, from the registry of
+:mod:`prefixstore.statemachine.policy` (a new policy goes there, one class and one
+entry, and runs here unchanged), each hosted by :class:`TreePolicy`; a policy that
+takes the shared retention rule by :class:`PrefixStorePolicy`. Here every node is one
+ready block without a snapshot, so a policy's damaged-first and retirement cases never
+occur:
 
 - ``leaf-lru``: evict the least recently used *leaf* (the tree stays whole for free).
 - ``lru``: evict the least recently used block; its cached descendants go with it.
@@ -616,11 +621,11 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 def make_policy(policy: str | Policy) -> Policy:
     if isinstance(policy, Policy):
         return policy
-    if policy not in POLICIES:
+    if policy not in eviction.REGISTRY:
         raise InvalidInputError(
-            f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))} or 'optimal'"
+            f"unknown policy {policy!r}; known: {', '.join(sorted(eviction.REGISTRY))} or 'optimal'"
         )
-    return POLICIES[policy]()
+    return policy_for(policy)
 
 
 # ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Eviction policies: which node to reclaim next, and how. Pure: no I/O.
 
-A policy keeps a heap of ``(key, seq, node_id, action)`` entries with lazy
-invalidation: an entry is checked against the node's current state when popped, so
+The engine's :class:`VictimHeap` keeps a heap of ``(key, seq, node_id, action)``
+entries with lazy invalidation: an entry is checked against the node's current state when popped, so
 touching a node just pushes a fresh entry. Selection is O(log n) amortised per
 victim; the heap is rebuilt when stale entries outnumber live nodes.
 
@@ -30,8 +30,9 @@ Policies (the registry ``REGISTRY``, one class each below; hosts look them up by
 Both hosts drive these classes: the engine through :class:`VictimHeap`, the trace
 simulator (``replay/sim.py``, ``TreePolicy``) through its own dense-array heap. A new
 policy is one class here satisfying :class:`EvictionPolicy` plus its entry in
-``REGISTRY``; the engine's ``policy=`` option, the CLI choices and the simulator pick
-it up from there.
+``REGISTRY``; the engine's ``policy=`` option, the CLI choices, the engine replay and
+the simulator pick it up from there (with ``uses_retention``, the replay and the
+simulator also plug in the retention rule).
 
 Pressure and recency. The *order* is recency (within the damaged-first class). The
 *amount* is actual backing pressure: the engine keeps taking victims until the real
@@ -175,6 +176,12 @@ def policy_named(name: str) -> EvictionPolicy:
     if found is None:
         raise InvalidInputError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     return found
+
+
+def takes_retention(name: str) -> bool:
+    """Whether ``name`` is a registered policy whose hosts plug in the retention rule."""
+    found = REGISTRY.get(name) if isinstance(name, str) else None
+    return found is not None and found.uses_retention
 
 
 def action_for(
