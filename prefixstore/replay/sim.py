@@ -383,14 +383,15 @@ class _NodeView:
 
 class TreePolicy(Policy):
     """The simulator's host of a registered eviction policy (``statemachine/policy.py``,
-    the engine's too): the policy says, for each node touched or turned leaf, whether it
-    is a candidate and its key; this host keeps candidates in a min-heap of ``(key,
-    node)`` with lazy invalidation (an entry is current while the policy still gives its
-    cached node that key) and offers the smallest unpinned one.
+    the engine's too). The policy is asked about a node whenever something it reads
+    changes (a touch; gaining or losing children) and its answer kept as the node's
+    current key; candidates wait in a min-heap of ``(key, node)``, an entry current
+    while it holds its cached node's current key, and the smallest unpinned one is
+    offered. Ties go to the smaller node id.
 
     A node's ``last_used`` is the host's clock at its last touch (one tick per hit or
-    stored block). An ``evict`` victim is a leaf, an ``evict_subtree`` one an interior
-    node; the simulator removes either by its children.
+    stored block). An ``evict`` victim is a leaf; an ``evict_subtree`` one is interior,
+    and the simulator removes its cached subtree with it.
     """
 
     keys: eviction.Retention | None = None

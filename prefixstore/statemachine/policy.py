@@ -1,9 +1,9 @@
 """Eviction policies: which node to reclaim next, and how. Pure: no I/O.
 
 The engine's :class:`VictimHeap` keeps a heap of ``(key, seq, node_id, action)``
-entries with lazy invalidation: an entry is checked against the node's current state when popped, so
-touching a node just pushes a fresh entry. Selection is O(log n) amortised per
-victim; the heap is rebuilt when stale entries outnumber live nodes.
+entries with lazy invalidation: an entry is checked against the node's current state
+when popped, so touching a node just pushes a fresh entry. Selection is O(log n)
+amortised per victim; the heap is rebuilt when stale entries outnumber live nodes.
 
 Actions:
 
@@ -174,7 +174,7 @@ def policy_named(name: str) -> EvictionPolicy:
     """The registered policy ``name``; InvalidInputError naming the known ones."""
     found = REGISTRY.get(name) if isinstance(name, str) else None
     if found is None:
-        raise InvalidInputError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        raise InvalidInputError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}")
     return found
 
 
