@@ -3,11 +3,14 @@ make a policy, and both hosts (the engine's ``VictimHeap`` and the simulator) dr
 
 from __future__ import annotations
 
+import random
+
 import attrs
 import pytest
 
 from prefixstore.engine.errors import InvalidInputError
-from prefixstore.replay.sim import compile_trace, simulate
+from prefixstore.replay import sim
+from prefixstore.replay.sim import PrefixStorePolicy, TreePolicy, compile_trace, simulate
 from prefixstore.statemachine import policy as pol
 
 
@@ -81,3 +84,66 @@ def test_registered_policies_and_unknown_names() -> None:
             pol.VictimHeap(bad, False)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="unknown policy"):
         simulate(compile_trace([[1]]), 1, "no-such", block_bytes=1)
+
+
+def chains(rng: random.Random, n: int) -> list[list[int]]:
+    """Requests that extend a random prefix of a recent one by fresh ids."""
+    out: list[list[int]] = []
+    fresh = 0
+    for _ in range(n):
+        prefix: list[int] = []
+        if out and rng.random() < 0.7:
+            base = rng.choice(out[-10:])
+            prefix = base[: rng.randint(1, len(base))]
+        new = list(range(fresh + 1, fresh + 1 + rng.randint(0 if prefix else 1, 6)))
+        fresh += len(new)
+        out.append(prefix + new)
+    return out
+
+
+def host(name: str, compiled: bool) -> sim.Policy:
+    if pol.policy_named(name).uses_retention:
+        return PrefixStorePolicy(policy=name, compiled=compiled)
+    return TreePolicy(name, compiled=compiled)
+
+
+@pytest.mark.parametrize("name", pol.POLICIES)
+def test_the_simulators_compiled_order_decides_as_the_policys_action(name: str) -> None:
+    """The simulator compiles a registered ordering into its own container; asking the
+    policy's ``action`` at every change instead gives the same run, bit for bit."""
+    rng = random.Random(11)
+    for _ in range(15):
+        trace = compile_trace(chains(rng, 120))
+        for cap in (2, 5, 13, 40):
+            fast, ref = host(name, True), host(name, False)
+            got = simulate(trace, cap, fast, block_bytes=1, check=True)
+            want = simulate(trace, cap, ref, block_bytes=1, check=True)
+            assert got == want, (name, cap)
+            assert not isinstance(fast.order, sim._PolicyHeap)  # type: ignore[attr-defined]
+            assert isinstance(ref.order, sim._PolicyHeap)  # type: ignore[attr-defined]
+
+
+def test_an_ordering_entry_alone_makes_a_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(pol.REGISTRY, "lru-too", pol.OrderedPolicy("lru-too", pol.Ordering(pol.SUBTREE)))
+    trace = compile_trace(chains(random.Random(3), 200))
+    for cap in (3, 10):
+        r = simulate(trace, cap, "lru-too", block_bytes=1, check=True)
+        assert r.policy == "lru-too"
+        assert r.hits == simulate(trace, cap, "lru", block_bytes=1).hits
+    node = Node(1, 7, children={2})
+    assert pol.action_for("lru-too", node, True) == (pol.SUBTREE, (pol.NORMAL, 7))
+    assert not pol.policy_named("lru-too").retires(True)
+
+
+def test_orderings_give_each_node_its_action() -> None:
+    leaf, damaged = Node(1, 5, snap_used=2), Node(2, 6, state="damaged")
+    inner = Node(3, 9, children={1}, has_snapshot=True, snap_used=4)
+    assert pol.action_for("prefixstore", damaged, True) == (pol.EVICT, (pol.DAMAGED_FIRST, 6))
+    assert pol.action_for("leaf-lru", damaged, True) == (pol.EVICT, (pol.NORMAL, 6))
+    assert pol.action_for("lru", leaf, True) == (pol.EVICT, (pol.NORMAL, 5))
+    assert pol.action_for("prefixstore", inner, True) == (pol.RETIRE, (pol.NORMAL, 4))
+    assert pol.action_for("prefixstore", inner, False) is None
+    assert pol.action_for("leaf-lru", inner, True) is None
+    assert pol.action_for("lru", inner, True) == (pol.SUBTREE, (pol.NORMAL, 9))
+    with pytest.raises(InvalidInputError, match="interior"):
+        pol.Ordering("evict")  # type: ignore[arg-type]

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -355,6 +356,87 @@ class Policy:
         """``node`` was removed (its parent's ``nchild`` is already updated)."""
 
 
+class _LeafHeap:
+    """Leaves ordered by a per-node key, ties to the smaller node id: a min-heap of
+    ``(key, node)`` with lazy invalidation (an entry is current while its node is a
+    cached leaf holding that key). Compiled from an ordering whose only candidates
+    here are leaves; keyed by the clock (``touch``) or by the host (``set``)."""
+
+    __slots__ = ("heap", "key", "state", "clock")
+
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
+        self.heap: list[tuple[float, int]] = []
+        self.key: list[float] = [0.0] * len(state.parent)
+        self.clock = 0
+
+    def set(self, node: int, key: float) -> None:
+        """``node`` was touched and keyed ``key``."""
+        self.key[node] = key
+        if self.state.nchild[node] == 0:
+            heapq.heappush(self.heap, (key, node))
+
+    def touch(self, node: int) -> None:
+        """``node`` was touched: keyed by its recency (one clock tick per touch)."""
+        self.clock += 1
+        self.key[node] = self.clock
+        if self.state.nchild[node] == 0:
+            heapq.heappush(self.heap, (self.clock, node))
+
+    on_insert = touch  # its parent gained a child: its entries are stale by ``nchild``
+
+    def on_evict(self, node: int) -> None:
+        p = self.state.parent[node]
+        if p >= 0 and self.state.nchild[p] == 0:
+            heapq.heappush(self.heap, (self.key[p], p))  # it became a leaf
+
+    def choose_victim(self) -> int | None:
+        st = self.state
+        heap = self.heap
+        cached, nchild, key, pin, req = st.cached, st.nchild, self.key, st.pin, st.req
+        skipped: list[tuple[float, int]] = []
+        found: int | None = None
+        while heap:
+            k, node = heap[0]
+            if not cached[node] or nchild[node] or key[node] != k:
+                heapq.heappop(heap)
+                continue
+            if pin[node] == req:  # the request's own leaf: look past it
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = node
+            break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+
+class _RecencyList:
+    """Every cached node, least recently touched first (an ordered dict). Compiled
+    from an ordering of all nodes by recency: the oldest node is the victim, and if it
+    is the request's own, so is every other (they were all touched later), so there
+    is no room."""
+
+    __slots__ = ("order",)
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def touch(self, node: int) -> None:
+        self.order[node] = None
+        self.order.move_to_end(node)
+
+    on_insert = touch
+
+    def on_evict(self, node: int) -> None:
+        del self.order[node]
+
+    def choose_victim(self) -> int | None:
+        for node in self.order:
+            return node
+        return None
+
+
 class _NodeView:
     """A simulator node as the shared policies read it (``statemachine.policy.NodeView``).
 
@@ -381,43 +463,70 @@ class _NodeView:
         return self
 
 
-class TreePolicy(Policy):
-    """The simulator's host of a registered eviction policy (``statemachine/policy.py``,
-    the engine's too). The policy is asked about a node whenever something it reads
-    changes (a touch; gaining or losing children) and its answer kept as the node's
-    current key; candidates wait in a min-heap of ``(key, node)``, an entry current
-    while it holds its cached node's current key, and the smallest unpinned one is
-    offered. Ties go to the smaller node id.
+class _TouchKeys(list[float]):
+    """Each node's retention priority, fixed at its touch, as the shared policies ask
+    it (``statemachine.policy.Retention``)."""
 
-    A node's ``last_used`` is the host's clock at its last touch (one tick per hit or
-    stored block). An ``evict`` victim is a leaf; an ``evict_subtree`` one is interior,
-    and the simulator removes its cached subtree with it.
+    def priority(self, node: eviction.NodeView) -> float:
+        return self[node.id]
+
+    def on_victim(self, node: eviction.NodeView) -> None:
+        """Nothing: the host learns from each eviction itself (``on_evict``)."""
+
+    def forget(self, live_ids: set[int]) -> None:
+        """Nothing: a list of every node's key, never trimmed."""
+
+
+class _PolicyHeap:
+    """Any policy, asked through its ``action``: whenever something it reads changes
+    (a touch; gaining or losing children), its answer is kept as the node's current
+    key, and candidates wait in a min-heap of ``(key, node)``, an entry current while
+    it holds its cached node's current key. Ties go to the smaller node id.
+
+    A node's ``last_used`` is ``last`` (the clock at its last touch: this container's
+    own for ``touch``, the host's for ``set``); with ``keyed`` leaves are keyed by
+    ``set``'s keys (``key``) in place of recency.
     """
 
-    keys: eviction.Retention | None = None
-    """Leaf keys replacing recency (``statemachine.policy.Retention``); None: recency."""
-
-    def __init__(self, policy: str = "leaf-lru") -> None:
-        self.impl = eviction.policy_named(policy)
-        self.name = self.impl.name
-
-    def bind(self, state: CacheState) -> None:
-        super().bind(state)
+    def __init__(
+        self,
+        impl: eviction.EvictionPolicy,
+        state: CacheState,
+        last: list[int] | None = None,
+        keyed: bool = False,
+    ) -> None:
         n = len(state.parent)
-        self.last = [0] * n  # the clock at each node's last touch
-        self.offered: list[Key | None] = [None] * n  # each node's current key; None: no candidate
+        self.state = state
+        self.last = [0] * n if last is None else last
+        self.key = _TouchKeys([0.0] * n)
+        self.offered: list[Key | None] = [None] * n  # each node's current key; None: none
         self.heap: list[tuple[int, float, int]] = []  # (class, value, node): a flat Key
-        self.view = _NodeView(state, self.last)
-        self._action, self._at = self.impl.action, self.view.at
-        self._clock = 0
+        self._action, self._at = impl.action, _NodeView(state, self.last).at
+        self._keys = self.key if keyed else None
+        self.clock = 0
+
+    def offer(self, node: int) -> None:
+        """Ask the policy again about ``node``."""
+        a = self._action(self._at(node), False, self._keys)
+        if a is None:
+            self.offered[node] = None
+        elif a[1] != self.offered[node]:
+            key = self.offered[node] = a[1]
+            heapq.heappush(self.heap, (key[0], key[1], node))
+
+    def set(self, node: int, key: float) -> None:
+        """``node`` was touched (``last`` already holds its time) and keyed ``key``;
+        its parent is asked again too, in case it just gained ``node``."""
+        self.key[node] = key
+        self.offer(node)
+        p = self.state.parent[node]
+        if p >= 0:
+            self.offer(p)
 
     def touch(self, node: int) -> None:
-        """A block touch: the clock ticks, ``node`` is used now."""
-        self._clock += 1
-        self.last[node] = self._clock
+        self.clock += 1
+        self.last[node] = self.clock
         self.offer(node)
-
-    on_access = touch
 
     def on_insert(self, node: int) -> None:
         self.touch(node)
@@ -425,15 +534,11 @@ class TreePolicy(Policy):
         if p >= 0:
             self.offer(p)  # it gained a child
 
-    def offer(self, node: int) -> None:
-        """Ask the policy again about ``node``: after it was touched or gained or lost
-        children (the only changes of what a policy reads here)."""
-        a = self._action(self._at(node), False, self.keys)
-        if a is None:
-            self.offered[node] = None
-        elif a[1] != self.offered[node]:
-            key = self.offered[node] = a[1]
-            heapq.heappush(self.heap, (key[0], key[1], node))
+    def on_evict(self, node: int) -> None:
+        self.offered[node] = None
+        p = self.state.parent[node]
+        if p >= 0 and self.state.nchild[p] == 0:
+            self.offer(p)  # it lost its last child
 
     def choose_victim(self) -> int | None:
         st, heap, offered = self.state, self.heap, self.offered
@@ -455,46 +560,95 @@ class TreePolicy(Policy):
             heapq.heappush(heap, item)
         return found
 
-    def on_evict(self, node: int) -> None:
-        self.offered[node] = None
-        p = self.state.parent[node]
-        if p >= 0 and self.state.nchild[p] == 0:
-            self.offer(p)  # it lost its last child
 
-    def __len__(self) -> int:
-        return len(self.heap)
+_Order = _LeafHeap | _RecencyList | _PolicyHeap
+
+
+def compile_order(
+    impl: eviction.EvictionPolicy,
+    state: CacheState,
+    last: list[int] | None = None,
+    *,
+    keyed: bool = False,
+    compiled: bool = True,
+) -> _Order:
+    """The container ordering ``impl``'s candidates here, built once per run.
+
+    Every node here is ready without a snapshot, so an :class:`~prefixstore.
+    statemachine.policy.Ordering` without ``SUBTREE`` has only leaves as candidates
+    (a :class:`_LeafHeap`), and one with it, keyed by recency, every node by recency
+    (a :class:`_RecencyList`). Anything else (no ``ordering``; ``SUBTREE`` with keyed
+    leaves; ``compiled=False``) asks the policy's ``action`` (a :class:`_PolicyHeap`).
+    ``keyed``: leaves take the host's keys (``set``) instead of recency.
+    """
+    ordering: eviction.Ordering | None = getattr(impl, "ordering", None)
+    if compiled and ordering is not None:
+        if ordering.interior != eviction.SUBTREE:
+            return _LeafHeap(state)
+        if not keyed:
+            return _RecencyList()
+    return _PolicyHeap(impl, state, last, keyed)
+
+
+class TreePolicy(Policy):
+    """The simulator's host of a registered eviction policy (``statemachine/policy.py``,
+    the engine's too), by recency: the policy's order is compiled once per run into a
+    container (:func:`compile_order`), and the hooks a subclass does not override go
+    straight to it. ``compiled=False`` asks the policy's ``action`` at every change
+    instead (the reference the compiled containers must match).
+
+    A node's ``last_used`` is the host's clock at its last touch (one tick per hit or
+    stored block). An ``evict`` victim is a leaf; an ``evict_subtree`` one is interior,
+    and the simulator removes its cached subtree with it.
+    """
+
+    def __init__(self, policy: str = "leaf-lru", *, compiled: bool = True) -> None:
+        self.impl = eviction.policy_named(policy)
+        self.name = self.impl.name
+        self.compiled = compiled
+
+    def bind(self, state: CacheState) -> None:
+        super().bind(state)
+        order = self.order = compile_order(self.impl, state, compiled=self.compiled)
+        cls = type(self)
+        for hook, fn in (
+            ("on_access", order.touch),
+            ("on_insert", order.on_insert),
+            ("choose_victim", order.choose_victim),
+            ("on_evict", order.on_evict),
+        ):
+            if getattr(cls, hook) is getattr(TreePolicy, hook):
+                setattr(self, hook, fn)
+
+    def on_access(self, node: int) -> None:
+        self.order.touch(node)
+
+    def on_insert(self, node: int) -> None:
+        self.order.on_insert(node)
+
+    def choose_victim(self) -> int | None:
+        return self.order.choose_victim()
+
+    def on_evict(self, node: int) -> None:
+        self.order.on_evict(node)
 
 
 class LeafLRU(TreePolicy):
     """The registered ``leaf-lru``: evict the least recently used leaf."""
 
-    def __init__(self) -> None:
-        super().__init__("leaf-lru")
+    def __init__(self, *, compiled: bool = True) -> None:
+        super().__init__("leaf-lru", compiled=compiled)
 
 
 class LRU(TreePolicy):
     """The registered ``lru``: evict the least recently used block, and its cached
     descendants with it."""
 
-    def __init__(self) -> None:
-        super().__init__("lru")
+    def __init__(self, *, compiled: bool = True) -> None:
+        super().__init__("lru", compiled=compiled)
 
 
-class _TouchKeys(list[float]):
-    """Each node's retention priority, fixed at its touch, as the shared policies ask
-    it (``statemachine.policy.Retention``)."""
-
-    def priority(self, node: eviction.NodeView) -> float:
-        return self[node.id]
-
-    def on_victim(self, node: eviction.NodeView) -> None:
-        """Nothing: the host learns from each eviction itself (``on_evict``)."""
-
-    def forget(self, live_ids: set[int]) -> None:
-        """Nothing: a list of every node's key, never trimmed."""
-
-
-class PrefixStorePolicy(RuleHost, TreePolicy):
+class PrefixStorePolicy(RuleHost, Policy):
     """Leaf eviction by recency plus a frequency-earned retention bonus, fed by a
     bounded ghost history, with admission that throttles speculative stores when the
     cache is too small to keep what comes back.
@@ -539,8 +693,11 @@ class PrefixStorePolicy(RuleHost, TreePolicy):
         gate_alpha: float = 0.001,
         admit_window: int | None = None,
         policy: str = "prefixstore",
+        compiled: bool = True,
     ) -> None:
-        TreePolicy.__init__(self, policy)
+        self.impl = eviction.policy_named(policy)
+        self.name = self.impl.name
+        self.compiled = compiled
         self.params = RetentionParams(
             theta=theta,
             ghost_factor=ghost_factor,
@@ -557,7 +714,14 @@ class PrefixStorePolicy(RuleHost, TreePolicy):
         super().bind(state)
         n = len(state.parent)
         self.rule = RetentionRule(self.params, state.capacity)
-        self.keys = self.touch_keys = _TouchKeys([0.0] * n)
+        self.last = [0] * n  # the clock at each node's last touch
+        order = self.order = compile_order(
+            self.impl, state, self.last, keyed=True, compiled=self.compiled
+        )
+        self.touch_keys = order.key  # each node's eviction key, set at its touch
+        self._set, self._evicted = order.set, order.on_evict
+        if type(self).choose_victim is PrefixStorePolicy.choose_victim:
+            self.choose_victim = order.choose_victim  # type: ignore[method-assign]
         self.sightings = [0] * n  # valid for cached nodes and the current path
         self.ghost = Sightings(self.rule.ghost_keys)
         self._last_pos = -1
@@ -583,8 +747,7 @@ class PrefixStorePolicy(RuleHost, TreePolicy):
     def touch(self, node: int) -> None:
         rule = self.rule
         self.last[node] = rule.tick()
-        self.touch_keys[node] = rule.priority(self.sightings[node])
-        self.offer(node)
+        self._set(node, rule.priority(self.sightings[node]))
 
     on_access = touch
 
@@ -597,14 +760,17 @@ class PrefixStorePolicy(RuleHost, TreePolicy):
 
     def on_insert(self, node: int) -> None:
         self.ghost.pop(node, None)
-        super().on_insert(node)
+        self.touch(node)
+
+    def choose_victim(self) -> int | None:
+        return self.order.choose_victim()
 
     def on_evict(self, node: int) -> None:
         count = self.sightings[node]
         self.rule.learn_eviction(self.last[node], count)
         self.ghost[node] = count
         self.ghost.trim()
-        super().on_evict(node)
+        self._evicted(node)
 
 
 def policy_for(name: str) -> Policy:

@@ -16,7 +16,7 @@ Actions:
 - ``evict_subtree``: plain LRU's action on an interior node (it and every
   descendant go).
 
-Policies (the registry ``REGISTRY``, one class each below; hosts look them up by name):
+Policies (the registry ``REGISTRY``, one :class:`Ordering` each; hosts look them up by name):
 
 - ``prefixstore`` (the seed's fix): leaves by recency of use, and compactable
   ancestors by recency of their *snapshot's* use, in one order. A long
@@ -27,12 +27,13 @@ Policies (the registry ``REGISTRY``, one class each below; hosts look them up by
 - ``leaf-lru`` (the pre-fix behaviour): only leaves, by recency.
 - ``lru``: any node by recency; an interior victim takes its subtree with it.
 
-Both hosts drive these classes: the engine through :class:`VictimHeap`, the trace
-simulator (``replay/sim.py``, ``TreePolicy``) through its own dense-array heap. A new
-policy is one class here satisfying :class:`EvictionPolicy` plus its entry in
-``REGISTRY``; the engine's ``policy=`` option, the CLI choices, the engine replay and
-the simulator pick it up from there (with ``uses_retention``, the replay and the
-simulator also plug in the retention rule).
+Both hosts drive these policies: the engine asks ``action`` through :class:`VictimHeap`;
+the trace simulator (``replay/sim.py``, ``TreePolicy``) compiles each ``ordering`` once
+into a container of its own (a leaf heap, a recency list) and asks ``action`` only for
+a policy without one. A new policy is an :class:`OrderedPolicy` entry in ``REGISTRY``
+(or any object satisfying :class:`EvictionPolicy`); the engine's ``policy=`` option,
+the CLI choices, the engine replay and the simulator pick it up from there (with
+``uses_retention``, the replay and the simulator also plug in the retention rule).
 
 Pressure and recency. The *order* is recency (within the damaged-first class). The
 *amount* is actual backing pressure: the engine keeps taking victims until the real
@@ -56,6 +57,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from prefixstore.engine.errors import InvalidInputError
@@ -96,7 +98,9 @@ class EvictionPolicy(Protocol):
     ``action`` must be a pure function of the node's fields, ``layout_has_snapshot``
     and ``retention.priority(node)`` (a leaf's key: its recency ``last_used``, or that
     priority when a retention object is plugged in): hosts ask again whenever one of
-    them changes, and the engine recomputes it to tell stale heap entries.
+    them changes, and the engine recomputes it to tell stale heap entries. An
+    :class:`OrderedPolicy` also states its order as data (``ordering``), which a host
+    may compile into its own container; any other policy is driven by ``action`` alone.
     """
 
     name: str
@@ -112,61 +116,74 @@ class EvictionPolicy(Protocol):
     ) -> tuple[str, Key] | None: ...
 
 
-class PrefixStore:
-    """Leaves (damaged first), and snapshot retirements by the snapshot's recency."""
+@dataclass(frozen=True, slots=True)
+class Ordering:
+    """A policy's candidates and keys as data (smaller goes first).
 
-    name = "prefixstore"
-    uses_retention = True
+    Leaves are always candidates (``evict``), keyed ``(class, last_used)``, or the
+    retention priority in place of ``last_used`` when one is plugged in; with
+    ``damaged_first`` a leaf that is not ready has class ``DAMAGED_FIRST``. Interior
+    nodes: with ``interior=None`` never; with ``RETIRE`` a ready one holding a
+    snapshot, on a snapshot layout, keyed ``(NORMAL, snap_used)``; with ``SUBTREE``
+    every one, keyed ``(NORMAL, last_used)``. :class:`OrderedPolicy` derives the
+    action from it; a host may compile it into its own container instead (the
+    simulator does), which must order exactly as that action.
+    """
+
+    interior: str | None = None
+    damaged_first: bool = False
+
+    def __post_init__(self) -> None:
+        if self.interior not in (None, RETIRE, SUBTREE):
+            raise InvalidInputError(
+                f"interior must be None, {RETIRE!r} or {SUBTREE!r}, got {self.interior!r}"
+            )
+
+
+class OrderedPolicy:
+    """A policy defined by its :class:`Ordering` (each registered one)."""
+
+    __slots__ = ("name", "uses_retention", "ordering", "_interior", "_damaged_first")
+
+    def __init__(self, name: str, ordering: Ordering, *, uses_retention: bool = False) -> None:
+        self.name = name
+        self.uses_retention = uses_retention
+        self.ordering = ordering
+        self._interior = ordering.interior
+        self._damaged_first = ordering.damaged_first
 
     def retires(self, layout_has_snapshot: bool) -> bool:
-        return layout_has_snapshot
+        return layout_has_snapshot and self._interior == RETIRE
 
     def action(
         self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
     ) -> tuple[str, Key] | None:
         if node.is_leaf:
-            cls = NORMAL if node.state == "ready" else DAMAGED_FIRST
+            cls = DAMAGED_FIRST if self._damaged_first and node.state != "ready" else NORMAL
             return EVICT, (cls, node.last_used if retention is None else retention.priority(node))
-        if layout_has_snapshot and node.state == "ready" and node.has_snapshot:
+        if self._interior == SUBTREE:
+            return SUBTREE, (NORMAL, node.last_used)
+        if (
+            self._interior == RETIRE
+            and layout_has_snapshot
+            and node.state == "ready"
+            and node.has_snapshot
+        ):
             return RETIRE, (NORMAL, node.snap_used)
         return None
 
 
-class LeafLRU:
-    """Only leaves, by recency."""
-
-    name = "leaf-lru"
-    uses_retention = False
-
-    def retires(self, layout_has_snapshot: bool) -> bool:
-        return False
-
-    def action(
-        self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
-    ) -> tuple[str, Key] | None:
-        if node.is_leaf:
-            return EVICT, (NORMAL, node.last_used if retention is None else retention.priority(node))
-        return None
-
-
-class LRU:
-    """Any node by recency; an interior victim takes its subtree."""
-
-    name = "lru"
-    uses_retention = False
-
-    def retires(self, layout_has_snapshot: bool) -> bool:
-        return False
-
-    def action(
-        self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
-    ) -> tuple[str, Key] | None:
-        if node.is_leaf:
-            return EVICT, (NORMAL, node.last_used if retention is None else retention.priority(node))
-        return SUBTREE, (NORMAL, node.last_used)
-
-
-REGISTRY: dict[str, EvictionPolicy] = {p.name: p for p in (PrefixStore(), LeafLRU(), LRU())}
+REGISTRY: dict[str, EvictionPolicy] = {
+    p.name: p
+    for p in (
+        # leaves (damaged first), and snapshot retirements by the snapshot's recency
+        OrderedPolicy("prefixstore", Ordering(RETIRE, damaged_first=True), uses_retention=True),
+        # only leaves, by recency
+        OrderedPolicy("leaf-lru", Ordering()),
+        # any node by recency; an interior victim takes its subtree
+        OrderedPolicy("lru", Ordering(SUBTREE)),
+    )
+}
 POLICIES = tuple(REGISTRY)
 
 
