@@ -76,7 +76,8 @@ def test_registered_policies_and_unknown_names() -> None:
     assert pol.policy_named("prefixstore").retires(True)
     assert not pol.policy_named("prefixstore").retires(False)
     assert not pol.policy_named("lru").retires(True)
-    assert [pol.takes_retention(n) for n in (*pol.POLICIES, "no-such")] == [True, False, False, False]
+    takes = [pol.takes_retention(n) for n in (*pol.POLICIES, "no-such")]
+    assert takes == [True, False, False, False]
     for bad in ("no-such", "", None, 3):
         with pytest.raises(InvalidInputError, match="unknown policy"):
             pol.policy_named(bad)  # type: ignore[arg-type]
@@ -124,7 +125,8 @@ def test_the_simulators_compiled_order_decides_as_the_policys_action(name: str) 
 
 
 def test_an_ordering_entry_alone_makes_a_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(pol.REGISTRY, "lru-too", pol.OrderedPolicy("lru-too", pol.Ordering(pol.SUBTREE)))
+    lru_too = pol.OrderedPolicy("lru-too", pol.Ordering(pol.SUBTREE))
+    monkeypatch.setitem(pol.REGISTRY, "lru-too", lru_too)
     trace = compile_trace(chains(random.Random(3), 200))
     for cap in (3, 10):
         r = simulate(trace, cap, "lru-too", block_bytes=1, check=True)
@@ -147,3 +149,23 @@ def test_orderings_give_each_node_its_action() -> None:
     assert pol.action_for("lru", inner, True) == (pol.SUBTREE, (pol.NORMAL, 9))
     with pytest.raises(InvalidInputError, match="interior"):
         pol.Ordering("evict")  # type: ignore[arg-type]
+
+
+def test_a_host_subclass_keeps_its_own_hooks() -> None:
+    """Hooks a subclass overrides are called; the others go straight to the container."""
+
+    class Counting(TreePolicy):
+        def __init__(self) -> None:
+            super().__init__("leaf-lru")
+            self.touches = 0
+
+        def on_access(self, node: int) -> None:
+            self.touches += 1
+            super().on_access(node)
+
+    trace = compile_trace(chains(random.Random(5), 150))
+    counting = Counting()
+    r = simulate(trace, 6, counting, block_bytes=1, check=True)
+    assert counting.touches == r.blocks_hit > 0
+    assert r == simulate(trace, 6, "leaf-lru", block_bytes=1)
+    assert counting.on_evict == counting.order.on_evict

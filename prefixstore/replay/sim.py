@@ -24,10 +24,12 @@ Prefill seconds come from a cumulative curve ``prefill_s(tokens)`` (default
 ``prefill_s(T) - prefill_s(h)``, so a hit of ``h`` tokens saves ``prefill_s(h)``.
 
 Policies (``POLICIES``): the engine's, from the registry of
-:mod:`prefixstore.statemachine.policy` (a new policy goes there, one class and one
-entry, and runs here unchanged), each hosted by :class:`TreePolicy`; a policy that
-takes the shared retention rule by :class:`PrefixStorePolicy`. Here every node is one
-ready block without a snapshot, so a policy's damaged-first and retirement cases never
+:mod:`prefixstore.statemachine.policy` (a new policy goes there, one entry, and runs
+here unchanged), each hosted by :class:`TreePolicy`; a policy that takes the shared
+retention rule by :class:`PrefixStorePolicy`. A host compiles the policy's ordering
+once per run into a container of its own (:func:`compile_order`: a leaf heap or a
+recency list), so no event asks the policy anything. Here every node is one ready
+block without a snapshot, so a policy's damaged-first and retirement cases never
 occur:
 
 - ``leaf-lru``: evict the least recently used *leaf* (the tree stays whole for free).

@@ -325,7 +325,7 @@ class VictimHeap:
             if (
                 node is not None
                 and node.nbytes == -neg
-                and (a := self.impl.action(node, self.layout_has_snapshot, self.retention)) is not None
+                and (a := self.impl.action(node, self.layout_has_snapshot, self.retention))
                 and a[0] == RETIRE
             ):
                 return -neg
