@@ -677,6 +677,7 @@ class PrefixStorePolicy(RuleHost, Policy):
     A refused store is a skipped store (an engine counts reason ``'admission'``). Long
     new suffixes are the least likely to return soon, and admitting them flushes
     everyone else. ``auto_admission=False`` turns the gated window off.
+    ``compiled=False`` asks the policy's ``action`` at every change (as :class:`TreePolicy`).
 
     Every decision uses only the past. An engine needs per node its sighting count
     and last touch, a bounded ghost map of recent keys to counts, ``R`` and ``F``.
