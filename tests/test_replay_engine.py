@@ -345,7 +345,7 @@ class _Mirror(PrefixStorePolicy):
         path, _, hit, *_ = self.req
         key = self.adm.priority(self._fake(node))
         if node == path[hit - 1]:
-            assert key == self.leaves.key[node]
+            assert key == self.touch_keys[node]
             self.checked["keys"] += 1
 
     def admit(self, node: int, pos: int) -> bool:
@@ -359,7 +359,7 @@ class _Mirror(PrefixStorePolicy):
         super().on_insert(node)
         _, keys, *_ = self.req
         assert self.adm(None, _Keys(keys[: self.pos + 1]), _Plan(self.pos))  # ticks the clock
-        assert self.adm.priority(self._fake(node)) == self.leaves.key[node]
+        assert self.adm.priority(self._fake(node)) == self.touch_keys[node]
         self.checked["keys"] += 1
         self.stored_to = self.pos + 1
 

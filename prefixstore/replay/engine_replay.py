@@ -83,7 +83,7 @@ from prefixstore.replay.sim import PREFILL_A, PREFILL_B
 from prefixstore.replay.trace import BLOCK_TOKENS, Request, parse_capacity, unique_blocks
 from prefixstore.statemachine.admission import RetentionAdmission
 from prefixstore.statemachine.cost import CostModel
-from prefixstore.statemachine.policy import POLICIES
+from prefixstore.statemachine.policy import POLICIES, takes_retention
 
 TOKEN_BYTES = 16
 """File bytes per token (one uint8 segment tensor of width 16, one rank)."""
@@ -286,7 +286,7 @@ class _Run:
 
     def run(self) -> ReplayReport:
         cfg = self.cfg
-        if cfg.policy == "prefixstore" and cfg.retention:
+        if takes_retention(cfg.policy) and cfg.retention:
             self.adm = RetentionAdmission(max(1, self.cap["capacity_blocks"]), **dict(cfg.tuning))
         t0 = time.perf_counter()
         with Engine.open(

@@ -23,7 +23,14 @@ Prefill seconds come from a cumulative curve ``prefill_s(tokens)`` (default
 ``5e-5*t + 1e-10*t**2``): prefilling ``(h, T]`` on top of ``h`` cached tokens costs
 ``prefill_s(T) - prefill_s(h)``, so a hit of ``h`` tokens saves ``prefill_s(h)``.
 
-Policies (``POLICIES``):
+Policies (``POLICIES``): the engine's, from the registry of
+:mod:`prefixstore.statemachine.policy` (a new policy goes there, one entry, and runs
+here unchanged), each hosted by :class:`TreePolicy`; a policy that takes the shared
+retention rule by :class:`PrefixStorePolicy`. A host compiles the policy's ordering
+once per run into a container of its own (:func:`compile_order`: a leaf heap or a
+recency list), so no event asks the policy anything. Here every node is one ready
+block without a snapshot, so a policy's damaged-first and retirement cases never
+occur:
 
 - ``leaf-lru``: evict the least recently used *leaf* (the tree stays whole for free).
 - ``lru``: evict the least recently used block; its cached descendants go with it.
@@ -61,6 +68,7 @@ reused) and when (reuse gaps: median 114 s, p90 519 s).
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -68,6 +76,8 @@ from dataclasses import dataclass, field
 
 from prefixstore.engine.errors import InvalidInputError
 from prefixstore.replay.trace import BLOCK_TOKENS, Request
+from prefixstore.statemachine import policy as eviction
+from prefixstore.statemachine.policy import Key
 from prefixstore.statemachine.retention import RetentionParams, RetentionRule, RuleHost, Sightings
 
 PrefillFn = Callable[[int], float]
@@ -348,25 +358,41 @@ class Policy:
         """``node`` was removed (its parent's ``nchild`` is already updated)."""
 
 
-class _RecencyLeafHeap:
-    """Leaves ordered by a per-node key, with lazy invalidation (a min-heap)."""
+class _LeafHeap:
+    """Leaves ordered by a per-node key, ties to the smaller node id: a min-heap of
+    ``(key, node)`` with lazy invalidation (an entry is current while its node is a
+    cached leaf holding that key). Compiled from an ordering whose only candidates
+    here are leaves; keyed by the clock (``touch``) or by the host (``set``)."""
 
-    __slots__ = ("heap", "key", "state")
+    __slots__ = ("heap", "key", "state", "clock")
 
     def __init__(self, state: CacheState) -> None:
         self.state = state
         self.heap: list[tuple[float, int]] = []
         self.key: list[float] = [0.0] * len(state.parent)
+        self.clock = 0
 
     def set(self, node: int, key: float) -> None:
+        """``node`` was touched and keyed ``key``."""
         self.key[node] = key
         if self.state.nchild[node] == 0:
             heapq.heappush(self.heap, (key, node))
 
-    def became_leaf(self, node: int) -> None:
-        heapq.heappush(self.heap, (self.key[node], node))
+    def touch(self, node: int) -> None:
+        """``node`` was touched: keyed by its recency (one clock tick per touch)."""
+        self.clock += 1
+        self.key[node] = self.clock
+        if self.state.nchild[node] == 0:
+            heapq.heappush(self.heap, (self.clock, node))
 
-    def peek(self) -> int | None:
+    on_insert = touch  # its parent gained a child: its entries are stale by ``nchild``
+
+    def on_evict(self, node: int) -> None:
+        p = self.state.parent[node]
+        if p >= 0 and self.state.nchild[p] == 0:
+            heapq.heappush(self.heap, (self.key[p], p))  # it became a leaf
+
+    def choose_victim(self) -> int | None:
         st = self.state
         heap = self.heap
         cached, nchild, key, pin, req = st.cached, st.nchild, self.key, st.pin, st.req
@@ -386,57 +412,242 @@ class _RecencyLeafHeap:
             heapq.heappush(heap, item)
         return found
 
-    def __len__(self) -> int:
-        return len(self.heap)
 
+class _RecencyList:
+    """Every cached node, least recently touched first (an ordered dict). Compiled
+    from an ordering of all nodes by recency: the oldest node is the victim, and if it
+    is the request's own, so is every other (they were all touched later), so there
+    is no room."""
 
-class LeafLRU(Policy):
-    """Evict the least recently used leaf."""
+    __slots__ = ("order",)
 
-    name = "leaf-lru"
-
-    def bind(self, state: CacheState) -> None:
-        super().bind(state)
-        self.leaves = _RecencyLeafHeap(state)
-        self.clock = 0
-
-    def on_access(self, node: int) -> None:
-        self.clock += 1
-        self.leaves.set(node, self.clock)
-
-    on_insert = on_access
-
-    def choose_victim(self) -> int | None:
-        return self.leaves.peek()
-
-    def on_evict(self, node: int) -> None:
-        p = self.state.parent[node]
-        if p >= 0 and self.state.nchild[p] == 0:
-            self.leaves.became_leaf(p)
-
-
-class LRU(Policy):
-    """Evict the least recently used block, and its cached descendants with it."""
-
-    name = "lru"
-
-    def bind(self, state: CacheState) -> None:
-        super().bind(state)
+    def __init__(self) -> None:
         self.order: OrderedDict[int, None] = OrderedDict()
 
-    def on_access(self, node: int) -> None:
+    def touch(self, node: int) -> None:
         self.order[node] = None
         self.order.move_to_end(node)
 
-    on_insert = on_access
+    on_insert = touch
+
+    def on_evict(self, node: int) -> None:
+        del self.order[node]
 
     def choose_victim(self) -> int | None:
         for node in self.order:
             return node
         return None
 
+
+class _NodeView:
+    """A simulator node as the shared policies read it (``statemachine.policy.NodeView``).
+
+    One view is reused: :meth:`at` points it at a node. The simulator has neither
+    damaged nodes nor snapshots, so every node is ``ready`` and never retires.
+    """
+
+    __slots__ = ("id", "last_used", "is_leaf", "_cached", "_nchild", "_last")
+
+    state = "ready"
+    has_snapshot = False
+    snap_used = 0
+    nbytes = 1
+
+    def __init__(self, state: CacheState, last: list[int]) -> None:
+        self._cached, self._nchild, self._last = state.cached, state.nchild, last
+        self.id = self.last_used = 0
+        self.is_leaf = False
+
+    def at(self, node: int) -> _NodeView:
+        self.id = node
+        self.last_used = self._last[node]
+        self.is_leaf = bool(self._cached[node]) and self._nchild[node] == 0
+        return self
+
+
+class _TouchKeys(list[float]):
+    """Each node's retention priority, fixed at its touch, as the shared policies ask
+    it (``statemachine.policy.Retention``)."""
+
+    def priority(self, node: eviction.NodeView) -> float:
+        return self[node.id]
+
+    def on_victim(self, node: eviction.NodeView) -> None:
+        """Nothing: the host learns from each eviction itself (``on_evict``)."""
+
+    def forget(self, live_ids: set[int]) -> None:
+        """Nothing: a list of every node's key, never trimmed."""
+
+
+class _PolicyHeap:
+    """Any policy, asked through its ``action``: whenever something it reads changes
+    (a touch; gaining or losing children), its answer is kept as the node's current
+    key, and candidates wait in a min-heap of ``(key, node)``, an entry current while
+    it holds its cached node's current key. Ties go to the smaller node id.
+
+    A node's ``last_used`` is ``last`` (the clock at its last touch: this container's
+    own for ``touch``, the host's for ``set``); with ``keyed`` leaves are keyed by
+    ``set``'s keys (``key``) in place of recency.
+    """
+
+    def __init__(
+        self,
+        impl: eviction.EvictionPolicy,
+        state: CacheState,
+        last: list[int] | None = None,
+        keyed: bool = False,
+    ) -> None:
+        n = len(state.parent)
+        self.state = state
+        self.last = [0] * n if last is None else last
+        self.key = _TouchKeys([0.0] * n)
+        self.offered: list[Key | None] = [None] * n  # each node's current key; None: none
+        self.heap: list[tuple[int, float, int]] = []  # (class, value, node): a flat Key
+        self._action, self._at = impl.action, _NodeView(state, self.last).at
+        self._keys = self.key if keyed else None
+        self.clock = 0
+
+    def offer(self, node: int) -> None:
+        """Ask the policy again about ``node``."""
+        a = self._action(self._at(node), False, self._keys)
+        if a is None:
+            self.offered[node] = None
+        elif a[1] != self.offered[node]:
+            key = self.offered[node] = a[1]
+            heapq.heappush(self.heap, (key[0], key[1], node))
+
+    def set(self, node: int, key: float) -> None:
+        """``node`` was touched (``last`` already holds its time) and keyed ``key``;
+        its parent is asked again too, in case it just gained ``node``."""
+        self.key[node] = key
+        self.offer(node)
+        p = self.state.parent[node]
+        if p >= 0:
+            self.offer(p)
+
+    def touch(self, node: int) -> None:
+        self.clock += 1
+        self.last[node] = self.clock
+        self.offer(node)
+
+    def on_insert(self, node: int) -> None:
+        self.touch(node)
+        p = self.state.parent[node]
+        if p >= 0:
+            self.offer(p)  # it gained a child
+
     def on_evict(self, node: int) -> None:
-        del self.order[node]
+        self.offered[node] = None
+        p = self.state.parent[node]
+        if p >= 0 and self.state.nchild[p] == 0:
+            self.offer(p)  # it lost its last child
+
+    def choose_victim(self) -> int | None:
+        st, heap, offered = self.state, self.heap, self.offered
+        cached, pin, req = st.cached, st.pin, st.req
+        skipped: list[tuple[int, float, int]] = []
+        found: int | None = None
+        while heap:
+            cls, value, node = heap[0]
+            key = offered[node]
+            if not cached[node] or key is None or key[0] != cls or key[1] != value:
+                heapq.heappop(heap)  # stale: the node's current key, if any, is offered
+                continue
+            if pin[node] == req:  # the request's own node: look past it
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = node
+            break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+
+_Order = _LeafHeap | _RecencyList | _PolicyHeap
+
+
+def compile_order(
+    impl: eviction.EvictionPolicy,
+    state: CacheState,
+    last: list[int] | None = None,
+    *,
+    keyed: bool = False,
+    compiled: bool = True,
+) -> _Order:
+    """The container ordering ``impl``'s candidates here, built once per run.
+
+    Every node here is ready without a snapshot, so an :class:`~prefixstore.
+    statemachine.policy.Ordering` without ``SUBTREE`` has only leaves as candidates
+    (a :class:`_LeafHeap`), and one with it, keyed by recency, every node by recency
+    (a :class:`_RecencyList`). Anything else (no ``ordering``; ``SUBTREE`` with keyed
+    leaves; ``compiled=False``) asks the policy's ``action`` (a :class:`_PolicyHeap`).
+    ``keyed``: leaves take the host's keys (``set``) instead of recency.
+    """
+    ordering: eviction.Ordering | None = getattr(impl, "ordering", None)
+    if compiled and ordering is not None:
+        if ordering.interior != eviction.SUBTREE:
+            return _LeafHeap(state)
+        if not keyed:
+            return _RecencyList()
+    return _PolicyHeap(impl, state, last, keyed)
+
+
+class TreePolicy(Policy):
+    """The simulator's host of a registered eviction policy (``statemachine/policy.py``,
+    the engine's too), by recency: the policy's order is compiled once per run into a
+    container (:func:`compile_order`), and the hooks a subclass does not override go
+    straight to it. ``compiled=False`` asks the policy's ``action`` at every change
+    instead (the reference the compiled containers must match).
+
+    A node's ``last_used`` is the host's clock at its last touch (one tick per hit or
+    stored block). An ``evict`` victim is a leaf; an ``evict_subtree`` one is interior,
+    and the simulator removes its cached subtree with it.
+    """
+
+    def __init__(self, policy: str = "leaf-lru", *, compiled: bool = True) -> None:
+        self.impl = eviction.policy_named(policy)
+        self.name = self.impl.name
+        self.compiled = compiled
+
+    def bind(self, state: CacheState) -> None:
+        super().bind(state)
+        order = self.order = compile_order(self.impl, state, compiled=self.compiled)
+        cls = type(self)
+        for hook, fn in (
+            ("on_access", order.touch),
+            ("on_insert", order.on_insert),
+            ("choose_victim", order.choose_victim),
+            ("on_evict", order.on_evict),
+        ):
+            if getattr(cls, hook) is getattr(TreePolicy, hook):
+                setattr(self, hook, fn)
+
+    def on_access(self, node: int) -> None:
+        self.order.touch(node)
+
+    def on_insert(self, node: int) -> None:
+        self.order.on_insert(node)
+
+    def choose_victim(self) -> int | None:
+        return self.order.choose_victim()
+
+    def on_evict(self, node: int) -> None:
+        self.order.on_evict(node)
+
+
+class LeafLRU(TreePolicy):
+    """The registered ``leaf-lru``: evict the least recently used leaf."""
+
+    def __init__(self, *, compiled: bool = True) -> None:
+        super().__init__("leaf-lru", compiled=compiled)
+
+
+class LRU(TreePolicy):
+    """The registered ``lru``: evict the least recently used block, and its cached
+    descendants with it."""
+
+    def __init__(self, *, compiled: bool = True) -> None:
+        super().__init__("lru", compiled=compiled)
 
 
 class PrefixStorePolicy(RuleHost, Policy):
@@ -446,7 +657,8 @@ class PrefixStorePolicy(RuleHost, Policy):
 
     The simulator's host of the rule the engine uses too
     (:class:`prefixstore.statemachine.retention.RetentionRule`; its docstring has
-    the rule). What this host decides:
+    the rule), ordering the registered policy ``policy`` (``prefixstore``, whose leaves
+    are the only candidates here, so the tree stays whole). What this host decides:
 
     - **Sightings**: how many requests held the block, counted per node while it is
       cached and, after it leaves (evicted or never admitted), in a ghost table of at
@@ -454,7 +666,7 @@ class PrefixStorePolicy(RuleHost, Policy):
       comes back with its count.
     - **Clock**: one tick per block touched (each hit block, root to leaf, and each
       stored block); a block's eviction key ``t + theta * R * log2(sightings)`` is
-      set at its touch. Only leaves are candidates, so the tree stays whole.
+      set at its touch.
     - **Full**: the cache holds ``capacity`` blocks now. The gated window
       (``F < gate``, or a fixed ``admit_window=k``) only refuses while it is full.
     - **Partial last blocks** are not admitted (``skip_partial``): when
@@ -465,12 +677,11 @@ class PrefixStorePolicy(RuleHost, Policy):
     A refused store is a skipped store (an engine counts reason ``'admission'``). Long
     new suffixes are the least likely to return soon, and admitting them flushes
     everyone else. ``auto_admission=False`` turns the gated window off.
+    ``compiled=False`` asks the policy's ``action`` at every change (as :class:`TreePolicy`).
 
     Every decision uses only the past. An engine needs per node its sighting count
     and last touch, a bounded ghost map of recent keys to counts, ``R`` and ``F``.
     """
-
-    name = "prefixstore"
 
     def __init__(
         self,
@@ -484,7 +695,12 @@ class PrefixStorePolicy(RuleHost, Policy):
         window_share: float = 0.001,
         gate_alpha: float = 0.001,
         admit_window: int | None = None,
+        policy: str = "prefixstore",
+        compiled: bool = True,
     ) -> None:
+        self.impl = eviction.policy_named(policy)
+        self.name = self.impl.name
+        self.compiled = compiled
         self.params = RetentionParams(
             theta=theta,
             ghost_factor=ghost_factor,
@@ -501,9 +717,15 @@ class PrefixStorePolicy(RuleHost, Policy):
         super().bind(state)
         n = len(state.parent)
         self.rule = RetentionRule(self.params, state.capacity)
-        self.leaves = _RecencyLeafHeap(state)
+        self.last = [0] * n  # the clock at each node's last touch
+        order = self.order = compile_order(
+            self.impl, state, self.last, keyed=True, compiled=self.compiled
+        )
+        self.touch_keys = order.key  # each node's eviction key, set at its touch
+        self._set, self._evicted = order.set, order.on_evict
+        if type(self).choose_victim is PrefixStorePolicy.choose_victim:
+            self.choose_victim = order.choose_victim  # type: ignore[method-assign]
         self.sightings = [0] * n  # valid for cached nodes and the current path
-        self.last = [0] * n
         self.ghost = Sightings(self.rule.ghost_keys)
         self._last_pos = -1
         self._hit = 0
@@ -525,12 +747,12 @@ class PrefixStorePolicy(RuleHost, Policy):
         ghost.trim()
         self.rule.observe(hit, returned)
 
-    def _touch(self, node: int) -> None:
+    def touch(self, node: int) -> None:
         rule = self.rule
         self.last[node] = rule.tick()
-        self.leaves.set(node, rule.priority(self.sightings[node]))
+        self._set(node, rule.priority(self.sightings[node]))
 
-    on_access = _touch
+    on_access = touch
 
     def admit(self, node: int, pos: int) -> bool:
         if pos >= self._last_pos:
@@ -541,37 +763,39 @@ class PrefixStorePolicy(RuleHost, Policy):
 
     def on_insert(self, node: int) -> None:
         self.ghost.pop(node, None)
-        self._touch(node)
+        self.touch(node)
 
     def choose_victim(self) -> int | None:
-        return self.leaves.peek()
+        return self.order.choose_victim()
 
     def on_evict(self, node: int) -> None:
         count = self.sightings[node]
         self.rule.learn_eviction(self.last[node], count)
         self.ghost[node] = count
         self.ghost.trim()
-        p = self.state.parent[node]
-        if p >= 0 and self.state.nchild[p] == 0:
-            self.leaves.became_leaf(p)
+        self._evicted(node)
+
+
+def policy_for(name: str) -> Policy:
+    """A fresh simulator host of the registered policy ``name``: with the retention
+    rule when the policy takes one (``uses_retention``)."""
+    impl = eviction.policy_named(name)
+    return PrefixStorePolicy(policy=name) if impl.uses_retention else TreePolicy(name)
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {
-    "leaf-lru": LeafLRU,
-    "lru": LRU,
-    "prefixstore": PrefixStorePolicy,
+    name: functools.partial(policy_for, name) for name in eviction.POLICIES
 }
 
 
 def make_policy(policy: str | Policy) -> Policy:
     if isinstance(policy, Policy):
         return policy
-    factory = POLICIES.get(policy)
-    if factory is None:
+    if policy not in eviction.REGISTRY:
         raise InvalidInputError(
-            f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))} or 'optimal'"
+            f"unknown policy {policy!r}; known: {', '.join(sorted(eviction.REGISTRY))} or 'optimal'"
         )
-    return factory()
+    return policy_for(policy)
 
 
 # ----------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Eviction policies: which node to reclaim next, and how. Pure: no I/O.
 
-A policy keeps a heap of ``(key, seq, node_id, action)`` entries with lazy
-invalidation: an entry is checked against the node's current state when popped, so
-touching a node just pushes a fresh entry. Selection is O(log n) amortised per
-victim; the heap is rebuilt when stale entries outnumber live nodes.
+The engine's :class:`VictimHeap` keeps a heap of ``(key, seq, node_id, action)``
+entries with lazy invalidation: an entry is checked against the node's current state
+when popped, so touching a node just pushes a fresh entry. Selection is O(log n)
+amortised per victim; the heap is rebuilt when stale entries outnumber live nodes.
 
 Actions:
 
@@ -16,14 +16,24 @@ Actions:
 - ``evict_subtree``: plain LRU's action on an interior node (it and every
   descendant go).
 
-Policies:
+Policies (the registry ``REGISTRY``, one :class:`Ordering` each; hosts look them up by name):
 
 - ``prefixstore`` (the seed's fix): leaves by recency of use, and compactable
   ancestors by recency of their *snapshot's* use, in one order. A long
   conversation's interior snapshots, never restored as endpoints, age out first.
   Damaged leaves (charged in full, never served) go before every ready candidate.
+  Hosts order its leaves by the shared retention rule (``statemachine/retention.py``)
+  when they plug one in (``uses_retention``).
 - ``leaf-lru`` (the pre-fix behaviour): only leaves, by recency.
 - ``lru``: any node by recency; an interior victim takes its subtree with it.
+
+Both hosts drive these policies: the engine asks ``action`` through :class:`VictimHeap`;
+the trace simulator (``replay/sim.py``, ``TreePolicy``) compiles each ``ordering`` once
+into a container of its own (a leaf heap, a recency list) and asks ``action`` only for
+a policy without one. A new policy is an :class:`OrderedPolicy` entry in ``REGISTRY``
+(or any object satisfying :class:`EvictionPolicy`); the engine's ``policy=`` option,
+the CLI choices, the engine replay and the simulator pick it up from there (with
+``uses_retention``, the replay and the simulator also plug in the retention rule).
 
 Pressure and recency. The *order* is recency (within the damaged-first class). The
 *amount* is actual backing pressure: the engine keeps taking victims until the real
@@ -47,13 +57,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
+
+from prefixstore.engine.errors import InvalidInputError
 
 EVICT = "evict"
 RETIRE = "retire_snapshot"
 SUBTREE = "evict_subtree"
-POLICIES = ("prefixstore", "leaf-lru", "lru")
-
 DAMAGED_FIRST = 0
 NORMAL = 1
 
@@ -81,23 +92,120 @@ class NodeView(Protocol):
     def is_leaf(self) -> bool: ...
 
 
+class EvictionPolicy(Protocol):
+    """Which action a policy takes on a node, and its ordering key (smaller goes first).
+
+    ``action`` must be a pure function of the node's fields, ``layout_has_snapshot``
+    and ``retention.priority(node)`` (a leaf's key: its recency ``last_used``, or that
+    priority when a retention object is plugged in): hosts ask again whenever one of
+    them changes, and the engine recomputes it to tell stale heap entries. An
+    :class:`OrderedPolicy` also states its order as data (``ordering``), which a host
+    may compile into its own container; any other policy is driven by ``action`` alone.
+    """
+
+    name: str
+    uses_retention: bool
+    """Whether hosts plug in the shared retention rule for this policy's leaf keys."""
+
+    def retires(self, layout_has_snapshot: bool) -> bool:
+        """Whether it may return ``RETIRE`` on a layout like this."""
+        ...
+
+    def action(
+        self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
+    ) -> tuple[str, Key] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ordering:
+    """A policy's candidates and keys as data (smaller goes first).
+
+    Leaves are always candidates (``evict``), keyed ``(class, last_used)``, or the
+    retention priority in place of ``last_used`` when one is plugged in; with
+    ``damaged_first`` a leaf that is not ready has class ``DAMAGED_FIRST``. Interior
+    nodes: with ``interior=None`` never; with ``RETIRE`` a ready one holding a
+    snapshot, on a snapshot layout, keyed ``(NORMAL, snap_used)``; with ``SUBTREE``
+    every one, keyed ``(NORMAL, last_used)``. :class:`OrderedPolicy` derives the
+    action from it; a host may compile it into its own container instead (the
+    simulator does), which must order exactly as that action.
+    """
+
+    interior: str | None = None
+    damaged_first: bool = False
+
+    def __post_init__(self) -> None:
+        if self.interior not in (None, RETIRE, SUBTREE):
+            raise InvalidInputError(
+                f"interior must be None, {RETIRE!r} or {SUBTREE!r}, got {self.interior!r}"
+            )
+
+
+class OrderedPolicy:
+    """A policy defined by its :class:`Ordering` (each registered one)."""
+
+    __slots__ = ("name", "uses_retention", "ordering", "_interior", "_damaged_first")
+
+    def __init__(self, name: str, ordering: Ordering, *, uses_retention: bool = False) -> None:
+        self.name = name
+        self.uses_retention = uses_retention
+        self.ordering = ordering
+        self._interior = ordering.interior
+        self._damaged_first = ordering.damaged_first
+
+    def retires(self, layout_has_snapshot: bool) -> bool:
+        return layout_has_snapshot and self._interior == RETIRE
+
+    def action(
+        self, node: NodeView, layout_has_snapshot: bool, retention: Retention | None
+    ) -> tuple[str, Key] | None:
+        if node.is_leaf:
+            cls = DAMAGED_FIRST if self._damaged_first and node.state != "ready" else NORMAL
+            return EVICT, (cls, node.last_used if retention is None else retention.priority(node))
+        if self._interior == SUBTREE:
+            return SUBTREE, (NORMAL, node.last_used)
+        if (
+            self._interior == RETIRE
+            and layout_has_snapshot
+            and node.state == "ready"
+            and node.has_snapshot
+        ):
+            return RETIRE, (NORMAL, node.snap_used)
+        return None
+
+
+REGISTRY: dict[str, EvictionPolicy] = {
+    p.name: p
+    for p in (
+        # leaves (damaged first), and snapshot retirements by the snapshot's recency
+        OrderedPolicy("prefixstore", Ordering(RETIRE, damaged_first=True), uses_retention=True),
+        # only leaves, by recency
+        OrderedPolicy("leaf-lru", Ordering()),
+        # any node by recency; an interior victim takes its subtree
+        OrderedPolicy("lru", Ordering(SUBTREE)),
+    )
+}
+POLICIES = tuple(REGISTRY)
+
+
+def policy_named(name: str) -> EvictionPolicy:
+    """The registered policy ``name``; InvalidInputError naming the known ones."""
+    found = REGISTRY.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise InvalidInputError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}")
+    return found
+
+
+def takes_retention(name: str) -> bool:
+    """Whether ``name`` is a registered policy whose hosts plug in the retention rule."""
+    found = REGISTRY.get(name) if isinstance(name, str) else None
+    return found is not None and found.uses_retention
+
+
 def action_for(
     policy: str, node: NodeView, layout_has_snapshot: bool, retention: Retention | None = None
 ) -> tuple[str, Key] | None:
     """The action ``policy`` would take on ``node`` and its ordering key, or None."""
-    if node.is_leaf:
-        cls = DAMAGED_FIRST if policy == "prefixstore" and node.state != "ready" else NORMAL
-        return EVICT, (cls, node.last_used if retention is None else retention.priority(node))
-    if policy == "lru":
-        return SUBTREE, (NORMAL, node.last_used)
-    if (
-        policy == "prefixstore"
-        and layout_has_snapshot
-        and node.state == "ready"
-        and node.has_snapshot
-    ):
-        return RETIRE, (NORMAL, node.snap_used)
-    return None
+    return policy_named(policy).action(node, layout_has_snapshot, retention)
 
 
 def retire_rewrite_bytes(nbytes: int, snapshot_bytes_all_ranks: int) -> int:
@@ -117,11 +225,10 @@ class VictimHeap:
     """
 
     def __init__(self, policy: str, layout_has_snapshot: bool) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+        self.impl = policy_named(policy)
         self.policy = policy
         self.layout_has_snapshot = layout_has_snapshot
-        self.retires = policy == "prefixstore" and layout_has_snapshot
+        self.retires = self.impl.retires(layout_has_snapshot)
         self._heap: list[Entry] = []
         self._sizes: list[tuple[int, int, int]] = []  # (-nbytes, seq, node_id) of RETIRE candidates
         self._seq = itertools.count()
@@ -139,7 +246,7 @@ class VictimHeap:
         """(Re)consider ``node`` after it was created, touched, or gained/lost children."""
         if self.retention is not None:
             self.retention.priority(node)  # fixed at the touch, for interior nodes too
-        a = action_for(self.policy, node, self.layout_has_snapshot, self.retention)
+        a = self.impl.action(node, self.layout_has_snapshot, self.retention)
         if a is None:
             return
         seq = next(self._seq)
@@ -152,7 +259,7 @@ class VictimHeap:
         live: set[int] = set()
         for n in nodes:
             live.add(n.id)
-            a = action_for(self.policy, n, self.layout_has_snapshot, self.retention)
+            a = self.impl.action(n, self.layout_has_snapshot, self.retention)
             if a is not None:
                 seq = next(self._seq)
                 self._heap.append((a[1], seq, n.id, a[0]))
@@ -181,8 +288,8 @@ class VictimHeap:
         """Whether ``entry`` still names its node's current action and key."""
         key, _seq, nid, action = entry
         node = lookup(nid)
-        return node is not None and action_for(
-            self.policy, node, self.layout_has_snapshot, self.retention
+        return node is not None and self.impl.action(
+            node, self.layout_has_snapshot, self.retention
         ) == (action, key)
 
     def push(self, entry: Entry) -> None:
@@ -218,7 +325,7 @@ class VictimHeap:
             if (
                 node is not None
                 and node.nbytes == -neg
-                and (a := action_for(self.policy, node, self.layout_has_snapshot, self.retention)) is not None
+                and (a := self.impl.action(node, self.layout_has_snapshot, self.retention))
                 and a[0] == RETIRE
             ):
                 return -neg
