@@ -40,12 +40,14 @@ def test_240_sigkills_lose_no_acknowledged_store(tmp_path, capsys):
 
 
 def test_soak_kills_on_until_enough_stores_were_acknowledged(tmp_path):
-    """A very slow disk (10 ms after each effect; opening a new cache takes 2 effects, a
-    new store 6) and children that live at most 130 ms: the first kill acknowledges at
-    most one store, so reaching --min-acked 2 takes rounds past --kills; without the
-    time for them, the soak says the target was not met."""
-    slow = ("--ranks", "1", "--max-delay", "0.13", "--effect-delay-ms", "10", "--seed", "0")
-    st = _soak(tmp_path / "on", "--kills", "1", "--min-acked", "2", *slow)
+    """A very slow disk (25 ms after each effect; opening a new cache takes 2 effects, a
+    new store 6) and children that live at most 300 ms: the first kill acknowledges at
+    most one store (the second would end at 350 ms at the earliest), so reaching
+    --min-acked 2 takes rounds past --kills; without the time for them, the soak says
+    the target was not met. Children long enough to reach an acknowledgement on a loaded
+    machine, and a time budget, keep the test from depending on the machine's speed."""
+    slow = ("--ranks", "1", "--max-delay", "0.3", "--effect-delay-ms", "25", "--seed", "0")
+    st = _soak(tmp_path / "on", "--kills", "1", "--min-acked", "2", "--max-seconds", "240", *slow)
     assert st["violations"] == [] and st["lost"] == 0 and st["rc"] == 0
     assert st["target_met"] and st["acked_by_ranks"] == {"1": st["acked_stores"]} and st["acked_stores"] >= 2
     assert st["extra_kills"] > 0 and st["kills"] == 1 + st["extra_kills"]
