@@ -155,14 +155,19 @@ def test_fuzz_saves_one_reproducer_per_kind_unless_asked(tmp_path, capsys):
     assert len(os.listdir(tmp_path / "all")) == len(d["violations"])
 
 
+def _cache_line(out: str) -> str:
+    """The cache directory the demo reports (its 'cache: DIR ...' line)."""
+    return next(line.split()[1] for line in out.splitlines() if line.startswith("cache:"))
+
+
 def test_demo_removes_its_temp_dir_unless_keep(own_tmp, capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    root = out.split()[1]
+    root = _cache_line(out)
     assert root.startswith(str(own_tmp)) and f"removed {root}" in out
     assert not os.path.exists(root)
     assert main(["demo", "--keep"]) == 0
-    root = capsys.readouterr().out.split()[1]
+    root = _cache_line(capsys.readouterr().out)
     assert os.path.isfile(os.path.join(root, "catalog.sqlite"))
 
 

@@ -12,14 +12,14 @@ removed at the end unless --keep is given. A DIR you name is always kept.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
+import sys
 
 import torch
 
 from prefixstore.engine.core import Engine
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.engine.workdir import work_dir
 
 NAME = "demo"
 HELP = "store, look up and restore a few checkpoints on the CPU"
@@ -44,17 +44,8 @@ def demo_layout(ranks: int, block_tokens: int) -> Layout:
 
 def run(args: argparse.Namespace) -> int:
     layout = demo_layout(args.ranks, args.block_tokens)
-    if args.dir is not None:
-        return _demo(args.dir, layout)
-    root = tempfile.mkdtemp(prefix="prefixstore-demo-")
-    try:
+    with work_dir("demo", args.dir, args.keep, stream=sys.stdout) as root:
         return _demo(root, layout)
-    finally:
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
-            print(f"removed {root} (--keep keeps it)")
 
 
 def _demo(root: str, layout: Layout) -> int:

@@ -40,12 +40,13 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections import Counter
 from typing import Any
 
 import attrs
+
+from prefixstore.engine.workdir import work_dir
 
 NAME = "fiu"
 HELP = "run a workload under libfiu (real ENOSPC/EIO from libc); audit after"
@@ -326,17 +327,8 @@ def run(args: argparse.Namespace) -> int:
     if not fiu_available():
         print("fiu-run is not installed (apt-get install fiu-utils)", file=sys.stderr)
         return 2
-    if args.dir is not None:
-        return _run(args, args.dir)
-    root = tempfile.mkdtemp(prefix="prefixstore-fiu-")
-    print(f"fiu: working in {root} (removed at the end; --keep keeps it)", file=sys.stderr)
-    try:
+    with work_dir("fiu", args.dir, args.keep) as root:
         return _run(args, root)
-    finally:
-        if args.keep:
-            print(f"fiu: kept {root}", file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def _run(args: argparse.Namespace, root: str) -> int:

@@ -41,10 +41,8 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -59,6 +57,7 @@ from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import NotACacheError
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.engine.workdir import work_dir
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank
 
@@ -396,17 +395,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.dir is not None:
-        return _run(args, args.dir)
-    root = tempfile.mkdtemp(prefix="prefixstore-soak-")
-    print(f"soak: working in {root} (removed at the end; --keep keeps it)", file=sys.stderr)
-    try:
+    with work_dir("soak", args.dir, args.keep) as root:
         return _run(args, root)
-    finally:
-        if args.keep:
-            print(f"soak: kept {root}", file=sys.stderr)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def _run(args: argparse.Namespace, root: str) -> int:

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 
 from prefixstore.engine.errors import InvalidInputError
+from prefixstore.engine.workdir import work_dir
 from prefixstore.statemachine.policy import POLICIES
 
 NAME = "replay"
@@ -74,17 +73,8 @@ def run(args: argparse.Namespace) -> int:
             print("replay: --scenario takes only DIR, not a trace", file=sys.stderr)
             return 2
         root = args.dir if args.dir is not None else args.trace
-        if root is not None:
-            return run_scenario(args.scenario, root, args.policy, args.json)
-        root = tempfile.mkdtemp(prefix="prefixstore-seed-")
-        try:
-            return run_scenario(args.scenario, root, args.policy, args.json)
-        finally:
-            if args.keep:
-                print(f"replay: kept {root}", file=sys.stderr)
-            else:
-                shutil.rmtree(root, ignore_errors=True)
-                print(f"replay: removed {root} (--keep keeps it)", file=sys.stderr)
+        with work_dir("replay", root, args.keep, prefix="seed") as work:
+            return run_scenario(args.scenario, work, args.policy, args.json)
     return run_trace(args)
 
 
