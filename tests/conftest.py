@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import subprocess
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -169,3 +171,27 @@ class FailUnlinks(FaultHook):
     def before(self, op, target, rank):
         if op == "unlink":
             raise OSError(errno.EIO, "injected EIO on unlink", target)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path, size: str = "16m") -> Iterator[str]:
+    """A real tmpfs of ``size`` mounted at ``path`` (an existing empty directory) for the
+    block, unmounted after it, also on failure; skips the test where mounting needs root."""
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield str(path)
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=False)  # a leaked descriptor: detach
+
+
+@pytest.fixture
+def small_fs(tmp_path) -> Iterator[str]:
+    """A tmpfs of 16 MiB mounted for this test (unmounted after it, also on failure)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    with mounted_tmpfs(mnt) as path:
+        yield path

@@ -240,22 +240,6 @@ def test_a_killed_engines_leftovers_are_read_without_changing_a_byte(tmp_path, c
     assert assert_json_matches(js.stdout, want)["source"].startswith("from a private copy")
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A tmpfs mounted for this test (unmounted after it, also on failure)."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def _remount(mnt: str, mode: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{mode}", mnt], check=True, capture_output=True)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 
 import pytest
 import torch
@@ -39,22 +38,6 @@ LAYOUT = Layout(
     ranks=2,
 )  # 32 KiB per block and 8 KiB of snapshot per rank
 CAP = 1 << 30  # far above the file system: the disk is the limit
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A tmpfs of 16 MiB mounted for this test (unmounted after it, also on failure)."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)  # a leaked descriptor: detach
 
 
 def conversation(seed: int, blocks: int, longest: int = 8) -> tuple[list[int], list[dict]]:

@@ -3,6 +3,7 @@ config and calls (see tests/sglang_driver.py for the host-pool double and call o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ pytest.importorskip(
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sglang_driver as drv  # noqa: E402
+from conftest import mounted_tmpfs  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 
 from prefixstore.adapters.sglang import PrefixStoreHiCache  # noqa: E402
@@ -122,20 +124,14 @@ def test_hybrid_trailing_hits_are_exactly_the_stored_states(tmp_path, n):
 def mamba_mounts(tmp_path):
     """A real 16 MiB tmpfs (we are root) under each of two ranks' Mamba pool directories,
     unmounted also on failure."""
-    mounts = []
-    try:
+    with contextlib.ExitStack() as stack:
+        mounts = []
         for r in range(2):
             mnt = tmp_path / f"tp{r}of2" / "mamba"
             mnt.mkdir(parents=True)
-            res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                                 capture_output=True)
-            if res.returncode:
-                pytest.skip(f"cannot mount tmpfs: {res.stderr.decode().strip()}")
+            stack.enter_context(mounted_tmpfs(mnt))
             mounts.append(mnt)
         yield mounts
-    finally:
-        for mnt in mounts:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def fill(path) -> None:
