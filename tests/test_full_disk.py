@@ -140,14 +140,14 @@ def test_cache_fills_its_file_system_and_keeps_working(small_fs):
     assert audit_dir(root).ok
 
 
-class _CrashOnRank1Write(FaultHook):
-    """Process death before rank 1 writes a shard whose name contains ``match``."""
+class _CrashBeforeWrite(FaultHook):
+    """Process death before a rank (``rank``, or any) writes a shard whose name contains ``match``."""
 
-    def __init__(self, match: str) -> None:
-        self.match = match
+    def __init__(self, match: str, rank: int | None = None) -> None:
+        self.match, self.rank = match, rank
 
     def before(self, op, target, rank):
-        if op == "write" and rank == 1 and self.match in target:
+        if op == "write" and self.rank in (None, rank) and self.match in target:
             raise SimulatedCrash(f"crash before writing {target}")
 
 
@@ -162,7 +162,7 @@ def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs
     with Engine.open(root, LAYOUT, CAP) as eng:
         fill_cache(eng, 0, 6, stored)
     interior = Prefix.from_tokens(conversation(3, 4)[0], BT).keys[-1]
-    eng = Engine.open(root, LAYOUT, CAP, hook=_CrashOnRank1Write(interior.hex()))
+    eng = Engine.open(root, LAYOUT, CAP, hook=_CrashBeforeWrite(interior.hex(), rank=1))
     node = eng.index.nodes[eng.index.by_key[interior]]
     with pytest.raises(SimulatedCrash), eng._lock:
         eng._retire_snapshot(node)  # what eviction runs on a compactable ancestor
@@ -375,17 +375,6 @@ def test_open_on_a_full_disk_with_nothing_to_free_opens_read_only(small_fs):
         rep = eng.audit()
         assert rep.ok, rep.violations
     assert audit_dir(root).ok
-
-
-class _CrashBeforeWrite(FaultHook):
-    """Process death before any rank writes a shard whose name contains ``match``."""
-
-    def __init__(self, match: str) -> None:
-        self.match = match
-
-    def before(self, op, target, rank):
-        if op == "write" and self.match in target:
-            raise SimulatedCrash(f"crash before writing {target}")
 
 
 def test_read_only_open_holds_out_what_an_unfinished_transaction_touches(small_fs):
