@@ -821,7 +821,7 @@ class HFPrefixCache:
         **opts: Any,
     ) -> HFPrefixCache:
         """Open (or create) an engine at ``path`` with the layout of ``config``."""
-        from prefixstore.engine.core import Engine
+        from prefixstore.engine.api import Engine
 
         cmap = cache_map(
             config, dtype=dtype, block_tokens=block_tokens, ranks=ranks, state_dtype=state_dtype
