@@ -31,6 +31,16 @@ def drop(counts: Counter[int], ids: Iterable[int]) -> None:
             del counts[x]
 
 
+def fence(eng: Engine, ids: Iterable[int]) -> None:
+    """One more fence on each of ``ids`` (a transaction in flight on them). Lock held."""
+    take(eng._fences, ids)
+
+
+def unfence(eng: Engine, ids: Iterable[int]) -> None:
+    """Release fences taken by ``fence``. Lock held."""
+    drop(eng._fences, ids)
+
+
 def fenced_by_other(eng: Engine, nid: int, held: frozenset[int] = frozenset()) -> bool:
     """Whether a transaction other than the caller's fences node ``nid`` (the
     caller holds one fence on each node in ``held``; reservations do not count)."""
@@ -41,11 +51,11 @@ def fenced_by_other(eng: Engine, nid: int, held: frozenset[int] = frozenset()) -
 def fenced(eng: Engine, ids: Iterable[int]) -> Iterator[None]:
     """Fence ``ids`` for the block (the caller holds the engine lock at both ends)."""
     ids = list(ids)
-    take(eng._fences, ids)
+    fence(eng, ids)
     try:
         yield
     finally:
-        drop(eng._fences, ids)
+        unfence(eng, ids)
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine import health, journal, recovery, replace, restore, space, store
+from prefixstore.engine import health, holds, journal, recovery, replace, restore, space, store
 from prefixstore.engine.api import Engine
 from prefixstore.engine.catalog import Catalog
 from prefixstore.gpu import shards
@@ -186,7 +186,7 @@ def _retire_in_place(eng: Engine, node) -> bool:
         return False
     meta = shards.meta(node.key, node.generation, node.start, node.end, False)
     datas = [shards.encode(segs, {}, {**meta, "rank": str(r)}) for r, (segs, _) in enumerate(got)]
-    eng._fences[node.id] += 1
+    holds.fence(eng, [node.id])
     try:
         for r, data in enumerate(datas):
             rank = eng.ranks[r]
@@ -212,9 +212,7 @@ def _retire_in_place(eng: Engine, node) -> bool:
         node.nbytes -= freed
         return True
     finally:
-        eng._fences[node.id] -= 1
-        if not eng._fences[node.id]:
-            del eng._fences[node.id]
+        holds.unfence(eng, [node.id])
         eng.heap.offer(node)
 
 
