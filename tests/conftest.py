@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.index import Node
 from prefixstore.engine.keys import Prefix

@@ -12,8 +12,8 @@ import time
 
 from conftest import make_layout, store_tokens, tokens_for
 
+from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir
-from prefixstore.engine.core import Engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

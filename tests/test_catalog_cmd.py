@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import Gate, make_layout, store_tokens, tokens_for
 
+from prefixstore.engine.api import Engine
 from prefixstore.engine.catalog_reader import read_listing
 from prefixstore.engine.cli import main as cli_main
-from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import InvalidArgumentError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,9 +17,9 @@ import time
 import pytest
 from conftest import make_layout
 
+from prefixstore.engine.api import Engine
 from prefixstore.engine.cli import main
 from prefixstore.engine.cmd_demo import demo_layout
-from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import LayoutMismatchError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -23,7 +23,7 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt

@@ -27,7 +27,7 @@ from conftest import (
 from safetensors.torch import load as st_load
 
 from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS

@@ -25,7 +25,7 @@ import tempfile
 import pytest
 from conftest import BT, assert_restores, key_at, make_layout, store_tokens, tokens_for
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.driver import compaction_policy

@@ -30,8 +30,8 @@ import torch
 from conftest import make_layout, seg_tensors, snap_tensors, store_tokens, tokens_for
 
 from prefixstore.engine import errors as E
+from prefixstore.engine.api import Engine
 from prefixstore.engine.cli import main as cli_main
-from prefixstore.engine.core import Engine
 from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import flip_bit, swap_contents
 

@@ -33,7 +33,7 @@ from test_hostile import (
 )
 
 from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CrashAt
 
 VICTIM = "A4"  # whose rank-1 row is edited

@@ -24,7 +24,7 @@ import torch
 from conftest import BT, make_layout, seg_tensors, snap_tensors, store_tokens, tokens_for
 
 from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.keys import Prefix
 
 CAP = 16 << 20

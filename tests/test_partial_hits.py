@@ -18,7 +18,7 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.keys import Prefix
 
 CAP = 16 << 20

@@ -29,7 +29,7 @@ import time
 import pytest
 from conftest import BT, assert_restores, make_layout, node_at, store_tokens, tokens_for
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.errors import RankUnavailableError
 from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import FaultFS, FaultPlan

@@ -33,7 +33,7 @@ from conftest import (
 )
 
 from prefixstore.engine import replace
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.errors import (
     CatalogIOError,
     EngineClosedError,

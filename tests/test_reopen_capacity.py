@@ -7,8 +7,8 @@ import pytest
 from conftest import FailUnlinks, assert_restores, make_layout, store_tokens, tokens_for
 
 from prefixstore.engine import errors as E
+from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir
-from prefixstore.engine.core import Engine
 from prefixstore.engine.keys import Prefix
 
 CAP = 16 << 20

@@ -28,7 +28,7 @@ from prometheus_client import generate_latest
 # sys.stderr as a default argument at import, and a capsys stream is closed after its test.
 import prefixstore.replay.trace_cmd  # noqa: F401
 from prefixstore.engine import cli
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.gpu.fileio import FaultHook

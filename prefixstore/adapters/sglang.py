@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.errors import CatalogIOError, InvalidInputError, PrefixStoreError
 from prefixstore.engine.keys import DIGEST_SIZE, Prefix
 from prefixstore.engine.layout import Layout, TensorSpec

@@ -78,7 +78,7 @@ from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES, RECOVERY_EVENT, recovery_direction
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
 LOCK_NAME = "LOCK"
 TITLES = {

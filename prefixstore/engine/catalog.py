@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 from urllib.parse import quote
@@ -276,6 +276,128 @@ class Catalog:
 
     def charged(self) -> int:
         return self.query("SELECT coalesce(sum(size), 0) FROM files")[0][0]
+
+    # -- store, evict, lookup, restore, stats ------------------------------------------
+
+    def live_sizes(self) -> dict[int, int]:
+        """``{node id: bytes}`` of every node's live files."""
+        return dict(self.query(
+            "SELECT node, sum(size) FROM files WHERE status='live' AND node IS NOT NULL GROUP BY node"
+        ))
+
+    def node_rows(self) -> list[sqlite3.Row]:
+        """Every node row (the index's fields), parents before children."""
+        return self.query(
+            "SELECT id, key, parent, start_block, end_block, digests, has_snapshot, state, "
+            "generation, last_used, snap_used FROM nodes ORDER BY end_block, id"
+        )
+
+    def bytes_by_status(self) -> dict[str, int]:
+        """``{file status: bytes}``."""
+        return dict(self.query("SELECT status, coalesce(sum(size),0) FROM files GROUP BY status"))
+
+    def damaged_bytes(self) -> int:
+        """Bytes of the files of damaged nodes."""
+        return self.query(
+            "SELECT coalesce(sum(f.size),0) FROM files f JOIN nodes n ON f.node=n.id WHERE n.state='damaged'"
+        )[0][0]
+
+    def live_files(self, node_id: int) -> list[sqlite3.Row]:
+        """(rank, name, size, checksum) of the live files of node ``node_id``."""
+        return self.query(
+            "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (node_id,)
+        )
+
+    def live_files_of(self, node_ids: Sequence[int]) -> list[sqlite3.Row]:
+        """(node, rank, name, size, checksum) of the live files of ``node_ids`` (at most 500)."""
+        marks = ",".join("?" * len(node_ids))
+        return self.query(
+            "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IN "
+            f"({marks})", tuple(node_ids)
+        )
+
+    def files_of(self, node_ids: Sequence[int]) -> list[sqlite3.Row]:
+        """(rank, name, size) of every file of ``node_ids``."""
+        marks = ",".join("?" * len(node_ids))
+        return self.query(f"SELECT rank, name, size FROM files WHERE node IN ({marks})", tuple(node_ids))
+
+    def txn_files(self, tid: int) -> list[sqlite3.Row]:
+        """(rank, name, size) of the files transaction ``tid`` owns."""
+        return self.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+
+    def loose_garbage(self) -> list[sqlite3.Row]:
+        """(rank, name, size) of garbage no transaction owns."""
+        return self.query("SELECT rank, name, size FROM files WHERE status='garbage' AND txn IS NULL")
+
+    def add_writing(self, c: sqlite3.Connection, tid: int, name: str, gen: int,
+                    shards: Sequence[tuple[int, str]]) -> None:
+        """Reserve ``name`` on every rank for ``tid``: ``shards`` is (size, checksum) per rank."""
+        c.executemany(
+            "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+            "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
+            [(r, name, gen, size, ck, tid) for r, (size, ck) in enumerate(shards)],
+        )
+
+    def retire_live(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
+        """Hand the live files of ``node_id`` to ``tid`` as garbage; their (rank, name, size)."""
+        old = c.execute("SELECT rank, name, size FROM files WHERE node=? AND status='live'", (node_id,)).fetchall()
+        c.execute("UPDATE files SET status='garbage', node=NULL, txn=? WHERE node=? AND status='live'",
+                  (tid, node_id))
+        return old
+
+    def refill_node(self, c: sqlite3.Connection, node_id: int, gen: int, has_snapshot: bool, now: int) -> None:
+        """Make node ``node_id`` ready at generation ``gen``, used at ``now``."""
+        c.execute(
+            "UPDATE nodes SET state='ready', generation=?, has_snapshot=?, last_used=?, snap_used=? WHERE id=?",
+            (gen, int(has_snapshot), now, now, node_id),
+        )
+
+    def insert_node(self, c: sqlite3.Connection, key: bytes, parent: int | None, start: int, end: int,
+                    digests: bytes, has_snapshot: bool, gen: int, now: int) -> int:
+        """Add a ready node; its id."""
+        cur = c.execute(
+            "INSERT INTO nodes(key, parent, start_block, end_block, digests, has_snapshot, "
+            "state, generation, last_used, snap_used) VALUES(?, ?, ?, ?, ?, ?, 'ready', ?, ?, ?)",
+            (key, parent, start, end, digests, int(has_snapshot), gen, now, now),
+        )
+        return int(cur.lastrowid)
+
+    def publish_files(self, c: sqlite3.Connection, tid: int, node_id: int) -> None:
+        """Make the files ``tid`` wrote the live files of ``node_id``."""
+        c.execute("UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing'",
+                  (node_id, tid))
+
+    def garbage_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
+        """Mark every file of ``tid`` garbage."""
+        c.execute("UPDATE files SET status='garbage' WHERE txn=?", (tid,))
+
+    def evict_node(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
+        """Delete node ``node_id``, handing its files to ``tid`` as garbage; their (rank, name, size)."""
+        rows = c.execute("SELECT rank, name, size FROM files WHERE node=?", (node_id,)).fetchall()
+        c.execute("UPDATE files SET status='garbage', node=NULL, txn=? WHERE node=?", (tid, node_id))
+        c.execute("DELETE FROM nodes WHERE id=?", (node_id,))
+        return rows
+
+    def settle_files(self, c: sqlite3.Connection, rows: Sequence[tuple], left: set[tuple[int, str]]) -> None:
+        """After unlinking ``rows``: delete those gone, release those ``left`` to loose garbage."""
+        for r, name, *_ in rows:
+            if (r, name) in left:
+                c.execute("UPDATE files SET txn=NULL WHERE rank=? AND name=?", (r, name))
+            else:
+                c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+
+    def delete_files(self, c: sqlite3.Connection, rows: Sequence[tuple], left: set[tuple[int, str]]) -> None:
+        """Delete the rows of ``rows`` not in ``left``."""
+        for r, name, *_ in rows:
+            if (r, name) not in left:
+                c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+
+    def mark_damaged(self, c: sqlite3.Connection, node_id: int) -> None:
+        c.execute("UPDATE nodes SET state='damaged' WHERE id=?", (node_id,))
+
+    def set_recency(self, c: sqlite3.Connection, rows: Sequence[tuple[int, int, int]]) -> None:
+        """``rows``: (last_used, snap_used, node id)."""
+        c.executemany("UPDATE nodes SET last_used=?, snap_used=? WHERE id=?", rows)
 
     def journal(self) -> list[tuple[int, str, str, dict]]:
         rows = self.query("SELECT id, kind, state, payload FROM journal ORDER BY id")

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.engine.workdir import work_dir

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from prefixstore.engine import journal, lifecycle, loading, replace, retry, spans, store, validate
 from prefixstore.engine.errors import (
     EngineClosedError,
     InvalidInputError,
@@ -53,7 +54,7 @@ from prefixstore.gpu.workers import Worker
 from prefixstore.statemachine.transactions import recovery_direction
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
     from prefixstore.engine.index import Node
     from prefixstore.engine.results import Match
 
@@ -192,10 +193,10 @@ def fail_txn(eng: Engine, tid: int, exc: BaseException) -> None:
         kind, state = row[0]
         if recovery_direction(kind, state) == "forward":
             rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
-            eng._finish_retire(tid, kind, rows)
-            eng._load(keep=True)  # the publish committed; make the index agree with it
+            journal.finish_retire(eng, tid, kind, rows)
+            loading.load(eng, keep=True)  # the publish committed; make the index agree with it
         else:
-            eng._rollback(tid, kind, state, "failed")
+            journal.rollback(eng, tid, kind, state, "failed")
     eng.counters.inc("faults", "txn_error")
 
 
@@ -239,26 +240,23 @@ def store_async(
     valid: Callable[[], bool] | None,
 ) -> StoreTicket:
     """Stage the checkpoint now, commit it on the commit worker (see module doc)."""
-    from prefixstore.engine import spans
-    from prefixstore.engine.core import _Pending, _Plan
-
-    segs, snaps = eng._check_store_input(prefix, segments, snapshot, tokens_from, valid)
+    segs, snaps = validate.store_args(eng, prefix, segments, snapshot, tokens_from, valid)
     L = eng.layout
     bt = L.block_tokens
     n = len(prefix)
     tr = eng.transfers
-    with eng._guard():
+    with lifecycle.guard(eng):
         with eng._lock:
             # The decisions store() takes, in its order: bad tokens_from, a compact-replace
             # (split, republish), then the ordinary plan.
             spans.check_tokens_from(eng, prefix, tokens_from)
-            plan = None if spans.route(eng, prefix, tokens_from) else eng._plan(prefix)
+            plan = None if spans.route(eng, prefix, tokens_from) else store.plan(eng, prefix)
             if isinstance(plan, StoreResult) and plan.status == DUPLICATE:
-                eng._count_store(plan)
+                store.count_skip(eng, plan)
                 return StoreTicket.finished(plan)
-            if isinstance(plan, _Plan):
+            if isinstance(plan, store.Plan):
                 start = plan.start
-                gen = eng._next_generation(prefix.keys[-1], plan.existing.generation if plan.existing else 0)
+                gen = replace.next_generation(eng, prefix.keys[-1], plan.existing.generation if plan.existing else 0)
                 if tokens_from > start * bt:
                     raise InvalidInputError(
                         f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
@@ -275,7 +273,7 @@ def store_async(
         key = prefix.keys[-1]
         # Staged from ``first``: the rows of damaged ancestors the commit refills, too
         # (then the plan's shard is staged again at the commit, from these host rows).
-        meta = eng._shard_meta(key, gen, first, n, L.has_snapshot)
+        meta = shards.meta(key, gen, first, n, L.has_snapshot)
         lo, hi = first * bt - tokens_from, n * bt - tokens_from
         staged: list[Staged] = []
         cleaned = threading.Lock()  # a failed staging, the job's finally, or its cancellation: once
@@ -305,7 +303,7 @@ def store_async(
     def job() -> StoreResult:
         try:
             _start(eng, held, started)
-            with eng._guard():
+            with lifecycle.guard(eng):
                 ex = eng.executor
                 for s in staged:
                     s.checksum(ex.gate, ex.stats)
@@ -314,11 +312,11 @@ def store_async(
                 host_segs = [{k[4:]: v for k, v in vw.items() if k.startswith("seg.")} for vw in views]
                 host_snaps = ([{k[5:]: v for k, v in vw.items() if k.startswith("snap.")} for vw in views]
                               if snaps is not None else None)
-                res = eng._store(prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(held))
+                res = store.store(eng, prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(held))
                 if res.status == REFUSED and valid is not None:
                     for s in staged:
                         s.detach()  # the queued retry keeps views of these buffers
-                    eng._enqueue(_Pending(prefix, host_segs, host_snaps, first * bt, valid))
+                    retry.enqueue(eng, retry.Pending(prefix, host_segs, host_snaps, first * bt, valid))
                     res = attrs.evolve(res, status=QUEUED)
                 if res.ok:
                     tr.schedule_retry(eng)
@@ -433,7 +431,7 @@ def _fetch(eng: Engine, x: Node, r: int, row: tuple[str, int, str], from_ram: bo
     if cached is not None and cached[0] == key:
         offs, snap = cached[1], cached[2]
     else:
-        meta = {**eng._shard_meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
+        meta = {**shards.meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
         try:
             segs, snap = shards.parse(buf.view(), L, x.blocks * L.block_tokens, x.has_snapshot, meta)
         except ShardError as exc:

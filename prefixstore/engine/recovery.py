@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from prefixstore.engine import structure
+from prefixstore.engine import journal, structure
 from prefixstore.engine.audit import durable_shards, read_catalog, verify_bytes
 from prefixstore.engine.errors import (
     BackingContradictionError,
@@ -55,7 +55,7 @@ from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
 from prefixstore.statemachine.transactions import MACHINES, recovery_direction
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
 SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st(\.tmp)?$")
 # File-row problems recovery refuses (the rest are found by verification as damage).
@@ -96,17 +96,17 @@ def recover(eng: Engine) -> RecoveryReport:
             raise CatalogCorruptError(f"journal row {tid}: unknown transaction {kind}/{state}")
         rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
         if recovery_direction(kind, state) == "forward":
-            eng._finish_retire(tid, kind, rows)
+            journal.finish_retire(eng, tid, kind, rows)
             rep.rolled_forward.append(tid)
         else:
-            eng._rollback(tid, kind, state, "recover")
+            journal.rollback(eng, tid, kind, state, "recover")
             rep.rolled_back.append(tid)
     # 'writing' rows whose transaction is gone cannot exist; treat any as garbage.
     with eng.catalog.txn("recover.stray") as c:
         c.execute("UPDATE files SET status='garbage', txn=NULL WHERE status='writing'")
     before = eng._charged
     garbage = eng.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage'")
-    eng._reclaim_rows(None, garbage)
+    journal.reclaim_rows(eng, None, garbage)
     rep.garbage_reclaimed = before - eng._charged
     _orphans(eng, rep)
     _verify_live(eng, rep)
@@ -125,7 +125,7 @@ def _room_first(eng: Engine) -> None:
     current = _current_names(eng.catalog.query("SELECT key, generation FROM nodes"))
     rows = [r for r in rows if r[1] not in current]
     if rows:
-        eng._unlink_rows(rows)
+        journal.unlink_rows(eng, rows)
 
 
 def _current_names(nodes) -> set[str]:

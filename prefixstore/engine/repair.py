@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from prefixstore.engine import dirlock
+from prefixstore.engine import dirlock, health, lifecycle
 from prefixstore.engine import structure as S
 from prefixstore.engine.audit import (
     AuditReport,
@@ -299,7 +299,7 @@ def repair(
     directory is a symlink, RankDirMissingError when a rank directory holding shards is
     not there (kept elsewhere: pass ``rank_dirs``); nothing is changed then.
     """
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
     if engine_running(root):
         raise LockedError(f"{root} is open in an engine; stop it before repairing")
@@ -344,7 +344,7 @@ def repair(
             rep.evicted = eng.evict(over)
         final = eng.audit()
     except SimulatedCrash:
-        eng._abandon()  # model process death: nothing more is committed
+        lifecycle.abandon(eng)  # model process death: nothing more is committed
         raise
     finally:
         eng.close()
@@ -407,5 +407,5 @@ def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
                 break
         if why is not None:
             with eng._lock:
-                eng._invalidate(node, why)
+                health.invalidate(eng, node, why)
             rep.invalidated.append((node.id, why))

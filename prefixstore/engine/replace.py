@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from prefixstore.engine import pipeline
+from prefixstore.engine import health, journal, pipeline, restore, store
+from prefixstore.engine import space as engine_space
 from prefixstore.engine.counters import log
 from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.index import Node
@@ -48,7 +49,7 @@ from prefixstore.gpu.ranks import shard_name
 if TYPE_CHECKING:
     from collections import Counter
 
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
 KIND = "compact"
 RankPart = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # (segments, snapshot)
@@ -201,7 +202,7 @@ def run(
             return _abort(eng, job, why, "skipped")
         rows = {nid: _live_rows(eng, nid) for nid in job.reads}
         for r in job.new:
-            r.gen = _next_gen(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
+            r.gen = next_generation(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
             r.name = shard_name(r.key, r.gen)
         for n in job.old:
             eng._fences[n.id] += 1
@@ -220,10 +221,10 @@ def run(
             tid = _intent(eng, job)
             eng._charged += needed
         for r in job.new:
-            errors = eng._write_all(r.name, r.blobs)
+            errors = store.write_all(eng, r.name, r.blobs)
             if errors:
                 with eng._lock:
-                    eng._rollback(tid, KIND, "INTENT", "failed")
+                    journal.rollback(eng, tid, KIND, "INTENT", "failed")
                 msg = "; ".join(f"rank {rk}: {e}" for rk, e in errors)
                 return _abort(eng, job, msg, "failed")
         deadline = time.monotonic() + (0 if locked else pin_wait_s)
@@ -233,7 +234,7 @@ def run(
                 why = _check(eng, job, fences=1, pins=eng._request_pins if wait_pinned else None, held=held)
                 pinned = any(eng._pins[n.id] for n in job.old)
                 if why or (pinned and time.monotonic() >= deadline):
-                    eng._rollback(tid, KIND, "INTENT", "stale")
+                    journal.rollback(eng, tid, KIND, "INTENT", "stale")
                     return _abort(eng, job, why or "pinned", "skipped")
                 if not pinned:
                     old_files = _swap(eng, job, tid)
@@ -241,7 +242,7 @@ def run(
                     # a deleted row's fence goes with its index entry; the kept rows'
                     # fences end with the transaction, in this same lock section
                     _unfence(eng, job, fenced, {n.id for n in job.dropped})
-                    eng._finish_retire(tid, KIND, old_files)
+                    journal.finish_retire(eng, tid, KIND, old_files)
                     _unfence(eng, job, fenced, fenced)
                     eng.counters.inc("replaces", use)
                     if job.state == "damaged":
@@ -323,7 +324,7 @@ def _live_rows(eng: Engine, nid: int) -> dict[int, tuple[str, int, str]]:
     }
 
 
-def _next_gen(eng: Engine, key: bytes, floor: int) -> int:
+def next_generation(eng: Engine, key: bytes, floor: int) -> int:
     """A generation above ``floor`` and above every file (even garbage) of ``key``."""
     h = key.hex()
     ranks = ",".join(str(r) for r in range(eng.layout.ranks))
@@ -340,10 +341,10 @@ def _read(eng: Engine, job: Job, rows) -> dict[int, list[RankPart]] | Outcome:
     for n in job.old:
         if n.id not in job.reads:
             continue
-        res = eng._read_node(n, rows[n.id], job.reads[n.id])
+        res = restore.read_node(eng, n, rows[n.id], job.reads[n.id])
         if isinstance(res, str):
             with eng._lock:
-                eng._invalidate(n, res)
+                health.invalidate(eng, n, res)
             return _abort(eng, job, f"damaged: {res}", "skipped")
         if res is None:
             return _abort(eng, job, "read_error", "failed")
@@ -355,7 +356,7 @@ def _encode(eng: Engine, job: Job, data: list[list[RankPart]]) -> None:
     assert len(data) == len(job.new)
     for r, parts in zip(job.new, data, strict=True):
         assert len(parts) == eng.layout.ranks
-        meta = eng._shard_meta(r.key, r.gen, r.start, r.end, r.has_snapshot)
+        meta = shards.meta(r.key, r.gen, r.start, r.end, r.has_snapshot)
         r.blobs = []
         for rank, (segs, snap) in enumerate(parts):
             assert bool(snap) == (r.has_snapshot and eng.layout.has_snapshot), "snapshot mismatch"
@@ -367,7 +368,7 @@ def _encode(eng: Engine, job: Job, data: list[list[RankPart]]) -> None:
 
 def _room(eng: Engine, needed: int, space: str, protect: set[int]) -> bool:
     if space == "make":
-        return eng._make_space(needed, protect)
+        return engine_space.make_space(eng, needed, protect)
     limit = eng.capacity if space == "capacity" else eng.capacity * eng.high_watermark
     return eng._charged + needed <= limit and not eng.disk.shortfall(needed)
 
@@ -381,7 +382,7 @@ def _intent(eng: Engine, job: Job) -> int:
                  "name": r.name, "keep": r.keep} for r in job.new],
     }
     with eng.catalog.txn("compact.intent") as c:
-        tid = eng._journal_begin(c, KIND, payload)
+        tid = journal.begin(eng, c, KIND, payload)
         c.executemany(
             "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
             "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
@@ -427,7 +428,7 @@ def _swap(eng: Engine, job: Job, tid: int) -> list[tuple[int, str, int]]:
             parent = nid
         for n in job.dropped:
             c.execute("DELETE FROM nodes WHERE id=?", (n.id,))
-        eng._advance(c, tid, KIND, "INTENT", "durable")
+        journal.advance(eng, c, tid, KIND, "INTENT", "durable")
     _apply_index(eng, job, ids)
     return [tuple(f) for f in old_files]
 

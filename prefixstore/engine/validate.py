@@ -35,7 +35,7 @@ from prefixstore.statemachine.cost import CostModel
 from prefixstore.statemachine.policy import POLICIES
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
 # ---------------------------------------------------------------------- scalars
 

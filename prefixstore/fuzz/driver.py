@@ -47,7 +47,8 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine import lifecycle
+from prefixstore.engine.api import Engine
 from prefixstore.engine.errors import InvalidInputError, PinnedError, SimulatedCrash
 from prefixstore.engine.results import Match
 from prefixstore.fuzz.faultfs import OPS, ChainHook, CrashAt, FaultFS, FaultPlan, FaultRule
@@ -223,7 +224,7 @@ class Driver:
         if eng is not None:
             self._absorb(eng)
             if not eng._closed:
-                eng._abandon()
+                lifecycle.abandon(eng)
         self.pins.clear()
 
     def _absorb(self, eng: Engine) -> None:

@@ -119,7 +119,7 @@ class Injector:
 
 
 def _open(root: str, inj: Injector | None, res: Counter[str], examples: dict[str, str]):
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
     from prefixstore.fuzz.soak import CAPACITY, soak_layout
 
     for _ in range(8):
@@ -264,7 +264,7 @@ class FiuResult:
 def run_under_fiu(root: str, *, target: str = "all", ops: int = 400, probability: float = 0.05,
                   seed: int = 0, timeout: float = 300, plant: str | None = None) -> FiuResult:
     """Run the armed workload in ``fiu-run -x``, then recover and audit without faults."""
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
     from prefixstore.fuzz.soak import BT, CAPACITY, conv_tokens, soak_layout, verify_restore
 
     env = {**os.environ, "PREFIXSTORE_LOG_LEVEL": "CRITICAL"}

@@ -52,8 +52,8 @@ from typing import Any
 import attrs
 import torch
 
+from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir, read_catalog
-from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import NotACacheError
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, TensorSpec

@@ -37,8 +37,8 @@ from prefixstore.gpu import shards
 from prefixstore.gpu.executor import Buffer, StagingPool
 
 if TYPE_CHECKING:
+    from prefixstore.engine.api import Engine
     from prefixstore.engine.audit import AuditReport
-    from prefixstore.engine.core import Engine
     from prefixstore.gpu.ranks import RankIO
 
 BACKINGS = ("disk", "memory", "composite")

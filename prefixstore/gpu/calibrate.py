@@ -34,7 +34,7 @@ import torch
 from prefixstore.engine.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
 META_KEY = "calibration"
 PROBE_NAME = "calibrate.probe"

@@ -31,6 +31,12 @@ from prefixstore.engine.layout import Layout
 FORMAT = "prefixstore-shard-1"
 
 
+def meta(key: bytes, gen: int, start: int, end: int, snap: bool) -> dict[str, str]:
+    """The metadata a shard of checkpoint ``key`` at generation ``gen`` carries (all ranks)."""
+    return {"key": key.hex(), "generation": str(gen), "start": str(start), "end": str(end),
+            "snapshot": "1" if snap else "0"}
+
+
 def checksum(data: bytes | memoryview) -> str:
     """Checksum of a shard file's bytes (xxh3-128, hex)."""
     return xxhash.xxh3_128_hexdigest(data)
