@@ -28,7 +28,15 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine import cachedirs, dirlock, pipeline, readonly, recovery, validate
+from prefixstore.engine import (
+    cachedirs,
+    calibration,
+    dirlock,
+    pipeline,
+    readonly,
+    recovery,
+    validate,
+)
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog, drop_empty_log, log_files
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
@@ -61,7 +69,7 @@ from prefixstore.engine.results import (
     Restored,
     StoreResult,
 )
-from prefixstore.gpu import backings, calibrate, shards
+from prefixstore.gpu import backings, shards
 from prefixstore.gpu.diskroom import LOW_WATER, RESERVE_BYTES, DiskRoom, free_bytes
 from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, FileSystem, OsFS
@@ -272,7 +280,7 @@ class Engine:
                 self.recovery_report = recovery.recover(self)
                 self._load()
                 self._fit()
-                self.calibration = calibrate.resolve(self, bandwidth)
+                self.calibration = calibration.resolve(self, bandwidth)
                 self.transfers = pipeline.Transfers(layout.ranks)
                 from prefixstore.engine.compaction import start_worker
 
@@ -322,7 +330,7 @@ class Engine:
             self.recovery_report = recovery.RecoveryReport()
             self._load()
             self.unsettled = readonly.hold_out(self.catalog, self.index)
-            self.calibration = calibrate.resolve(self, None if isinstance(bandwidth, str) else bandwidth)
+            self.calibration = calibration.resolve(self, None if isinstance(bandwidth, str) else bandwidth)
             self.transfers = pipeline.Transfers(self.layout.ranks)
             self.compactor = None
         except BaseException:
