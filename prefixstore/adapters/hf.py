@@ -47,6 +47,7 @@ import attrs
 import torch
 
 from prefixstore.adapters.hf_states import meta_model, mixer_states
+from prefixstore.engine.core import Engine
 from prefixstore.engine.errors import (
     InvalidInputError,
     LayoutError,
@@ -821,8 +822,6 @@ class HFPrefixCache:
         **opts: Any,
     ) -> HFPrefixCache:
         """Open (or create) an engine at ``path`` with the layout of ``config``."""
-        from prefixstore.engine.core import Engine
-
         cmap = cache_map(
             config, dtype=dtype, block_tokens=block_tokens, ranks=ranks, state_dtype=state_dtype
         )
