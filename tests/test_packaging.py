@@ -88,3 +88,28 @@ def test_chat_example_without_transformers_names_the_extra():
     assert p.returncode == 1
     assert p.stderr.strip().splitlines() == [
         "examples/chat.py needs transformers: pip install 'prefixstore[transformers]'"]
+
+
+def test_the_command_line_is_the_top_level_cli_module():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts == {"prefixstore": "prefixstore.cli:main"}
+    env = {**os.environ, "PYTHONPATH": REPO}
+    p = subprocess.run([sys.executable, "-m", "prefixstore.cli", "--help"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for command in ("demo", "audit", "catalog", "rank-server", "replay", "fuzz", "soak", "fiu"):
+        assert command in p.stdout, command
+
+
+def test_import_linter_is_a_test_extra_and_ci_runs_the_layers_contract():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    for extra in ("test", "dev"):
+        assert any(d.startswith("import-linter") for d in project["project"]["optional-dependencies"][extra])
+    contract, = project["tool"]["importlinter"]["contracts"]
+    assert contract["type"] == "layers" and contract["layers"][0] == "prefixstore.cli"
+    assert contract["layers"][-1] == "prefixstore.base"
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        lines = [ln.strip() for ln in f]
+    assert "lint-imports" in lines and lines.index("lint-imports") < lines.index("$PY -m pytest -q")

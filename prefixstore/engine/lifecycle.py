@@ -15,6 +15,7 @@ import attrs
 
 from prefixstore.engine import (
     cachedirs,
+    calibration,
     compaction,
     dirlock,
     loading,
@@ -41,7 +42,7 @@ from prefixstore.engine.errors import (
 )
 from prefixstore.engine.index import Index
 from prefixstore.engine.layout import Layout
-from prefixstore.gpu import backings, calibrate
+from prefixstore.gpu import backings
 from prefixstore.gpu.diskroom import LOW_WATER, DiskRoom, free_bytes
 from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, OsFS
@@ -218,7 +219,7 @@ def open_effects(eng: Engine, o: Options) -> None:
     eng.recovery_report = recovery.recover(eng)
     loading.load(eng)
     fit(eng)
-    eng.calibration = calibrate.resolve(eng, o.bandwidth)
+    eng.calibration = calibration.resolve(eng, o.bandwidth)
     eng.transfers = pipeline.Transfers(layout.ranks)
     eng.compactor = compaction.start_worker(eng, o.compaction)
 
@@ -272,7 +273,7 @@ def open_read_only(eng: Engine, reason: DiskFullError, bandwidth: Any, logs: fro
         eng.recovery_report = recovery.RecoveryReport()
         loading.load(eng)
         eng.unsettled = readonly.hold_out(eng.catalog, eng.index)
-        eng.calibration = calibrate.resolve(eng, None if isinstance(bandwidth, str) else bandwidth)
+        eng.calibration = calibration.resolve(eng, None if isinstance(bandwidth, str) else bandwidth)
         eng.transfers = pipeline.Transfers(eng.layout.ranks)
         eng.compactor = None
     except BaseException:

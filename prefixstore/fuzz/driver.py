@@ -55,6 +55,7 @@ from prefixstore.fuzz.faultfs import OPS, ChainHook, CrashAt, FaultFS, FaultPlan
 from prefixstore.fuzz.model import CatalogObserver, NodeRow, Universe, fuzz_layout
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import rank_dir_name
+from prefixstore.statemachine.compaction import CompactionPolicy
 
 STORE_STATUSES = frozenset({"stored", "refilled", "duplicate", "queued", "refused", "failed", "skipped"})
 LOOKUP_OUTCOMES = frozenset({"hit", "gpu_resident", "miss", "rejected_cost", "damaged"})
@@ -118,15 +119,10 @@ def crash_hook(spec: dict[str, Any], ranks: int) -> CrashAt:
     return CrashAt(int(spec["n"]), rank=int(lane) % ranks)
 
 
-def compaction_policy(interior: bool = False) -> Any:
+def compaction_policy(interior: bool = False) -> CompactionPolicy:
     """A compaction policy that never waits for pins (this driver is single-threaded);
-    ``interior``: merge interior checkpoints away too. None if the engine has none."""
-    try:
-        from prefixstore.statemachine.compaction import CompactionPolicy
-
-        return CompactionPolicy(pin_wait_s=0.0, keep_interior_checkpoints=not interior)
-    except (ImportError, TypeError):
-        return None
+    ``interior``: merge interior checkpoints away too."""
+    return CompactionPolicy(pin_wait_s=0.0, keep_interior_checkpoints=not interior)
 
 
 class Driver:
@@ -385,7 +381,7 @@ class Driver:
             return
         policy = compaction_policy(bool(op.get("interior")))
         try:
-            rep = fn(policy) if policy is not None else fn()
+            rep = fn(policy)
         except PinnedError:
             self.counts["compact.pinned"] += 1
             return

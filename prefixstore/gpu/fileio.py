@@ -18,7 +18,7 @@ import os
 import stat
 from typing import Protocol
 
-from prefixstore.engine.errors import NotRegularFileError
+from prefixstore.base.errors import NotRegularFileError
 
 
 class FileSystem(Protocol):

@@ -25,8 +25,8 @@ import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from prefixstore.engine.errors import ShardError
-from prefixstore.engine.layout import Layout
+from prefixstore.base.errors import ShardError
+from prefixstore.base.layout import Layout
 
 FORMAT = "prefixstore-shard-1"
 

@@ -52,7 +52,7 @@ import itertools
 from collections.abc import Sequence
 
 from prefixstore.engine.errors import InvalidInputError
-from prefixstore.replay.sim import (
+from prefixstore.replay.compiled import (
     DEFAULT_BLOCK_BYTES,
     CompiledTrace,
     PrefillFn,
