@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prefixstore.engine import replace
+from prefixstore.engine.core import _Plan
 from prefixstore.engine.counters import log
 from prefixstore.engine.errors import InvalidInputError
 from prefixstore.engine.keys import DIGEST_SIZE, Prefix
@@ -154,8 +155,6 @@ def _split(
 ) -> StoreResult | tuple[Job, str | None]:
     """The job splitting ``node`` at block ``at``, and the store status on success
     (None: the ordinary store continues). Lock held."""
-    from prefixstore.engine.core import _Plan
-
     L = eng.layout
     n = len(prefix)
     if (busy := _busy(eng, node, n, held)) is not None:
