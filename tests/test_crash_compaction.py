@@ -221,7 +221,7 @@ def test_a_planted_non_atomic_swap_is_caught(tmp_path, monkeypatch):
     real = replace._swap
 
     def unlink_first(eng, job, tid):
-        rows = [(r, name, size) for n in job.old for r, (name, size, _) in replace._live_rows(eng, n.id).items()]
+        rows = [(r, name, size) for n in job.old for r, (name, size, _) in eng.catalog.live_file_rows(n.id).items()]
         journal.unlink_rows(eng, rows)  # BUG: the old generation goes before the swap is committed
         return real(eng, job, tid)
 

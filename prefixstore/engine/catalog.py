@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 from urllib.parse import quote
@@ -31,6 +31,7 @@ from prefixstore.engine.errors import (
     ReadOnlyError,
     SchemaVersionError,
 )
+from prefixstore.engine.structure import FILE_COLUMNS, NODE_COLUMNS
 from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
 from prefixstore.gpu.fileio import FaultHook
 
@@ -409,6 +410,160 @@ class Catalog:
                 raise CatalogCorruptError(f"journal row {tid} has a corrupt payload") from exc
         return out
 
+    # -- recovery, repair, replace, audit -------------------------------------------
+
+    def node_rows_by_id(self) -> dict[int, tuple]:
+        """Every node row (``structure.NODE_COLUMNS``), by id."""
+        return {r[0]: tuple(r) for r in self.query(f"SELECT {NODE_COLUMNS} FROM nodes")}
+
+    def file_rows(self) -> list[tuple]:
+        """Every file row (``structure.FILE_COLUMNS``)."""
+        return [tuple(r) for r in self.query(f"SELECT {FILE_COLUMNS} FROM files")]
+
+    def file_names(self) -> list[sqlite3.Row]:
+        """(rank, name) of every file row."""
+        return self.query("SELECT rank, name FROM files")
+
+    def node_generations(self) -> list[sqlite3.Row]:
+        """(key, generation) of every node."""
+        return self.query("SELECT key, generation FROM nodes")
+
+    def node_fields(self) -> dict[int, tuple]:
+        """Per node id: (parent, start, end, state, generation, has_snapshot)."""
+        return {r[0]: tuple(r[1:]) for r in self.query(
+            "SELECT id, parent, start_block, end_block, state, generation, has_snapshot FROM nodes")}
+
+    def ready_node_ids(self) -> list[int]:
+        return [r[0] for r in self.query("SELECT id FROM nodes WHERE state='ready'")]
+
+    def files_of_txn(self, tid: int) -> list[sqlite3.Row]:
+        """(rank, name, size) of every file row transaction ``tid`` owns."""
+        return self.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+
+    def unpublished_files_of_txn(self, tid: int) -> list[sqlite3.Row]:
+        """(rank, name, size) of the files of ``tid`` that are not live."""
+        return self.query("SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
+
+    def garbage_files(self) -> list[sqlite3.Row]:
+        """(rank, name, size) of every garbage file row."""
+        return self.query("SELECT rank, name, size FROM files WHERE status='garbage'")
+
+    def all_live_files(self) -> list[sqlite3.Row]:
+        """(node, rank, name, size, checksum) of every live file row."""
+        return self.query("SELECT node, rank, name, size, checksum FROM files WHERE status='live'")
+
+    def node_live_files(self) -> list[sqlite3.Row]:
+        """(node, rank, name, size, checksum) of every live file row that names a node."""
+        return self.query(
+            "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IS NOT NULL")
+
+    def live_file_rows(self, nid: int) -> dict[int, tuple[str, int, str]]:
+        """Node ``nid``'s live files: rank -> (name, size, checksum)."""
+        return {r: (name, size, ck) for r, name, size, ck in self.query(
+            "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (nid,))}
+
+    def nodes_with_txn_files(self) -> list[int | None]:
+        """The distinct nodes of file rows an unfinished transaction owns."""
+        return [r[0] for r in self.query("SELECT DISTINCT node FROM files WHERE txn IS NOT NULL")]
+
+    def max_generation(self, key_hex: str, ranks: int) -> int:
+        """The highest generation of any file row (even garbage) of the key ``key_hex``
+        on ranks ``0..ranks-1``; 0 when none."""
+        marks = ",".join(str(r) for r in range(ranks))
+        (top,) = self.query(
+            f"SELECT coalesce(max(generation), 0) FROM files WHERE rank IN ({marks}) AND name >= ? AND name < ?",
+            (f"{key_hex}-g", f"{key_hex}-h"),
+        )[0]
+        return int(top)
+
+    def garbage_stray_writing(self, c: sqlite3.Connection) -> None:
+        """Every ``writing`` row becomes garbage of no transaction."""
+        c.execute("UPDATE files SET status='garbage', txn=NULL WHERE status='writing'")
+
+    def set_node_generation(self, c: sqlite3.Connection, nid: int, gen: int) -> None:
+        c.execute("UPDATE nodes SET generation=? WHERE id=?", (gen, nid))
+
+    def attach_file(self, c: sqlite3.Connection, rank: int, name: str, nid: int, gen: int) -> None:
+        """File ``rank``/``name`` becomes node ``nid``'s live file of generation ``gen``."""
+        c.execute("UPDATE files SET status='live', node=?, txn=NULL, generation=? WHERE rank=? AND name=?",
+                  (nid, gen, rank, name))
+
+    def insert_live_file(self, c: sqlite3.Connection, rank: int, name: str, nid: int, gen: int,
+                         size: int, checksum: str) -> None:
+        c.execute("INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+                  "VALUES(?, ?, ?, ?, ?, ?, 'live', NULL)", (rank, name, nid, gen, size, checksum))
+
+    def set_file_size(self, c: sqlite3.Connection, rank: int, name: str, size: int) -> None:
+        c.execute("UPDATE files SET size=? WHERE rank=? AND name=?", (size, rank, name))
+
+    def set_file_sizes(self, c: sqlite3.Connection, sizes: Iterable[tuple[int, int, str]]) -> None:
+        """Each (size, rank, name): that file row's size."""
+        c.executemany("UPDATE files SET size=? WHERE rank=? AND name=?", sizes)
+
+    def garbage_file(self, c: sqlite3.Connection, rank: int, name: str) -> None:
+        """File ``rank``/``name`` becomes garbage of no node and no transaction."""
+        c.execute("UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE rank=? AND name=?", (rank, name))
+
+    def forget_file(self, c: sqlite3.Connection, rank: Any, name: Any) -> None:
+        """Delete the file row (never the file): its rank or name may be of any type."""
+        c.execute("DELETE FROM files WHERE rank IS ? AND name IS ?", (rank, name))
+
+    def mark_nodes_damaged(self, c: sqlite3.Connection, ids: Iterable[int]) -> None:
+        c.executemany("UPDATE nodes SET state='damaged' WHERE id=?", [(i,) for i in ids])
+
+    def set_parent(self, c: sqlite3.Connection, nid: int, parent: int | None) -> None:
+        c.execute("UPDATE nodes SET parent=? WHERE id=?", (parent, nid))
+
+    def drop_nodes(self, c: sqlite3.Connection, ids: Sequence[int]) -> None:
+        """Delete nodes ``ids``, their files becoming garbage of no node."""
+        marks = ",".join("?" * len(ids))
+        c.execute(f"UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE node IN ({marks})", ids)
+        c.execute(f"UPDATE nodes SET parent=NULL WHERE id IN ({marks})", ids)
+        c.execute(f"DELETE FROM nodes WHERE id IN ({marks})", ids)
+
+    def release_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
+        """Transaction ``tid``'s ``writing`` files become garbage; none stays its."""
+        c.execute("UPDATE files SET status='garbage' WHERE txn=? AND status='writing'", (tid,))
+        c.execute("UPDATE files SET txn=NULL WHERE txn=?", (tid,))
+
+    def insert_writing_files(self, c: sqlite3.Connection, tid: int,
+                             rows: Iterable[tuple[int, str, int, int, str]]) -> None:
+        """Each (rank, name, generation, size, checksum): a ``writing`` row of ``tid``."""
+        c.executemany(
+            "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+            "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
+            [(*r, tid) for r in rows],
+        )
+
+    def retire_node_files(self, c: sqlite3.Connection, ids: Sequence[int], tid: int) -> list[tuple[int, str, int]]:
+        """The files of nodes ``ids`` become garbage held by ``tid``; returns their
+        (rank, name, size)."""
+        marks = ",".join("?" * len(ids))
+        old = c.execute(f"SELECT rank, name, size FROM files WHERE node IN ({marks})", ids).fetchall()
+        c.execute(f"UPDATE files SET status='garbage', node=NULL, txn=? WHERE node IN ({marks})", (tid, *ids))
+        return [tuple(f) for f in old]
+
+    def rewrite_node(self, c: sqlite3.Connection, nid: int, fields: tuple) -> None:
+        """Node ``nid`` becomes ready with ``fields`` = (parent, start, end, digests,
+        has_snapshot, generation, last_used, snap_used)."""
+        c.execute("UPDATE nodes SET parent=?, start_block=?, end_block=?, digests=?, has_snapshot=?, "
+                  "state='ready', generation=?, last_used=?, snap_used=? WHERE id=?", (*fields, nid))
+
+    def insert_node_fields(self, c: sqlite3.Connection, key: bytes, fields: tuple) -> int:
+        """A new ready node of ``key`` with ``fields`` (as ``rewrite_node``); its id."""
+        cur = c.execute("INSERT INTO nodes(parent, start_block, end_block, digests, has_snapshot, state, "
+                        "generation, last_used, snap_used, key) VALUES(?, ?, ?, ?, ?, 'ready', ?, ?, ?, ?)",
+                        (*fields, key))
+        return int(cur.lastrowid)
+
+    def publish_file(self, c: sqlite3.Connection, tid: int, name: str, nid: int) -> None:
+        """``tid``'s ``writing`` files named ``name`` become node ``nid``'s live files."""
+        c.execute("UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing' AND name=?",
+                  (nid, tid, name))
+
+    def delete_node(self, c: sqlite3.Connection, nid: int) -> None:
+        c.execute("DELETE FROM nodes WHERE id=?", (nid,))
+
     def close(self) -> None:
         with suppress(sqlite3.Error):
             self.conn.close()
@@ -481,3 +636,52 @@ def open_readonly(root: str) -> sqlite3.Connection:
         conn.close()
         raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
     return conn
+
+
+class CatalogView:
+    """The reads of a catalog opened read-only without an engine (audit, ``prefixstore
+    catalog``): ``conn`` is a ``sqlite3`` connection, or anything with its ``execute``
+    (a sqlite-utils Database)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    @contextmanager
+    def snapshot(self) -> Iterator[CatalogView]:
+        """One read transaction: every read inside sees one consistent snapshot."""
+        self.conn.execute("BEGIN")
+        try:
+            yield self
+        finally:
+            self.conn.execute("COMMIT")
+
+    def user_version(self) -> int:
+        return self.conn.execute("PRAGMA user_version").fetchone()[0]
+
+    def meta(self) -> dict[str, str]:
+        return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+
+    def node_rows(self) -> dict[int, tuple]:
+        """Every node row (``structure.NODE_COLUMNS``), by id."""
+        return {r[0]: tuple(r) for r in self.conn.execute(f"SELECT {NODE_COLUMNS} FROM nodes")}
+
+    def file_rows(self) -> list[tuple]:
+        """Every file row (``structure.FILE_COLUMNS``), by rank and name."""
+        return [tuple(r) for r in self.conn.execute(f"SELECT {FILE_COLUMNS} FROM files ORDER BY rank, name")]
+
+    def journal_rows(self) -> list[tuple]:
+        """(id, kind, state, payload) of every journal row, by id; payloads unparsed."""
+        return [tuple(r) for r in self.conn.execute("SELECT id, kind, state, payload FROM journal ORDER BY id")]
+
+    def quick_check(self) -> str:
+        """SQLite's ``quick_check`` verdict (``ok`` when the file is sound)."""
+        return "; ".join(str(r[0]) for r in self.conn.execute("PRAGMA quick_check").fetchall())
+
+    def node_states(self) -> dict[str, int]:
+        """How many nodes are in each state."""
+        return dict(self.conn.execute("SELECT state, count(*) FROM nodes GROUP BY state ORDER BY state"))
+
+    def file_statuses(self) -> dict[str, tuple[int, int]]:
+        """Per file status: (rows, bytes)."""
+        return {s: (n, b) for s, n, b in self.conn.execute(
+            "SELECT status, count(*), coalesce(sum(size), 0) FROM files GROUP BY status ORDER BY status")}

@@ -39,6 +39,7 @@ import contextlib
 import os
 import re
 import stat
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -94,7 +95,7 @@ def recover(eng: Engine) -> RecoveryReport:
     for tid, kind, state, _payload in eng.catalog.journal():
         if kind not in MACHINES or state not in MACHINES[kind].states:
             raise CatalogCorruptError(f"journal row {tid}: unknown transaction {kind}/{state}")
-        rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+        rows = eng.catalog.files_of_txn(tid)
         if recovery_direction(kind, state) == "forward":
             journal.finish_retire(eng, tid, kind, rows)
             rep.rolled_forward.append(tid)
@@ -103,9 +104,9 @@ def recover(eng: Engine) -> RecoveryReport:
             rep.rolled_back.append(tid)
     # 'writing' rows whose transaction is gone cannot exist; treat any as garbage.
     with eng.catalog.txn("recover.stray") as c:
-        c.execute("UPDATE files SET status='garbage', txn=NULL WHERE status='writing'")
+        eng.catalog.garbage_stray_writing(c)
     before = eng._charged
-    garbage = eng.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage'")
+    garbage = eng.catalog.garbage_files()
     journal.reclaim_rows(eng, None, garbage)
     rep.garbage_reclaimed = before - eng._charged
     _orphans(eng, rep)
@@ -118,11 +119,10 @@ def _room_first(eng: Engine) -> None:
     the files of transactions it rolls back (never a live file)."""
     back = [tid for tid, kind, state, _ in eng.catalog.journal()
             if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"]
-    rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage'")
+    rows = eng.catalog.garbage_files()
     for tid in back:
-        rows += eng.catalog.query(
-            "SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
-    current = _current_names(eng.catalog.query("SELECT key, generation FROM nodes"))
+        rows += eng.catalog.unpublished_files_of_txn(tid)
+    current = _current_names(eng.catalog.node_generations())
     rows = [r for r in rows if r[1] not in current]
     if rows:
         journal.unlink_rows(eng, rows)
@@ -162,8 +162,8 @@ def room_before_open(root: str, ranks: int) -> list[str]:
 
 def check_structure(eng: Engine) -> None:
     """Raise CatalogCorruptError if the catalog's rows contradict each other (or the journal is unreadable)."""
-    nodes = {r[0]: tuple(r) for r in eng.catalog.query(f"SELECT {structure.NODE_COLUMNS} FROM nodes")}
-    files = eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")
+    nodes = eng.catalog.node_rows_by_id()
+    files = eng.catalog.file_rows()
     problems = structure.node_problems(nodes) + [
         p for p in structure.file_problems(nodes, files, eng.layout.ranks) if p.kind in REFUSED_FILE_PROBLEMS
     ]
@@ -191,7 +191,7 @@ def check_backing(eng: Engine) -> None:
     with its recorded size and checksum: a durable cache, not a volatile one."""
     if eng.catalog.meta("backing") != "memory":
         return
-    files = eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")
+    files = eng.catalog.file_rows()
     dirs = [os.path.join(eng.root, rank_dir_name(r)) for r in range(eng.layout.ranks)]
     found = durable_shards(dirs, files)
     if found:
@@ -204,11 +204,12 @@ def check_backing(eng: Engine) -> None:
 
 def reconcile(eng: Engine, rep: RecoveryReport) -> None:
     """Make the file rows agree with the files a node's name claims (see the module docstring)."""
-    nodes = {r[0]: tuple(r) for r in eng.catalog.query(f"SELECT {structure.NODE_COLUMNS} FROM nodes")}
-    files = [tuple(r) for r in eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")]
-    fixes: list[tuple[str, tuple]] = []
+    cat = eng.catalog
+    nodes = cat.node_rows_by_id()
+    files = cat.file_rows()
+    fixes: list[tuple[Callable[..., None], tuple]] = []  # (catalog method, its arguments after the cursor)
     for nid, gen in sorted(structure.stale_generations(nodes, files, eng.layout.ranks).items()):
-        fixes.append(("UPDATE nodes SET generation=? WHERE id=?", (gen, nid)))
+        fixes.append((cat.set_node_generation, (nid, gen)))
         rep.regenerated.append(f"node {nid}: generation {nodes[nid][structure.GEN]} -> {gen}")
         row = list(nodes[nid])
         row[structure.GEN] = gen
@@ -220,12 +221,11 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
             continue
         owner = current.get(name)
         if owner is not None and structure.misowned(owner, nodes, f):
-            fixes.append(("UPDATE files SET status='live', node=?, txn=NULL, generation=? WHERE rank=? AND name=?",
-                          (owner, nodes[owner][structure.GEN], rank, name)))
+            fixes.append((cat.attach_file, (rank, name, owner, nodes[owner][structure.GEN])))
             rep.reattached.append(f"rank{rank}/{name} to node {owner}")
         if not isinstance(size, int) or size < 0:
             actual = eng.ranks[rank].size(name) or 0
-            fixes.append(("UPDATE files SET size=? WHERE rank=? AND name=?", (actual, rank, name)))
+            fixes.append((cat.set_file_size, (rank, name, actual)))
             rep.resized.append(f"rank{rank}/{name}: {size!r} -> {actual}")
     known = {(f[0], f[1]) for f in files}
     reattached: set[tuple[int, int]] = set()  # (node, rank)
@@ -245,20 +245,17 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
                 rank.quarantine(entry)
                 rep.quarantined.append(f"rank{rank.rank}/{entry}")
                 continue
-            fixes.append(("INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-                          "VALUES(?, ?, ?, ?, ?, ?, 'live', NULL)",
-                          (rank.rank, entry, owner, nodes[owner][structure.GEN], *found)))
+            fixes.append((cat.insert_live_file, (rank.rank, entry, owner, nodes[owner][structure.GEN], *found)))
             rep.reattached.append(f"rank{rank.rank}/{entry} to node {owner} (it had no row)")
             reattached.add((owner, rank.rank))
     for rank, name, node, *_rest in files:
         # a live row the re-attached shard displaces names no current shard: garbage
         if (node, rank) in reattached and name not in current:
-            fixes.append(("UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE rank=? AND name=?",
-                          (rank, name)))
+            fixes.append((cat.garbage_file, (rank, name)))
     if fixes:
-        with eng.catalog.txn("recover.reconcile") as c:
-            for stmt, args in fixes:
-                c.execute(stmt, args)
+        with cat.txn("recover.reconcile") as c:
+            for fix, args in fixes:
+                fix(c, *args)
 
 
 def _shard_of(eng: Engine, rank, entry: str, row: tuple) -> tuple[int, str] | None:
@@ -277,7 +274,7 @@ def _shard_of(eng: Engine, rank, entry: str, row: tuple) -> tuple[int, str] | No
 
 def _orphans(eng: Engine, rep: RecoveryReport) -> None:
     known: dict[int, set[str]] = {}
-    for r, name in eng.catalog.query("SELECT rank, name FROM files"):
+    for r, name in eng.catalog.file_names():
         known.setdefault(r, set()).add(name)
     for rank in eng.ranks:
         mine = known.get(rank.rank, set())
@@ -309,12 +306,10 @@ def _orphans(eng: Engine, rep: RecoveryReport) -> None:
 def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
     ranks = eng.layout.ranks
     per_node: dict[int, list[tuple[int, str, int, str]]] = {}
-    for node, r, name, size, ck in eng.catalog.query(
-        "SELECT node, rank, name, size, checksum FROM files WHERE status='live'"
-    ):
+    for node, r, name, size, ck in eng.catalog.all_live_files():
         per_node.setdefault(node, []).append((r, name, size, ck))
     bad, resized = [], []
-    for (nid,) in eng.catalog.query("SELECT id FROM nodes WHERE state='ready'"):
+    for nid in eng.catalog.ready_node_ids():
         files = per_node.get(nid, [])
         ok = len(files) == ranks and {f[0] for f in files} == set(range(ranks))
         if ok:
@@ -332,8 +327,8 @@ def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
             bad.append(nid)
     if bad or resized:
         with eng.catalog.txn("recover.invalidate") as c:
-            c.executemany("UPDATE nodes SET state='damaged' WHERE id=?", [(i,) for i in bad])
-            c.executemany("UPDATE files SET size=? WHERE rank=? AND name=?", resized)
+            eng.catalog.mark_nodes_damaged(c, bad)
+            eng.catalog.set_file_sizes(c, resized)
         rep.damaged.extend(bad)
 
 
