@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine import cachedirs, dirlock, pipeline, readonly, recovery, validate
+from prefixstore.engine import cachedirs, dirlock, pipeline, readonly, recovery, tiering, validate
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog, drop_empty_log, log_files
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
@@ -39,11 +39,8 @@ from prefixstore.engine.errors import (
     InvalidInputError,
     LayoutMismatchError,
     NotACacheError,
-    NotRegularFileError,
     PrefixStoreError,
-    RankUnavailableError,
     ReadOnlyError,
-    ShardError,
     SimulatedCrash,
 )
 from prefixstore.engine.index import Index, Node
@@ -61,7 +58,7 @@ from prefixstore.engine.results import (
     Restored,
     StoreResult,
 )
-from prefixstore.gpu import backings, calibrate, shards
+from prefixstore.gpu import calibrate, tiers, verify
 from prefixstore.gpu.diskroom import LOW_WATER, RESERVE_BYTES, DiskRoom, free_bytes
 from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, FileSystem, OsFS
@@ -258,7 +255,7 @@ class Engine:
             try:
                 self._check_layout()
                 recovery.check_backing(self)
-                self.backing = backings.open_backing(self, backing, ram_bytes)
+                self.backing = tiering.open_backing(self, backing, ram_bytes)
                 self.ranks: list[RankIO] = list(ranks) if ranks is not None else [
                     LocalRank(r, os.path.join(root, rank_dir_name(r)), self.fs, self.hook)
                     for r in range(layout.ranks)
@@ -267,8 +264,7 @@ class Engine:
                 if len(self.ranks) != layout.ranks:
                     raise InvalidInputError(f"{len(self.ranks)} rank executors for {layout.ranks} ranks")
                 self._pool = ThreadPoolExecutor(max_workers=max(1, layout.ranks), thread_name_prefix="rank")
-                self.disk.bind([None if getattr(r, "volatile", False) else getattr(r, "directory", None)
-                                for r in self.ranks], layout.ranks)
+                self.disk.bind(tiering.local_dirs(self.ranks), layout.ranks)
                 self.recovery_report = recovery.recover(self)
                 self._load()
                 self._fit()
@@ -312,9 +308,9 @@ class Engine:
         try:
             self._check_layout()
             recovery.check_structure(self)
-            if (self.catalog.meta(backings.META_KEY) or "disk") != "disk":
+            if (self.catalog.meta(tiers.META_KEY) or "disk") != "disk":
                 raise reason
-            self.backing = backings.open_backing(self, "disk", None)
+            self.backing = tiering.open_backing(self, "disk", None)
             self.ranks = self.backing.bind([LocalRank(r, os.path.join(self.root, rank_dir_name(r)), self.fs, self.hook)
                                             for r in range(self.layout.ranks)], given=False)
             self._pool = ThreadPoolExecutor(max_workers=max(1, self.layout.ranks), thread_name_prefix="rank")
@@ -621,7 +617,7 @@ class Engine:
                 "pending_retries": len(self._pending),
                 "counters": self.counters.snapshot(),
                 "last_decision": self.counters.last_decision,
-                "backing": self.backing.stats(self),
+                "backing": tiering.stats(self),
                 "disk": self.disk.stats(),
                 "read_only": None if self.read_only is None else str(self.read_only),
                 "nodes_unsettled": len(self.unsettled),
@@ -1160,32 +1156,18 @@ class Engine:
 
         def one(r: int) -> str | None:
             name, size, ck = rows[r]
-            try:
-                if r not in deep:
-                    actual = self.ranks[r].size(name)
-                    if actual is None:
-                        return f"rank {r}: shard {name} missing"
-                    return None if actual == size else f"rank {r}: shard {name} is {actual} bytes, catalog says {size}"
-                data = self.ranks[r].read_shard(name)
-            except FileNotFoundError:
-                return f"rank {r}: shard {name} missing"
-            except NotRegularFileError as exc:
-                return f"rank {r}: shard {name} {exc.strerror}"
-            except OSError:
+            got = (verify.stat(self.ranks[r], name, size) if r not in deep
+                   else verify.read(self.ranks[r], name, size, ck))
+            if isinstance(got, verify.Transient):
                 self.counters.inc("faults", "verify")
-                return None
-            if len(data) != size:
-                return f"rank {r}: shard {name} is {len(data)} bytes, catalog says {size}"
-            if shards.checksum(data) != ck:
-                return f"rank {r}: shard {name} altered (checksum mismatch)"
-            return None
+            return f"rank {r}: {got.why}" if isinstance(got, verify.Damage) else None
 
         found = [one(0)] if self.layout.ranks == 1 else list(self._pool.map(one, range(self.layout.ranks)))
         return next((w for w in found if w), None)
 
     def _ranks_down(self) -> list[int]:
         """Ranks whose executor says it cannot serve now (a rank process down)."""
-        return [r for r, rk in enumerate(self.ranks) if not getattr(rk, "available", True)]
+        return tiering.ranks_down(self.ranks)
 
     def _next_generation(self, key: bytes, floor: int) -> int:
         """A generation above ``floor`` and above every file row of ``key``: garbage
@@ -1600,24 +1582,14 @@ class Engine:
 
         def one(r: int):
             name, size, ck = rows[r]
-            try:
-                data = self.ranks[r].read_shard(name)
-            except FileNotFoundError:  # the rank answered: the file is not there
-                return f"rank {r}: shard missing"
-            except NotRegularFileError as exc:  # a symlink, FIFO or device in its place
-                return f"rank {r}: shard {exc.strerror}"
-            except OSError as exc:  # an I/O error or a rank process down: a miss, not damage
-                self.counters.inc("faults", "rank_unavailable" if isinstance(exc, RankUnavailableError) else "read")
+            header = verify.Header(L, tokens, node.has_snapshot, {**meta, "rank": str(r)})
+            got = verify.read(self.ranks[r], name, size, ck, header=header)
+            if isinstance(got, verify.Damage):
+                return f"rank {r}: {got.why}"
+            if isinstance(got, verify.Transient):  # an I/O error or a rank process down: a miss
+                self.counters.inc("faults", "rank_unavailable" if got.unavailable else "read")
                 return None
-            if len(data) != size:
-                return f"rank {r}: shard is {len(data)} bytes, catalog says {size}"
-            if shards.checksum(data) != ck:
-                return f"rank {r}: checksum mismatch"
-            try:
-                segs, sn = shards.decode(data, L, tokens, node.has_snapshot, {**meta, "rank": str(r)})
-            except ShardError as exc:
-                return f"rank {r}: {exc}"
-            return segs, (sn if with_snap else {})
+            return got.segments, (got.snapshot if with_snap else {})
 
         out = [one(0)] if L.ranks == 1 else list(self._pool.map(one, range(L.ranks)))
         for o in out:

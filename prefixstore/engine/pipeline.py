@@ -2,8 +2,8 @@
 
 Store (``stage_store``, used by ``Engine._store``): each rank's tensors are copied by
 the executor straight into a host buffer laid out as the shard file; the checksum is
-taken over that buffer and the file is written from it (``write_shard``), or a RAM
-tier adopts the buffer as its copy. No other host copy is made.
+taken over that buffer and the file is written from it (``write_shard``), or a tier
+that declares ``ADOPTS_BUFFERS`` adopts the buffer as its copy. No other host copy is made.
 
 Asynchronous store (``store_async``): the caller's thread validates, peeks at the
 plan as ``store`` decides it, reserves the parent and the row it refills, and enqueues
@@ -20,8 +20,9 @@ journal rules are unchanged: a crash after the release and before the publish co
 leaves an INTENT (or nothing) that recovery rolls back: the store is simply absent.
 
 Restore (``restore_nodes``): the output tensors are allocated once on the device;
-shards are fetched in order (a RAM-tier buffer is used in place; a file is read by a
-reader thread into a staging buffer and verified there) with up to ``window`` reads
+shards are fetched in order (a RAM-resident buffer is used in place; otherwise a
+reader thread reads the shard from its tier into a staging buffer and verifies it
+there, through ``gpu/verify.py``) with up to ``window`` reads
 in flight, so reading the next shards overlaps uploading the current one; each shard
 is uploaded straight into its slice of the output. A staging buffer returns to the
 pool once its upload completed.
@@ -39,16 +40,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from prefixstore.engine.errors import (
-    EngineClosedError,
-    InvalidInputError,
-    NotRegularFileError,
-    ShardError,
-    SimulatedCrash,
-)
+from prefixstore.engine.errors import EngineClosedError, InvalidInputError, SimulatedCrash
 from prefixstore.engine.results import DUPLICATE, QUEUED, REFUSED, StoreResult
-from prefixstore.gpu import shards
+from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Buffer, Copy, Staged
+from prefixstore.gpu.tier import Capability, has
 from prefixstore.gpu.workers import Worker
 from prefixstore.statemachine.transactions import recovery_direction
 
@@ -164,11 +160,10 @@ def write_shard(eng: Engine, r: int, name: str, d: Any) -> None:
         if not isinstance(d, Staged):
             rank.write_shard(name, d)
             return
-        adopt = getattr(rank, "adopt_shard", None)
-        if adopt is not None:
+        if has(rank, Capability.ADOPTS_BUFFERS):
             d.buffer.retain()  # the tier's reference
             try:
-                adopt(name, d.buffer)
+                rank.adopt_shard(name, d.buffer)  # type: ignore[attr-defined]
             except BaseException:
                 d.buffer.release()
                 raise
@@ -382,71 +377,50 @@ class _Fetched:
 def _fetch(eng: Engine, x: Node, r: int, row: tuple[str, int, str], from_ram: bool) -> Any:
     """One shard as views of a host buffer; a damage string; None on an I/O error.
 
-    ``from_ram``: only look in the rank's RAM tier (the marker ``_NOT_RESIDENT`` when
-    it does not hold the shard); otherwise read the file."""
-    L = eng.layout
+    ``from_ram``: only take the rank's RAM-resident copy (the marker ``_NOT_RESIDENT``
+    when it holds none); otherwise read it from the tier into a staging buffer and
+    verify it there (``gpu/verify.py``), then offer it to a tier that ``PROMOTES``."""
     name, size, ck = row
     rank = eng.ranks[r]
     ex = eng.executor
-    buf = None
-    if from_ram:
-        view = getattr(rank, "view_shard", None)
-        buf = view(name) if view is not None else None
-        if buf is None:
-            return _NOT_RESIDENT
-        if buf.nbytes != size:
-            buf.release()
-            return f"rank {r}: RAM copy is {buf.nbytes} bytes, catalog says {size}"
-    else:
-        buf = ex.pool.acquire(size)
-        try:
-            reader = getattr(rank, "read_shard_into", None)
-            if reader is not None:
-                got = reader(name, buf.mv())
-                if getattr(rank, "copies_on_read", False):
-                    ex.stats.host_copy(min(got, size))
-            else:
-                data = rank.read_shard(name)
-                got = len(data)
-                buf.mv()[: min(got, size)] = memoryview(data)[:size]
-                ex.stats.host_copy(min(got, size))
-        except FileNotFoundError:
-            buf.release()
-            return f"rank {r}: shard missing"
-        except NotRegularFileError as exc:
-            buf.release()
-            return f"rank {r}: shard {exc.strerror}"
-        except OSError:
-            buf.release()
-            eng.counters.inc("faults", "read")
-            return None
-        ex.stats.add(tier_read_bytes=min(got, size))
-        if got != size:
-            buf.release()
-            return f"rank {r}: shard is {got} bytes, catalog says {size}"
-        if shards.checksum(buf.mv()) != ck:
-            buf.release()
-            return f"rank {r}: checksum mismatch"
-    # A RAM-tier buffer is immutable while held: its header is validated once.
-    key = (name, size, ck, x.start, x.end, x.has_snapshot, r)
+    got = (verify.resident(rank, name, size) if from_ram
+           else verify.read(rank, name, size, ck, pool=ex.pool, stats=ex.stats))
+    if got is None:
+        return _NOT_RESIDENT
+    if isinstance(got, verify.Transient):
+        eng.counters.inc("faults", "read")
+        return None
+    if isinstance(got, verify.Damage):
+        return f"rank {r}: {got.why}"
+    buf = got.buffer
+    assert buf is not None
+    parsed = _parsed(eng, x, r, row, buf)
+    if isinstance(parsed, verify.Damage):
+        buf.release()
+        return f"rank {r}: {parsed.why}"
+    if not from_ram and has(rank, Capability.PROMOTES):
+        rank.promote(name, buf)  # type: ignore[attr-defined]
+    return _Fetched(parsed[0], parsed[1], buf)
+
+
+def _parsed(eng: Engine, x: Node, r: int, row: tuple[str, int, str], buf: Buffer) -> Any:
+    """(segment offsets, snapshot views) of the verified shard in ``buf``, its header
+    checked; a ``Damage`` when it names another shard. A RAM-tier buffer is immutable
+    while held: its header is validated once (the result is kept on the buffer)."""
+    L = eng.layout
+    key = (*row, x.start, x.end, x.has_snapshot, r)
     cached = buf.parsed
     if cached is not None and cached[0] == key:
-        offs, snap = cached[1], cached[2]
-    else:
-        meta = {**eng._shard_meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
-        try:
-            segs, snap = shards.parse(buf.view(), L, x.blocks * L.block_tokens, x.has_snapshot, meta)
-        except ShardError as exc:
-            buf.release()
-            return f"rank {r}: {exc}"
-        base = buf.tensor.data_ptr()
-        offs = {n: v.data_ptr() - base for n, v in segs.items()}
-        buf.parsed = (key, offs, snap)
-    if not from_ram:
-        promote = getattr(rank, "promote", None)
-        if promote is not None:
-            promote(name, buf)
-    return _Fetched(offs, snap, buf)
+        return cached[1], cached[2]
+    meta = {**eng._shard_meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
+    got = verify.parse_header(buf, verify.Header(L, x.blocks * L.block_tokens, x.has_snapshot, meta))
+    if isinstance(got, verify.Damage):
+        return got
+    segs, snap = got
+    base = buf.tensor.data_ptr()
+    offs = {n: v.data_ptr() - base for n, v in segs.items()}
+    buf.parsed = (key, offs, snap)
+    return offs, snap
 
 
 _NOT_RESIDENT = object()
