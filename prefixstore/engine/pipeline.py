@@ -438,106 +438,124 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
     caches); the others are read by reader threads, ``window`` at a time ahead of the
     uploads, in order.
     """
-    L = eng.layout
-    ex = eng.executor
-    tr = eng.transfers
-    bt = L.block_tokens
-    end = nodes[-1]
     t0 = time.perf_counter()
-    all_ranks = set(range(L.ranks))
+    all_ranks = set(range(eng.layout.ranks))
     for x in nodes:
         if rows[x.id].keys() != all_ranks:
             return Damage(x, f"shards recorded on ranks {sorted(rows[x.id])}")
-    # chunk: (node, rank, file row, output row, rows cut, rows copied)
-    chunks: list[tuple[Node, int, tuple, int, int, int]] = []
-    off = 0
-    for x in nodes:
-        cut = max(0, match.gpu_blocks - x.start) * bt  # rows the GPU holds already
-        ntok = (min(x.end, match.blocks) - x.start) * bt - cut  # a partial hit stops inside x
-        chunks += [(x, r, rows[x.id][r], off, cut, ntok) for r in range(L.ranks)]
-        off += ntok
-    seg_rows = [(s.name, s.nbytes) for s in L.segments]  # bytes per token row
-    got: list[Any] = [_fetch(eng, x, r, row, True) for x, r, row, _, _, _ in chunks]
-    missing = [i for i, g in enumerate(got) if g is _NOT_RESIDENT]
-    move = move_cpu = 0.0  # wall and this thread's CPU seconds spent moving bytes
-    moved = copies = 0
-    clock, cpu = time.perf_counter, time.thread_time
-    snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
-    try:
-        for g, (x, _, _, _, _, _) in zip(got, chunks, strict=True):
-            if isinstance(g, str):  # a RAM copy failed its check
-                return Damage(x, g)
-        with ex.gate.foreground():
-            outs = [{s.name: ex.empty((off, *s.shape), s.torch_dtype) for s in L.segments} for _ in range(L.ranks)]
-            flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
-            nxt = 0
+    run = _Restore(eng, nodes, rows, match)
+    outs = run.run()
+    if outs is None or isinstance(outs, Damage):
+        return outs
+    eng.transfers.last_restore = {"total_s": time.perf_counter() - t0, "move_s": run.move,
+                                  "move_cpu_s": run.move_cpu, "bytes": run.moved, "chunks": len(run.chunks)}
+    return outs, run.snaps, len(run.chunks)
 
-            def read_next() -> None:
-                nonlocal nxt
-                i = missing[nxt]
-                x, r, row = chunks[i][:3]
-                got[i] = tr.readers.submit(_fetch, eng, x, r, row, False)
-                nxt += 1
 
-            while nxt < min(tr.window, len(missing)):
-                read_next()
-            ex.begin_uploads()
-            ready: list[tuple[int, _Fetched]] = []  # fetched, not yet uploaded
+class _Restore:
+    """One restore's chunks, fetches and uploads (``restore_nodes``).
 
-            def upload_ready() -> None:
-                """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""
-                nonlocal move, move_cpu, moved, copies
-                ops = []  # each node's rows land in their slice of the output
-                for i, item in ready:
-                    x, r, _, o, cut, ntok = chunks[i]
-                    src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
-                    ops += [(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb) for name, rb in seg_rows]
-                tu, cu = clock(), cpu()
-                ex.upload_batch(ops)
-                moved += sum(op[4] for op in ops)
-                copies += len(ops)
-                for i, item in ready:
-                    x, r = chunks[i][:2]
-                    if x is end and L.has_snapshot:
-                        for s in L.snapshots:
-                            t = ex.empty(tuple(s.shape), s.torch_dtype)
-                            ex.upload(t, item.snap[s.name])
-                            snaps[r][s.name] = t
-                            moved += t.numel() * t.element_size()
-                fence = ex.record()
-                for i, item in ready:
-                    got[i] = None
-                    item.buffer.release(after=fence)
-                ready.clear()
-                move += clock() - tu
-                move_cpu += cpu() - cu
+    A chunk is (node, rank, file row, output row, rows cut, rows copied): the rows the
+    GPU holds already are cut, and a partial hit stops inside the last node.
+    """
 
-            for i, (x, _, _, _, _, _) in enumerate(chunks):
-                item = got[i]
-                if item.__class__ is Future:
-                    upload_ready()  # what is here moves while the read completes
-                    tw = clock()
-                    item = got[i] = item.result()
-                    move += clock() - tw
-                    if nxt < len(missing):
-                        read_next()
-                if item.__class__ is not _Fetched:
-                    return Damage(x, item) if isinstance(item, str) else None
-                ready.append((i, item))
-            upload_ready()
-            tf, cf = clock(), cpu()
-            ex.finish_uploads()
-            move += clock() - tf
-            move_cpu += cpu() - cf
-    finally:
-        for item in got:
-            if item is not None:
-                _discard(item)
-        seg_bytes = moved - sum(t.numel() * t.element_size() for s in snaps for t in s.values())
-        ex.stats.add(h2d_bytes=seg_bytes, h2d_copies=copies)
-    tr.last_restore = {"total_s": time.perf_counter() - t0, "move_s": move, "move_cpu_s": move_cpu,
-                       "bytes": moved, "chunks": len(chunks)}
-    return outs, snaps, len(chunks)
+    def __init__(self, eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match) -> None:
+        L = eng.layout
+        bt = L.block_tokens
+        self.eng, self.end = eng, nodes[-1]
+        self.chunks: list[tuple[Node, int, tuple, int, int, int]] = []
+        off = 0
+        for x in nodes:
+            cut = max(0, match.gpu_blocks - x.start) * bt
+            ntok = (min(x.end, match.blocks) - x.start) * bt - cut
+            self.chunks += [(x, r, rows[x.id][r], off, cut, ntok) for r in range(L.ranks)]
+            off += ntok
+        self.rows_out = off
+        self.seg_rows = [(s.name, s.nbytes) for s in L.segments]  # bytes per token row
+        self.got: list[Any] = [_fetch(eng, x, r, row, True) for x, r, row, _, _, _ in self.chunks]
+        self.missing = [i for i, g in enumerate(self.got) if g is _NOT_RESIDENT]
+        self.move = self.move_cpu = 0.0  # wall and this thread's CPU seconds spent moving bytes
+        self.moved = self.copies = 0
+        self.snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
+        self.flats: list[dict[str, Any]] = []
+        self.ready: list[tuple[int, _Fetched]] = []  # fetched, not yet uploaded
+        self.nxt = 0
+
+    def run(self) -> Any:
+        """The output tensors per rank, a ``Damage``, or None (a transient error)."""
+        eng, ex, L = self.eng, self.eng.executor, self.eng.layout
+        got, clock, cpu = self.got, time.perf_counter, time.thread_time
+        try:
+            for g, (x, _, _, _, _, _) in zip(got, self.chunks, strict=True):
+                if isinstance(g, str):  # a RAM copy failed its check
+                    return Damage(x, g)
+            with ex.gate.foreground():
+                outs = [{s.name: ex.empty((self.rows_out, *s.shape), s.torch_dtype) for s in L.segments}
+                        for _ in range(L.ranks)]
+                self.flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
+                while self.nxt < min(eng.transfers.window, len(self.missing)):
+                    self.read_next()
+                ex.begin_uploads()
+                for i, (x, _, _, _, _, _) in enumerate(self.chunks):
+                    item = got[i]
+                    if item.__class__ is Future:
+                        self.upload_ready()  # what is here moves while the read completes
+                        tw = clock()
+                        item = got[i] = item.result()
+                        self.move += clock() - tw
+                        if self.nxt < len(self.missing):
+                            self.read_next()
+                    if item.__class__ is not _Fetched:
+                        return Damage(x, item) if isinstance(item, str) else None
+                    self.ready.append((i, item))
+                self.upload_ready()
+                tf, cf = clock(), cpu()
+                ex.finish_uploads()
+                self.move += clock() - tf
+                self.move_cpu += cpu() - cf
+        finally:
+            for item in got:
+                if item is not None:
+                    _discard(item)
+            seg_bytes = self.moved - sum(t.numel() * t.element_size() for s in self.snaps for t in s.values())
+            ex.stats.add(h2d_bytes=seg_bytes, h2d_copies=self.copies)
+        return outs
+
+    def read_next(self) -> None:
+        i = self.missing[self.nxt]
+        x, r, row = self.chunks[i][:3]
+        self.got[i] = self.eng.transfers.readers.submit(_fetch, self.eng, x, r, row, False)
+        self.nxt += 1
+
+    def upload_ready(self) -> None:
+        """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""
+        ex, L, chunks, flats, seg_rows = self.eng.executor, self.eng.layout, self.chunks, self.flats, self.seg_rows
+        clock, cpu = time.perf_counter, time.thread_time
+        ops = []  # each node's rows land in their slice of the output
+        for i, item in self.ready:
+            x, r, _, o, cut, ntok = chunks[i]
+            src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
+            ops += [(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb) for name, rb in seg_rows]
+        tu, cu = clock(), cpu()
+        ex.upload_batch(ops)
+        moved = sum(op[4] for op in ops)
+        self.copies += len(ops)
+        for i, item in self.ready:
+            x, r = chunks[i][:2]
+            if x is self.end and L.has_snapshot:
+                for s in L.snapshots:
+                    t = ex.empty(tuple(s.shape), s.torch_dtype)
+                    ex.upload(t, item.snap[s.name])
+                    self.snaps[r][s.name] = t
+                    moved += t.numel() * t.element_size()
+        self.moved += moved
+        fence = ex.record()
+        for i, item in self.ready:
+            self.got[i] = None
+            item.buffer.release(after=fence)
+        self.ready.clear()
+        self.move += clock() - tu
+        self.move_cpu += cpu() - cu
 
 
 def _discard(item: Any) -> None:
