@@ -234,72 +234,106 @@ def store_async(
     valid: Callable[[], bool] | None,
 ) -> StoreTicket:
     """Stage the checkpoint now, commit it on the commit worker (see module doc)."""
-    from prefixstore.engine import spans
-    from prefixstore.engine.core import _Pending, _Plan
-
     segs, snaps = eng._check_store_input(prefix, segments, snapshot, tokens_from, valid)
-    L = eng.layout
-    bt = L.block_tokens
-    n = len(prefix)
     tr = eng.transfers
     with eng._guard():
         with eng._lock:
-            # The decisions store() takes, in its order: bad tokens_from, a compact-replace
-            # (split, republish), then the ordinary plan.
-            spans.check_tokens_from(eng, prefix, tokens_from)
-            plan = None if spans.route(eng, prefix, tokens_from) else eng._plan(prefix)
-            if isinstance(plan, StoreResult) and plan.status == DUPLICATE:
-                eng._count_store(plan)
-                return StoreTicket.finished(plan)
-            if isinstance(plan, _Plan):
-                start = plan.start
-                gen = eng._next_generation(prefix.keys[-1], plan.existing.generation if plan.existing else 0)
-                if tokens_from > start * bt:
-                    raise InvalidInputError(
-                        f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
-                    )
-                # Reserved while queued; the job's own fences once it runs (passed to _store).
-                held = [x.id for x in (plan.parent, plan.existing) if x is not None]
-                first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
-            else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
-                start, gen, held = tokens_from // bt, 1, []
-                first = start
-            for nid in held:
-                eng._fences[nid] += 1
-                eng._reserved[nid] += 1
-        key = prefix.keys[-1]
-        # Staged from ``first``: the rows of damaged ancestors the commit refills, too
-        # (then the plan's shard is staged again at the commit, from these host rows).
-        meta = eng._shard_meta(key, gen, first, n, L.has_snapshot)
-        lo, hi = first * bt - tokens_from, n * bt - tokens_from
-        staged: list[Staged] = []
-        cleaned = threading.Lock()  # a failed staging, the job's finally, or its cancellation: once
-        started = threading.Event()  # the job runs: its reservations are fences of its transaction
-
-        def cleanup() -> None:
-            if cleaned.acquire(blocking=False):
-                release(staged)
-                _unfence(eng, held, reserved=not started.is_set())
-                tr._slots.release()
-
+            peek = _peek(eng, prefix, tokens_from)
+        if isinstance(peek, StoreTicket):
+            return peek
+        gen, held, first = peek
+        job = _QueuedStore(eng, prefix, snaps is not None, valid, first, held)
         tr._slots.acquire()
         try:
-            for r in range(L.ranks):
-                tensors = {f"seg.{k}": v[lo:hi] for k, v in segs[r].items()}
-                if snaps is not None:
-                    tensors.update({f"snap.{k}": v for k, v in snaps[r].items()})
-                plan_r = shards.plan_for_layout(L, hi - lo, L.has_snapshot, {**meta, "rank": str(r)})
-                staged.append(eng.executor.stage(plan_r, tensors, background=True))
+            job.stage(gen, segs, snaps, tokens_from)
         except BaseException:
-            cleanup()
+            job.cleanup()
             raise
-    released = staged[0].copy
-    for s in staged[1:]:
+    released = job.staged[0].copy
+    for s in job.staged[1:]:
         released = released + s.copy
+    try:
+        fut = tr.commit.submit(job.run)
+    except RuntimeError as exc:  # the worker stopped: the engine closed or died meanwhile
+        job.cleanup()
+        raise EngineClosedError("the engine closed before this store was queued") from exc
+    # Cancelled unrun (the engine closed at once, or died): its buffers, fences and slot go back.
+    fut.add_done_callback(lambda f: job.cleanup() if f.cancelled() else None)
+    return StoreTicket(released, fut)
 
-    def job() -> StoreResult:
+
+def _peek(eng: Engine, prefix: Any, tokens_from: int) -> StoreTicket | tuple[int, list[int], int]:
+    """The plan ``store`` would take now (caller holds the engine lock): a finished
+    ticket for a duplicate, else (generation, node ids reserved, first block staged)."""
+    from prefixstore.engine import spans
+    from prefixstore.engine.core import _Plan
+
+    bt = eng.layout.block_tokens
+    # The decisions store() takes, in its order: bad tokens_from, a compact-replace
+    # (split, republish), then the ordinary plan.
+    spans.check_tokens_from(eng, prefix, tokens_from)
+    plan = None if spans.route(eng, prefix, tokens_from) else eng._plan(prefix)
+    if isinstance(plan, StoreResult) and plan.status == DUPLICATE:
+        eng._count_store(plan)
+        return StoreTicket.finished(plan)
+    if isinstance(plan, _Plan):
+        start = plan.start
+        gen = eng._next_generation(prefix.keys[-1], plan.existing.generation if plan.existing else 0)
+        if tokens_from > start * bt:
+            raise InvalidInputError(
+                f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
+            )
+        # Reserved while queued; the job's own fences once it runs (passed to _store).
+        held = [x.id for x in (plan.parent, plan.existing) if x is not None]
+        first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
+    else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
+        gen, held, first = 1, [], tokens_from // bt
+    for nid in held:
+        eng._fences[nid] += 1
+        eng._reserved[nid] += 1
+    return gen, held, first
+
+
+class _QueuedStore:
+    """An asynchronous store between its staging and its commit: its staged shards,
+    its reservations (fences once it runs) and its slot, given back once."""
+
+    def __init__(self, eng: Engine, prefix: Any, with_snap: bool, valid: Callable[[], bool] | None,
+                 first: int, held: list[int]) -> None:
+        self.eng, self.prefix, self.with_snap, self.valid = eng, prefix, with_snap, valid
+        self.first, self.held = first, held
+        self.staged: list[Staged] = []
+        self.cleaned = threading.Lock()  # a failed staging, the job's finally, or its cancellation: once
+        self.started = threading.Event()  # the job runs: its reservations are fences of its transaction
+
+    def stage(self, gen: int, segs: Any, snaps: Any, tokens_from: int) -> None:
+        """Start the device to host copies of every rank's shard. Staged from ``first``:
+        the rows of damaged ancestors the commit refills, too (then the plan's shard is
+        staged again at the commit, from these host rows)."""
+        eng, L = self.eng, self.eng.layout
+        bt, n = L.block_tokens, len(self.prefix)
+        meta = eng._shard_meta(self.prefix.keys[-1], gen, self.first, n, L.has_snapshot)
+        lo, hi = self.first * bt - tokens_from, n * bt - tokens_from
+        for r in range(L.ranks):
+            tensors = {f"seg.{k}": v[lo:hi] for k, v in segs[r].items()}
+            if snaps is not None:
+                tensors.update({f"snap.{k}": v for k, v in snaps[r].items()})
+            plan_r = shards.plan_for_layout(L, hi - lo, L.has_snapshot, {**meta, "rank": str(r)})
+            self.staged.append(eng.executor.stage(plan_r, tensors, background=True))
+
+    def cleanup(self) -> None:
+        if self.cleaned.acquire(blocking=False):
+            release(self.staged)
+            _unfence(self.eng, self.held, reserved=not self.started.is_set())
+            self.eng.transfers._slots.release()
+
+    def run(self) -> StoreResult:
+        """The commit worker's job: the ordinary journaled store of the staged bytes."""
+        from prefixstore.engine.core import _Pending
+
+        eng, staged, bt = self.eng, self.staged, self.eng.layout.block_tokens
         try:
-            _start(eng, held, started)
+            _start(eng, self.held, self.started)
             with eng._guard():
                 ex = eng.executor
                 for s in staged:
@@ -308,27 +342,19 @@ def store_async(
                 views = [s.tensors() for s in staged]
                 host_segs = [{k[4:]: v for k, v in vw.items() if k.startswith("seg.")} for vw in views]
                 host_snaps = ([{k[5:]: v for k, v in vw.items() if k.startswith("snap.")} for vw in views]
-                              if snaps is not None else None)
-                res = eng._store(prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(held))
-                if res.status == REFUSED and valid is not None:
+                              if self.with_snap else None)
+                res = eng._store(self.prefix, host_segs, host_snaps, self.first * bt, staged=staged,
+                                 held=frozenset(self.held))
+                if res.status == REFUSED and self.valid is not None:
                     for s in staged:
                         s.detach()  # the queued retry keeps views of these buffers
-                    eng._enqueue(_Pending(prefix, host_segs, host_snaps, first * bt, valid))
+                    eng._enqueue(_Pending(self.prefix, host_segs, host_snaps, self.first * bt, self.valid))
                     res = attrs.evolve(res, status=QUEUED)
                 if res.ok:
-                    tr.schedule_retry(eng)
+                    eng.transfers.schedule_retry(eng)
                 return res
         finally:
-            cleanup()
-
-    try:
-        fut = tr.commit.submit(job)
-    except RuntimeError as exc:  # the worker stopped: the engine closed or died meanwhile
-        cleanup()
-        raise EngineClosedError("the engine closed before this store was queued") from exc
-    # Cancelled unrun (the engine closed at once, or died): its buffers, fences and slot go back.
-    fut.add_done_callback(lambda f: cleanup() if f.cancelled() else None)
-    return StoreTicket(released, fut)
+            self.cleanup()
 
 
 def _start(eng: Engine, ids: list[int], started: threading.Event) -> None:
