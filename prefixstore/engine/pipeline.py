@@ -266,7 +266,6 @@ def _peek(eng: Engine, prefix: Any, tokens_from: int) -> StoreTicket | tuple[int
     """The plan ``store`` would take now (caller holds the engine lock): a finished
     ticket for a duplicate, else (generation, node ids reserved, first block staged)."""
     from prefixstore.engine import spans
-    from prefixstore.engine.core import _Plan
 
     bt = eng.layout.block_tokens
     # The decisions store() takes, in its order: bad tokens_from, a compact-replace
@@ -276,7 +275,7 @@ def _peek(eng: Engine, prefix: Any, tokens_from: int) -> StoreTicket | tuple[int
     if isinstance(plan, StoreResult) and plan.status == DUPLICATE:
         eng._count_store(plan)
         return StoreTicket.finished(plan)
-    if isinstance(plan, _Plan):
+    if plan is not None and not isinstance(plan, StoreResult):  # a plan: a new node or a refill
         start = plan.start
         gen = eng._next_generation(prefix.keys[-1], plan.existing.generation if plan.existing else 0)
         if tokens_from > start * bt:
