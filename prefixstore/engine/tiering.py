@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from prefixstore.engine.errors import InvalidInputError
-from prefixstore.gpu import shards, tiers
+from prefixstore.gpu import tiers, verify
 from prefixstore.gpu.tier import Backing, Capability, Tier, TierOptions, has
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def audit(eng: Engine, rep: AuditReport, checksums: bool) -> None:
         size, ck, status = row
         if buf.nbytes != size:
             rep.add(3, f"RAM tier holds rank{r}/{name} as {buf.nbytes} bytes, catalog says {size}")
-        elif checksums and status == "live" and ck and shards.checksum(buf.mv()) != ck:
+        elif checksums and status == "live" and ck and verify.problem(buf.mv(), None, ck) is not None:
             rep.add(1, f"RAM tier copy of rank{r}/{name} fails its checksum")
     if total != tier.used:
         rep.add(3, f"RAM tier counts {tier.used} used bytes, its shards sum to {total}")
