@@ -59,7 +59,7 @@ from urllib.parse import quote
 
 import attrs
 
-from prefixstore.engine import dirlock
+from prefixstore.engine import dirlock, tiering
 from prefixstore.engine import structure as S
 from prefixstore.engine.cachedirs import own_dir_problems
 from prefixstore.engine.catalog import (
@@ -74,10 +74,9 @@ from prefixstore.engine.errors import (
     NotACacheError,
     NotRegularFileError,
     SchemaVersionError,
-    ShardError,
 )
 from prefixstore.engine.layout import Layout
-from prefixstore.gpu import shards
+from prefixstore.gpu import shards, verify
 from prefixstore.gpu.diskroom import RESERVE_NAME
 from prefixstore.gpu.fileio import open_regular, read_fd
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
@@ -318,7 +317,7 @@ def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
     """Audit a live engine's directory plus its in-memory state (caller holds its lock)."""
     rep = audit_dir(
         eng.root,
-        rank_dirs=[r if getattr(r, "volatile", False) else getattr(r, "directory", "") for r in eng.ranks],
+        rank_dirs=tiering.audit_dirs(eng.ranks),
         checksums=checksums,
         quiescent=not eng._fences,
         live=eng.read_only is None,  # a read-only engine never writes: read as at rest, creating nothing
@@ -337,9 +336,7 @@ def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
     for n in gone:
         rep.add(6, f"node {n} is pinned or fenced but no longer in the index")
     rep.checked[6] = f"{len(held)} pinned or fenced nodes, all still indexed" if not gone else f"{len(held)} held"
-    backing = getattr(eng, "backing", None)
-    if backing is not None:
-        backing.audit(eng, rep, checksums)  # the RAM tier's own accounting (invariant 3)
+    tiering.audit(eng, rep, checksums)  # the RAM tier's own accounting (invariant 3)
     return rep
 
 
@@ -721,7 +718,7 @@ def _ready_nodes(
                 break
             if checksums:
                 why = (verify_shard(layout, os.path.join(dirs[r], name), r, row, ck) if isinstance(dirs[r], str)
-                       else verify_bytes(layout, dirs[r].read_shard(name), r, row, ck))
+                       else _tier_problem(dirs[r], name, size, ck, _header(layout, r, row)))
                 if why is not None:
                     rep.add(1, f"node {nid} rank {r}: {why}", ("unreadable", nid, row[S.GEN], r, name))
                     break
@@ -831,13 +828,18 @@ def verify_shard(layout: Layout, path: str, rank: int, row: Sequence, ck: str | 
 
 def verify_bytes(layout: Layout, data: bytes, rank: int, row: Sequence, ck: str | None) -> str | None:
     """Checksum and header check of one shard's bytes (None when they pass)."""
-    if shards.checksum(data) != ck:
-        return "checksum mismatch"
+    return verify.problem(data, None, ck, _header(layout, rank, row))
+
+
+def _header(layout: Layout, rank: int, row: Sequence) -> verify.Header:
+    """What the header of node ``row``'s shard on ``rank`` must say."""
     start, end, has_snap = row[S.START], row[S.END], bool(row[S.HAS_SNAP])
     meta = {"key": bytes(row[S.KEY]).hex(), "generation": str(row[S.GEN]), "start": str(start),
             "end": str(end), "snapshot": "1" if has_snap else "0", "rank": str(rank)}
-    try:
-        shards.decode(data, layout, (end - start) * layout.block_tokens, has_snap, meta)
-    except ShardError as exc:
-        return str(exc)
-    return None
+    return verify.Header(layout, (end - start) * layout.block_tokens, has_snap, meta)
+
+
+def _tier_problem(tier: Any, name: str, size: int, ck: str, header: verify.Header) -> str | None:
+    """Why the shard ``name`` read from a (volatile) tier fails verification, or None."""
+    got = verify.read(tier, name, size, ck, header=header)
+    return None if isinstance(got, verify.Shard) else got.why

@@ -25,6 +25,7 @@ from prefixstore.engine import (
     recovery,
     space,
     stats,
+    tiering,
 )
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog, drop_empty_log, log_files
 from prefixstore.engine.counters import Counters, log
@@ -42,7 +43,7 @@ from prefixstore.engine.errors import (
 )
 from prefixstore.engine.index import Index
 from prefixstore.engine.layout import Layout
-from prefixstore.gpu import backings
+from prefixstore.gpu import tiers
 from prefixstore.gpu.diskroom import LOW_WATER, DiskRoom, free_bytes
 from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, OsFS
@@ -206,7 +207,7 @@ def open_effects(eng: Engine, o: Options) -> None:
     layout = eng.layout
     check_layout(eng)
     recovery.check_backing(eng)
-    eng.backing = backings.open_backing(eng, o.backing, o.ram_bytes)
+    eng.backing = tiering.open_backing(eng, o.backing, o.ram_bytes)
     eng.ranks = list(o.ranks) if o.ranks is not None else [
         LocalRank(r, os.path.join(eng.root, rank_dir_name(r)), eng.fs, eng.hook) for r in range(layout.ranks)
     ]
@@ -214,8 +215,7 @@ def open_effects(eng: Engine, o: Options) -> None:
     if len(eng.ranks) != layout.ranks:
         raise InvalidInputError(f"{len(eng.ranks)} rank executors for {layout.ranks} ranks")
     eng._pool = ThreadPoolExecutor(max_workers=max(1, layout.ranks), thread_name_prefix="rank")
-    eng.disk.bind([None if getattr(r, "volatile", False) else getattr(r, "directory", None)
-                   for r in eng.ranks], layout.ranks)
+    eng.disk.bind(tiering.local_dirs(eng.ranks), layout.ranks)
     eng.recovery_report = recovery.recover(eng)
     loading.load(eng)
     fit(eng)
@@ -263,9 +263,9 @@ def open_read_only(eng: Engine, reason: DiskFullError, bandwidth: Any, logs: fro
     try:
         check_layout(eng)
         recovery.check_structure(eng)
-        if (eng.catalog.meta(backings.META_KEY) or "disk") != "disk":
+        if (eng.catalog.meta(tiers.META_KEY) or "disk") != "disk":
             raise reason
-        eng.backing = backings.open_backing(eng, "disk", None)
+        eng.backing = tiering.open_backing(eng, "disk", None)
         eng.ranks = eng.backing.bind([LocalRank(r, os.path.join(eng.root, rank_dir_name(r)), eng.fs, eng.hook)
                                       for r in range(eng.layout.ranks)], given=False)
         eng._pool = ThreadPoolExecutor(max_workers=max(1, eng.layout.ranks), thread_name_prefix="rank")

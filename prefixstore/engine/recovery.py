@@ -51,8 +51,9 @@ from prefixstore.engine.errors import (
     CatalogCorruptError,
     PrefixStoreError,
 )
-from prefixstore.gpu import shards
+from prefixstore.gpu import shards, verify
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
+from prefixstore.gpu.tier import Capability, has
 from prefixstore.statemachine.transactions import MACHINES, recovery_direction
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
         if owner is not None and structure.misowned(owner, nodes, f):
             reattached.add((owner, f[0]))
     for rank in eng.ranks:
-        if getattr(rank, "volatile", False):
+        if has(rank, Capability.VOLATILE):
             continue
         for entry in rank.listdir():
             owner = current.get(entry)
@@ -261,9 +262,8 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
 def _shard_of(eng: Engine, rank, entry: str, row: tuple) -> tuple[int, str] | None:
     """(size, checksum) of ``entry`` when it is a regular file whose bytes verify as node
     ``row``'s shard on ``rank`` (header: key, generation, span, rank; the layout), else None."""
-    is_file = getattr(rank, "is_file", None)
     try:
-        if is_file is not None and not is_file(entry):
+        if has(rank, Capability.LOCAL_FILES) and not rank.is_file(entry):
             return None
         data = rank.read_shard(entry)
     except OSError:
@@ -282,8 +282,7 @@ def _orphans(eng: Engine, rep: RecoveryReport) -> None:
         for entry in rank.listdir():
             if entry in mine:
                 continue
-            is_file = getattr(rank, "is_file", None)
-            if is_file is not None and not is_file(entry):
+            if has(rank, Capability.LOCAL_FILES) and not rank.is_file(entry):
                 # a directory, link or device named like anything: never unlink, move it aside
                 rank.quarantine(entry)
                 rep.quarantined.append(f"rank{rank.rank}/{entry}")
@@ -334,8 +333,4 @@ def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
 
 def _matches(rank, name: str, size: int, ck: str | None) -> bool:
     """Whether ``name`` on ``rank`` reads as ``size`` bytes with checksum ``ck``."""
-    try:
-        data = rank.read_shard(name)
-    except OSError:
-        return False
-    return len(data) == size and ck is not None and shards.checksum(data) == ck
+    return ck is not None and isinstance(verify.read(rank, name, size, ck), verify.Shard)

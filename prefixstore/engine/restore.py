@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prefixstore.engine import health, holds, lookup, pipeline, recency
-from prefixstore.engine.errors import NotRegularFileError, RankUnavailableError, ShardError
 from prefixstore.engine.index import Node
 from prefixstore.engine.results import Match, Restored
-from prefixstore.gpu import shards
+from prefixstore.gpu import shards, verify
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -92,24 +91,14 @@ def read_node(eng: Engine, node: Node, rows: FileRows, with_snap: bool):
 
     def one(r: int):
         name, size, ck = rows[r]
-        try:
-            data = eng.ranks[r].read_shard(name)
-        except FileNotFoundError:  # the rank answered: the file is not there
-            return f"rank {r}: shard missing"
-        except NotRegularFileError as exc:  # a symlink, FIFO or device in its place
-            return f"rank {r}: shard {exc.strerror}"
-        except OSError as exc:  # an I/O error or a rank process down: a miss, not damage
-            eng.counters.inc("faults", "rank_unavailable" if isinstance(exc, RankUnavailableError) else "read")
+        header = verify.Header(L, tokens, node.has_snapshot, {**meta, "rank": str(r)})
+        got = verify.read(eng.ranks[r], name, size, ck, header=header)
+        if isinstance(got, verify.Damage):
+            return f"rank {r}: {got.why}"
+        if isinstance(got, verify.Transient):  # an I/O error or a rank process down: a miss
+            eng.counters.inc("faults", "rank_unavailable" if got.unavailable else "read")
             return None
-        if len(data) != size:
-            return f"rank {r}: shard is {len(data)} bytes, catalog says {size}"
-        if shards.checksum(data) != ck:
-            return f"rank {r}: checksum mismatch"
-        try:
-            segs, sn = shards.decode(data, L, tokens, node.has_snapshot, {**meta, "rank": str(r)})
-        except ShardError as exc:
-            return f"rank {r}: {exc}"
-        return segs, (sn if with_snap else {})
+        return got.segments, (got.snapshot if with_snap else {})
 
     out = [one(0)] if L.ranks == 1 else list(eng._pool.map(one, range(L.ranks)))
     for o in out:
@@ -128,25 +117,11 @@ def verify_shards(eng: Engine, rows: FileRows, deep: set[int]) -> str | None:
 
     def one(r: int) -> str | None:
         name, size, ck = rows[r]
-        try:
-            if r not in deep:
-                actual = eng.ranks[r].size(name)
-                if actual is None:
-                    return f"rank {r}: shard {name} missing"
-                return None if actual == size else f"rank {r}: shard {name} is {actual} bytes, catalog says {size}"
-            data = eng.ranks[r].read_shard(name)
-        except FileNotFoundError:
-            return f"rank {r}: shard {name} missing"
-        except NotRegularFileError as exc:
-            return f"rank {r}: shard {name} {exc.strerror}"
-        except OSError:
+        got = (verify.stat(eng.ranks[r], name, size) if r not in deep
+               else verify.read(eng.ranks[r], name, size, ck))
+        if isinstance(got, verify.Transient):
             eng.counters.inc("faults", "verify")
-            return None
-        if len(data) != size:
-            return f"rank {r}: shard {name} is {len(data)} bytes, catalog says {size}"
-        if shards.checksum(data) != ck:
-            return f"rank {r}: shard {name} altered (checksum mismatch)"
-        return None
+        return f"rank {r}: {got.why}" if isinstance(got, verify.Damage) else None
 
     found = [one(0)] if eng.layout.ranks == 1 else list(eng._pool.map(one, range(eng.layout.ranks)))
     return next((w for w in found if w), None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from prefixstore.engine import tiering
+
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
 
@@ -28,7 +30,7 @@ def collect(eng: Engine) -> dict[str, Any]:
         "pending_retries": len(eng._pending),
         "counters": eng.counters.snapshot(),
         "last_decision": eng.counters.last_decision,
-        "backing": eng.backing.stats(eng),
+        "backing": tiering.stats(eng),
         "disk": eng.disk.stats(),
         "read_only": None if eng.read_only is None else str(eng.read_only),
         "nodes_unsettled": len(eng.unsettled),

@@ -19,6 +19,7 @@ from prefixstore.engine import (
     restore,
     space,
     spans,
+    tiering,
 )
 from prefixstore.engine.counters import log
 from prefixstore.engine.errors import InvalidInputError
@@ -352,4 +353,4 @@ def check_prior(eng: Engine, plan: Plan, failed: set[int]) -> None:
 
 def ranks_down(eng: Engine) -> list[int]:
     """Ranks whose executor says it cannot serve now (a rank process down)."""
-    return [r for r, rk in enumerate(eng.ranks) if not getattr(rk, "available", True)]
+    return tiering.ranks_down(eng.ranks)
