@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_restores, make_layout, node_at, store_tokens, tokens_for
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from tier_dict import DictBacking, DictRank
 
 from prefixstore.engine import errors as E
