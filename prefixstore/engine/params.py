@@ -44,17 +44,8 @@ def _count(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     integer(attribute.name, value)
 
 
-def _count_or_none(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    integer(attribute.name, value, none=True)
-
-
 def _callable_or_none(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     callable_or_none(attribute.name, value)
-
-
-def _within_prefix(inst: LookupParams, _attribute: attrs.Attribute, value: int) -> None:
-    if value > len(inst.prefix):
-        raise InvalidArgumentError("gpu_blocks", f"{value} is more than the prefix's {len(inst.prefix)} blocks")
 
 
 @attrs.frozen(eq=False)
@@ -78,11 +69,20 @@ class StoreParams:
 class LookupParams:
     """One ``lookup`` call: ``gpu_blocks`` leading blocks of ``prefix`` already on the
     GPU (not restored), ``total_tokens`` the request's length (for the cost rule;
-    None: the prefix's)."""
+    None: the prefix's). Checked in one pass when built (it is on the request path)."""
 
-    prefix: Prefix = attrs.field(validator=_prefix)
-    gpu_blocks: int = attrs.field(default=0, validator=[_count, _within_prefix])
-    total_tokens: int | None = attrs.field(default=None, validator=_count_or_none)
+    prefix: Prefix
+    gpu_blocks: int = 0
+    total_tokens: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.prefix, Prefix):
+            raise InvalidArgumentError("prefix", f"must be a Prefix, got {type(self.prefix).__name__}")
+        g = integer("gpu_blocks", self.gpu_blocks)
+        if g > len(self.prefix):
+            raise InvalidArgumentError("gpu_blocks", f"{g} is more than the prefix's {len(self.prefix)} blocks")
+        if self.total_tokens is not None:
+            integer("total_tokens", self.total_tokens)
 
 
 _MISSING: Any = object()
