@@ -11,8 +11,10 @@ Defining one checks that there are no duplicate edges, that every state is
 reachable from the initial state, that final states have no outgoing edge, that
 every other state can reach a final state, that the edges into a non-final state
 agree on its outputs (recovery re-runs them), that every non-final state has
-exactly one recovery event and at most one abort event, and that recovery ends a
-published state in a final state only published states lead to. Feeding an event a
+exactly one recovery event and at most one abort event, that no final state is
+reached both from a published and an unpublished state, and that recovery ends a
+published state in a final state only published states lead to (and any other
+state in one they do not). Feeding an event a
 state cannot handle raises IllegalTransitionError naming the transaction kind, the
 state and the event (h11-style).
 """
@@ -124,6 +126,10 @@ class Machine:
                 raise MachineDefinitionError(f"{self.name}: state {s} needs exactly one recovery event")
             if sum(t.abort for t in self._table[s].values()) > 1:
                 raise MachineDefinitionError(f"{self.name}: state {s} has several abort events")
+        undone = {t.dst for t in self.transitions() if t.src not in self.published and t.dst in self.finals}
+        if both := undone & self.committed_finals():
+            raise MachineDefinitionError(
+                f"{self.name}: final states {sorted(both)} are reached from published and unpublished states")
         for s in self.states - self.finals:
             end = self.recovered(s)
             if (s in self.published) != (end in self.committed_finals()):
