@@ -63,6 +63,20 @@ whether ``name`` is durable, None when the rank cannot tell):
   ``recovery_direction`` (``fail_txn`` reloads the index when ``forward``).
   ``recovery._room_first`` and ``audit._journal`` keep ``MACHINES`` /
   ``recovery_direction`` / ``RECOVERY_EVENT`` (derived from the tables now).
+- durability answers: ``durable(r, name)`` = ``eng.ranks[r].durable(name)``, a rank
+  capability (``tiers``): ``LocalRank`` answers from its file system's
+  ``is_durable(path)``; ``fuzz.faultfs.FaultFS.is_durable(path)`` is ``fid :=
+  _durable.get(path)`` being not None, equal to ``_live.get(path)``, with
+  ``_files[fid].synced`` not None; ``OsFS`` records what ``fsync`` + ``rename_new`` +
+  ``fsync_dir`` completed (as ``tests/test_driver.py``'s ``Durability`` hook does);
+  a rank that cannot tell (a rank process) answers None, taken as durable.
+- the debug flag: ``tests/conftest.py`` sets ``os.environ.setdefault(DEBUG_ENV,
+  "1")`` at import (before any engine is built; rank processes inherit it), and the
+  fuzzer (``fuzz/cmd_fuzz.py`` / ``fuzz/campaign.py`` entry, ``fuzz/stateful.py``)
+  does the same before building engines; an ``InvariantViolation`` is an Exception,
+  so ``fuzz/driver.py`` reports it as a violation of the step that fired.
+- ``recover`` / ``abort`` read the journal through ``c``; outside a write
+  transaction ``c`` is ``catalog.conn``.
 - SQL status literals: ``'writing'`` -> ``FILE.next('absent', 'reserved')``, ``'live'``
   -> ``FILE.next('writing', 'published')``, garbage on retire / abandon ->
   ``FILE.next('live', 'retired')`` / ``FILE.next('writing', 'abandoned')``; node
@@ -138,15 +152,19 @@ class Journal:
     def delete(self, c: Any, tid: int) -> None:
         c.execute("DELETE FROM journal WHERE id=?", (tid,))
 
-    def files(self, c: Any, tid: int, names: Iterable[str], nodes: Iterable[int]) -> list[FileRow]:
-        """File rows owned by ``tid``, of ``names`` or naming one of ``nodes``."""
+    def files(self, c: Any, tid: int, names: Iterable[str], nodes: Iterable[int], ranks: int) -> list[FileRow]:
+        """File rows owned by ``tid``, of ``names`` (on ranks below ``ranks``) or naming
+        one of ``nodes``; each part looked up by its index."""
+        cols = "SELECT rank, name, node, generation, size, checksum, status, txn FROM files"
         names, nodes = list(names), list(nodes)
-        sql = "SELECT rank, name, node, generation, size, checksum, status, txn FROM files WHERE txn=?"
+        parts, args = [f"{cols} WHERE txn=?"], [tid]
         if names:
-            sql += f" OR name IN ({','.join('?' * len(names))})"
+            parts.append(f"{cols} WHERE rank IN ({_marks(ranks)}) AND name IN ({_marks(len(names))})")
+            args += [*range(ranks), *names]
         if nodes:
-            sql += f" OR node IN ({','.join('?' * len(nodes))})"
-        return [FileRow(*r) for r in c.execute(sql, (tid, *names, *nodes)).fetchall()]
+            parts.append(f"{cols} WHERE node IN ({_marks(len(nodes))})")
+            args += nodes
+        return [FileRow(*r) for r in c.execute(" UNION ".join(parts), args).fetchall()]
 
     def nodes(self, c: Any, ids: Iterable[int]) -> dict[int, NodeRow]:
         ids = list(ids)
@@ -154,8 +172,12 @@ class Journal:
             return {}
         rows = c.execute(
             "SELECT id, parent, start_block, end_block, state, generation, has_snapshot FROM nodes "
-            f"WHERE id IN ({','.join('?' * len(ids))})", ids).fetchall()
+            f"WHERE id IN ({_marks(len(ids))})", ids).fetchall()
         return {r[0]: NodeRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6])) for r in rows}
+
+
+def _marks(n: int) -> str:
+    return ",".join("?" * n)
 
 
 class Driver:
@@ -246,7 +268,7 @@ class Driver:
         """The rows ``txn``'s invariants read, through ``c``, with ``txn`` in ``state``."""
         names = new_names(txn.kind, txn.payload)
         ids = named_nodes(txn.kind, txn.payload)
-        files = self.journal.files(c, txn.id, names, ids)
+        files = self.journal.files(c, txn.id, names, ids, self.ranks)
         node_ids = {*ids, *(f.node for f in files if f.node is not None)}
         mine = [f for f in files if f.name in names]
         if self.durable is None:
