@@ -14,8 +14,9 @@ import pytest
 import torch
 from conftest import BT, make_layout, seg_tensors, snap_tensors, tokens_for
 
-from prefixstore.engine import config, core, params
 from prefixstore.engine import errors as E
+from prefixstore.engine import params
+from prefixstore.engine.api import Engine
 from prefixstore.engine.config import OPTIONS, EngineConfig, resolve_open
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.params import LookupParams, StoreParams
@@ -253,28 +254,6 @@ def test_params_from_call_arguments():
 
 
 # ---------------------------------------------------------------------- on a real engine
-
-
-class Engine(core.Engine):
-    """The engine with ``open``, ``store``, ``store_async`` and ``lookup`` taking a
-    config and Params objects, as the public API module does."""
-
-    @classmethod
-    def open(cls, path, layout, capacity_bytes, **opts):
-        root, cfg = config.resolve_open(path, layout, capacity_bytes, opts)
-        return cls(root, layout, capacity_bytes, **attrs.asdict(cfg, recurse=False))
-
-    def store(self, *args, **kwargs):
-        p = params.store_params(args, kwargs)
-        return super().store(p.prefix, p.segments, p.snapshot, tokens_from=p.tokens_from, valid=p.valid)
-
-    def store_async(self, *args, **kwargs):
-        p = params.store_params(args, kwargs)
-        return super().store_async(p.prefix, p.segments, p.snapshot, tokens_from=p.tokens_from, valid=p.valid)
-
-    def lookup(self, *args, **kwargs):
-        p = params.lookup_params(args, kwargs)
-        return super().lookup(p.prefix, gpu_blocks=p.gpu_blocks, total_tokens=p.total_tokens)
 
 
 def _rows(eng) -> tuple:

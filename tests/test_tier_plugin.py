@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_restores, make_layout, node_at, store_tokens, tokens_for
-from prefixstore.engine.api import Engine
 from tier_dict import DictBacking, DictRank
 
 from prefixstore.engine import errors as E
+from prefixstore.engine.api import Engine
 from prefixstore.engine.keys import Prefix
 from prefixstore.gpu import tiers, verify
 from prefixstore.gpu.tier import Capability

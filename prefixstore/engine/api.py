@@ -26,10 +26,12 @@ import attrs
 from prefixstore.engine import (
     audit,
     compaction,
+    config,
     evict,
     holds,
     lifecycle,
     lookup,
+    params,
     pipeline,
     restore,
     retry,
@@ -38,15 +40,14 @@ from prefixstore.engine import (
     store,
     validate,
 )
+from prefixstore.engine.config import EngineConfig
 from prefixstore.engine.errors import DiskFullError, InvalidInputError
 from prefixstore.engine.keys import Prefix
 from prefixstore.engine.layout import Layout, RankTensors
+from prefixstore.engine.params import LookupParams, StoreParams
 from prefixstore.engine.results import QUEUED, REFUSED, Match, Restored, StoreResult
 from prefixstore.gpu.diskroom import RESERVE_BYTES
-from prefixstore.gpu.fileio import FaultHook, FileSystem
-from prefixstore.gpu.ranks import RankIO
 from prefixstore.statemachine import policy as pol
-from prefixstore.statemachine.cost import CostModel
 
 LOCK_NAME = lifecycle.LOCK_NAME
 
@@ -91,42 +92,16 @@ class Engine:
         ``gpu/calibrate.py``), ``read_only_fallback`` (True default: on a full disk
         where nothing can be freed without a commit, open read-only, with the reason in
         ``read_only``, instead of raising DiskFullError; see ``engine/readonly.py``).
+        ``config``: an ``EngineConfig`` holding these options (others given beside it
+        override its fields); every option is checked once, with a typed error naming it.
         """
-        root = validate.open_args(cls, path, layout, capacity_bytes, opts)
-        return cls(root, layout, capacity_bytes, **opts)
+        root, cfg = config.resolve_open(path, layout, capacity_bytes, opts)
+        return cls(root, layout, capacity_bytes, cfg)
 
-    def __init__(
-        self,
-        root: str,
-        layout: Layout,
-        capacity_bytes: int,
-        *,
-        synchronous: str = "FULL",
-        policy: str = "prefixstore",
-        cost: CostModel | None = None,
-        high_watermark: float = 1.0,
-        low_watermark: float = 1.0,
-        create: bool = True,
-        fs: FileSystem | None = None,
-        hook: FaultHook | None = None,
-        ranks: Sequence[RankIO] | None = None,
-        registry: Any = None,
-        admission: Any = None,
-        inflight_wait_s: float = 30.0,
-        compaction: Any = None,
-        backing: str = "disk",
-        ram_bytes: int | None = None,
-        executor: Any = None,
-        bandwidth: Any = None,
-        read_only_fallback: bool = True,
-    ) -> None:
-        options = lifecycle.Options(
-            synchronous=synchronous, policy=policy, cost=cost, high_watermark=high_watermark,
-            low_watermark=low_watermark, create=create, fs=fs, hook=hook, ranks=ranks, registry=registry,
-            admission=admission, inflight_wait_s=inflight_wait_s, compaction=compaction, backing=backing,
-            ram_bytes=ram_bytes, executor=executor, bandwidth=bandwidth, read_only_fallback=read_only_fallback,
-        )
-        lifecycle.start(self, root, layout, capacity_bytes, options)
+    def __init__(self, root: str, layout: Layout, capacity_bytes: int, config: EngineConfig | None = None,
+                 **opts: Any) -> None:
+        """Use ``Engine.open`` (it checks the arguments); ``config`` or ``opts``: the options."""
+        lifecycle.start(self, root, layout, capacity_bytes, config or EngineConfig.from_options(**opts))
 
     def __enter__(self) -> Engine:
         return self
@@ -137,8 +112,8 @@ class Engine:
 
     def store(
         self,
-        prefix: Prefix,
-        segments: RankTensors | Sequence[RankTensors],
+        prefix: Prefix | StoreParams,
+        segments: RankTensors | Sequence[RankTensors] | None = None,
         snapshot: RankTensors | Sequence[RankTensors] | None = None,
         *,
         tokens_from: int = 0,
@@ -152,8 +127,12 @@ class Engine:
         recurrent state at the end (required iff the layout has snapshot tensors).
         ``valid``, when given, tells whether the caller's GPU checkpoint is still
         valid: a store refused for lack of space is then queued and retried until it
-        fits or ``valid()`` turns false (then it is dropped and counted).
+        fits or ``valid()`` turns false (then it is dropped and counted). A
+        ``StoreParams`` may be given alone instead of the arguments.
         """
+        if isinstance(prefix, StoreParams):
+            params.alone("store", prefix, segments, snapshot, tokens_from, valid)
+            prefix, segments, snapshot, tokens_from, valid = attrs.astuple(prefix, recurse=False)
         segs, snaps = validate.store_args(self, prefix, segments, snapshot, tokens_from, valid)
         lifecycle.check_writable(self, "store")
         with lifecycle.guard(self):
@@ -167,8 +146,8 @@ class Engine:
 
     def store_async(
         self,
-        prefix: Prefix,
-        segments: RankTensors | Sequence[RankTensors],
+        prefix: Prefix | StoreParams,
+        segments: RankTensors | Sequence[RankTensors] | None = None,
         snapshot: RankTensors | Sequence[RankTensors] | None = None,
         *,
         tokens_from: int = 0,
@@ -182,18 +161,26 @@ class Engine:
         staged bytes (journaled exactly as ``store``). Bad input raises here. A store
         refused for space with ``valid`` given is queued with its staged host copy
         (the device tensors are never read again), retried while ``valid()`` holds.
+        A ``StoreParams`` may be given alone instead of the arguments.
         """
+        if isinstance(prefix, StoreParams):
+            params.alone("store_async", prefix, segments, snapshot, tokens_from, valid)
+            prefix, segments, snapshot, tokens_from, valid = attrs.astuple(prefix, recurse=False)
         lifecycle.check_writable(self, "store_async")
         return pipeline.store_async(self, prefix, segments, snapshot, tokens_from, valid)
 
-    def lookup(self, prefix: Prefix, *, gpu_blocks: int = 0, total_tokens: int | None = None) -> Match:
+    def lookup(self, prefix: Prefix | LookupParams, *, gpu_blocks: int = 0, total_tokens: int | None = None) -> Match:
         """The deepest checkpoint of ``prefix`` worth restoring.
 
         ``gpu_blocks``: leading blocks already resident on the GPU (not restored).
         ``total_tokens``: the request's length (for the cost rule; default the prefix).
         Only nodes whose whole path below the GPU-resident part is ready qualify, and
-        for layouts with snapshots only nodes that have their snapshot.
+        for layouts with snapshots only nodes that have their snapshot. A
+        ``LookupParams`` may be given alone instead of the arguments.
         """
+        if isinstance(prefix, LookupParams):
+            params.alone("lookup", prefix, gpu_blocks, total_tokens)
+            prefix, gpu_blocks, total_tokens = prefix.prefix, prefix.gpu_blocks, prefix.total_tokens
         validate.lookup_args(self, prefix, gpu_blocks, total_tokens)
         with lifecycle.guard(self), self._lock:
             match = lookup.lookup(self, prefix, gpu_blocks, total_tokens)

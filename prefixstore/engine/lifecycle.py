@@ -11,8 +11,6 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from prefixstore.engine import (
     cachedirs,
     calibration,
@@ -28,6 +26,7 @@ from prefixstore.engine import (
     tiering,
 )
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog, drop_empty_log, log_files
+from prefixstore.engine.config import EngineConfig
 from prefixstore.engine.counters import Counters, log
 from prefixstore.engine.errors import (
     CapacityError,
@@ -54,30 +53,6 @@ if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
 
 LOCK_NAME = dirlock.LOCK_NAME
-
-
-@attrs.define
-class Options:
-    """``Engine.open``'s options (see its docstring), with their defaults."""
-
-    synchronous: str = "FULL"
-    policy: str = "prefixstore"
-    cost: Any = None
-    high_watermark: float = 1.0
-    low_watermark: float = 1.0
-    create: bool = True
-    fs: Any = None
-    hook: Any = None
-    ranks: Any = None
-    registry: Any = None
-    admission: Any = None
-    inflight_wait_s: float = 30.0
-    compaction: Any = None
-    backing: str = "disk"
-    ram_bytes: int | None = None
-    executor: Any = None
-    bandwidth: Any = None
-    read_only_fallback: bool = True
 
 
 class CallGuard:
@@ -130,7 +105,7 @@ def guard(eng: Engine) -> CallGuard:
 # -- open -------------------------------------------------------------------------------------
 
 
-def start(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: Options) -> None:
+def start(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: EngineConfig) -> None:
     """Open the cache at ``root``: the whole of ``Engine.__init__``."""
     init_state(eng, root, layout, capacity_bytes, o)
     check_root(eng, o.create)
@@ -150,7 +125,7 @@ def start(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: Option
             raise
 
 
-def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: Options) -> None:
+def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: EngineConfig) -> None:
     """The engine's attributes before anything on disk is touched."""
     eng.root = root
     eng.layout = layout
@@ -192,7 +167,7 @@ def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: O
     stats.watch(eng)
 
 
-def open_catalog(eng: Engine, o: Options) -> None:
+def open_catalog(eng: Engine, o: EngineConfig) -> None:
     """Open the catalog (after refusing symlinked own directories, with nothing touched)."""
     root, layout = eng.root, eng.layout
     cachedirs.check_own_dirs(root, layout.ranks if o.ranks is None and o.backing != "memory" else 0)
@@ -202,7 +177,7 @@ def open_catalog(eng: Engine, o: Options) -> None:
                           before_write=eng.disk.before_catalog_write)
 
 
-def open_effects(eng: Engine, o: Options) -> None:
+def open_effects(eng: Engine, o: EngineConfig) -> None:
     """Check the layout, bind the backing and ranks, recover, load, fit, start workers."""
     layout = eng.layout
     check_layout(eng)
@@ -230,7 +205,7 @@ def drop_pool(eng: Engine) -> None:
         pool.shutdown(wait=False)
 
 
-def fall_back(eng: Engine, exc: BaseException, o: Options, logs: frozenset[str]) -> bool:
+def fall_back(eng: Engine, exc: BaseException, o: EngineConfig, logs: frozenset[str]) -> bool:
     """After a failed open: True when the cache opened read-only instead (a full disk);
     else the lock is released and the caller raises (a full disk: as DiskFullError)."""
     root = eng.root

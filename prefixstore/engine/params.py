@@ -127,3 +127,10 @@ def lookup_params(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> LookupPar
     if len(args) == 1 and not kwargs and isinstance(args[0], LookupParams):
         return args[0]
     return lookup_fields(*args, **kwargs)
+
+
+def alone(call: str, given: Any, *others: Any) -> None:
+    """A Params object is the call's only argument: ``others`` (the call's other
+    arguments) must all be at their defaults."""
+    if any(o not in (None, 0) for o in others):
+        raise InvalidArgumentError("prefix", f"{call}: a {type(given).__name__} is given alone, without other arguments")

@@ -24,8 +24,8 @@ from prefixstore.gpu import tiers, verify
 from prefixstore.gpu.tier import Backing, Capability, Tier, TierOptions, has
 
 if TYPE_CHECKING:
-    from prefixstore.engine.audit import AuditReport
     from prefixstore.engine.api import Engine
+    from prefixstore.engine.audit import AuditReport
 
 
 def open_backing(eng: Engine, kind: str, ram_bytes: int | None) -> Backing:

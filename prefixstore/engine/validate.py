@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixstore.engine.checks import callable_or_none, flag, instance, integer
-from prefixstore.engine.config import resolve_open
 from prefixstore.engine.errors import (
     BlockSizeMismatchError,
     ForeignMatchError,
@@ -30,18 +29,9 @@ from prefixstore.statemachine.compaction import CompactionPolicy
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
 
-__all__ = ["compact_policy", "evict_args", "flag", "lookup_args", "match", "open_args", "prefix", "store_args"]
+__all__ = ["compact_policy", "evict_args", "flag", "lookup_args", "match", "prefix", "store_args"]
 
 # ---------------------------------------------------------------------- Engine.open
-
-
-def open_args(cls: type, path: Any, layout: Any, capacity_bytes: Any, opts: Mapping[str, Any]) -> str:
-    """Check ``Engine.open``'s arguments (``config.resolve_open``); returns ``path`` as a
-    str. For an engine whose ``__init__`` still takes the options as keywords."""
-    return resolve_open(path, layout, capacity_bytes, opts)[0]
-
-
-# ---------------------------------------------------------------------- methods
 
 
 def prefix(eng: Engine, value: Any, argument: str = "prefix") -> Prefix:
