@@ -42,11 +42,11 @@ import time
 
 import torch
 
+from prefixstore.base.keys import DIGEST_SIZE, ROOT, chain
+from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine import evict, replace, space
 from prefixstore.engine.api import Engine
 from prefixstore.engine.index import Index, Node
-from prefixstore.engine.keys import DIGEST_SIZE, ROOT, chain
-from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine import policy as pol
 

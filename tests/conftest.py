@@ -12,11 +12,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.api import Engine
-from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.index import Node
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.gpu.fileio import FaultHook
 
 settings.register_profile("dev", max_examples=30, deadline=None,

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import Gate, assert_restores, make_layout, store_tokens, tokens_for
 
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.cli import main as cli_main
 from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir, engine_running
-from prefixstore.engine.cli import main as cli_main
-from prefixstore.engine.errors import SimulatedCrash
-from prefixstore.engine.keys import Prefix
 from prefixstore.engine.repair import repair
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt, flip_bit
 

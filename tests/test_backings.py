@@ -17,10 +17,10 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine import errors as E
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
 from prefixstore.engine import lifecycle
 from prefixstore.engine.api import Engine
-from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt
 
 CAP = 16 << 20

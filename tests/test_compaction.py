@@ -21,11 +21,11 @@ from conftest import (
     tokens_for,
 )
 
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import Prefix
 from prefixstore.engine import replace
 from prefixstore.engine.api import Engine
-from prefixstore.engine.errors import InvalidInputError
 from prefixstore.engine.index import Index, Node
-from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import FaultFS, FaultPlan
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.statemachine.compaction import CompactionPolicy, RunStats, chunks, merge_verdict

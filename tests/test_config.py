@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import BT, make_layout, seg_tensors, snap_tensors, tokens_for
 
-from prefixstore.engine import errors as E
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
 from prefixstore.engine import params
 from prefixstore.engine.api import Engine
 from prefixstore.engine.config import OPTIONS, EngineConfig, resolve_open
-from prefixstore.engine.keys import Prefix
 from prefixstore.engine.params import LookupParams, StoreParams
 from prefixstore.statemachine.compaction import CompactionPolicy
 from prefixstore.statemachine.cost import CostModel

@@ -18,11 +18,11 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine import errors as E
+from prefixstore.base import errors as E
+from prefixstore.base.keys import ROOT, Prefix, chain
+from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine import replace
 from prefixstore.engine.api import Engine
-from prefixstore.engine.keys import ROOT, Prefix, chain
-from prefixstore.engine.layout import Layout, TensorSpec
 
 CAP = 16 << 20
 

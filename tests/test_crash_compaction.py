@@ -28,10 +28,10 @@ from conftest import (
     tokens_for,
 )
 
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import ROOT, Prefix
 from prefixstore.engine import health, journal, lifecycle, replace
 from prefixstore.engine.api import Engine
-from prefixstore.engine.errors import SimulatedCrash
-from prefixstore.engine.keys import ROOT, Prefix
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS
 from prefixstore.statemachine.compaction import CompactionPolicy
 

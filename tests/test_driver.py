@@ -11,6 +11,7 @@ import os
 import attrs
 import pytest
 
+from prefixstore.base.errors import CatalogCorruptError, IllegalTransitionError
 from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.driver import (
     DEBUG_ENV,
@@ -19,7 +20,6 @@ from prefixstore.engine.driver import (
     InvariantViolation,
     Txn,
 )
-from prefixstore.engine.errors import CatalogCorruptError, IllegalTransitionError
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import TMP_SUFFIX, LocalRank, shard_name
 from prefixstore.statemachine.machine import Machine, T

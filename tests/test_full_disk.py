@@ -16,17 +16,17 @@ import os
 import pytest
 import torch
 
-from prefixstore.engine import evict, lifecycle, replace, restore
-from prefixstore.engine.api import Engine
-from prefixstore.engine.audit import audit_dir
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     DiskFullError,
     InvalidArgumentError,
     ReadOnlyError,
     SimulatedCrash,
 )
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine import evict, lifecycle, replace, restore
+from prefixstore.engine.api import Engine
+from prefixstore.engine.audit import audit_dir
 from prefixstore.engine.repair import repair
 from prefixstore.gpu.diskroom import RESERVE_NAME, free_bytes
 from prefixstore.gpu.fileio import FaultHook

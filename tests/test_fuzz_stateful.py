@@ -14,8 +14,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
+from prefixstore.cli import main
 from prefixstore.engine.api import Engine
-from prefixstore.engine.cli import main
 from prefixstore.fuzz import plants
 from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
 from prefixstore.fuzz.driver import Driver, RunConfig, Violation

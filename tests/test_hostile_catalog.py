@@ -32,7 +32,7 @@ from test_hostile import (
     tree_hash,
 )
 
-from prefixstore.engine import errors as E
+from prefixstore.base import errors as E
 from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CrashAt
 

@@ -58,7 +58,7 @@ skip = {"prefixstore.fuzz.stateful", "prefixstore.adapters.hf"}
 for m in pkgutil.walk_packages(prefixstore.__path__, "prefixstore."):
     if m.name not in skip:
         importlib.import_module(m.name)
-from prefixstore.engine.cli import main
+from prefixstore.cli import main
 rc = main(["demo", sys.argv[1]]) or main(["audit", sys.argv[1]]) or main(["fuzz", "--steps", "40", "--quiet"])
 assert not {"pytest", "hypothesis"} & set(sys.modules), "imported"
 print("RC", rc)
@@ -74,7 +74,7 @@ def test_stateful_machines_without_hypothesis_name_the_extra():
 
 
 def test_replay_plots_without_matplotlib_names_the_extra(tmp_path):
-    code = "import sys; from prefixstore.engine.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from prefixstore.cli import main; sys.exit(main(sys.argv[1:]))"
     trace = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
     p = _without("matplotlib", code, "replay", trace, "--limit", "5", "--plots", str(tmp_path / "p"))
     assert p.returncode == 2, p.stderr

@@ -18,8 +18,8 @@ from conftest import (
     tokens_for,
 )
 
+from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
-from prefixstore.engine.keys import Prefix
 
 CAP = 16 << 20
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from prefixstore.engine.cli import main
+from prefixstore.cli import main
 from prefixstore.fuzz import plants
 from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
 

@@ -40,9 +40,9 @@ from conftest import (
     tokens_for,
 )
 
+from prefixstore.base.keys import Prefix
 from prefixstore.engine import health, journal, replace
 from prefixstore.engine.api import Engine
-from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import ChainHook, CountingHook, CrashAt, FaultFS, FaultPlan, flip_bit
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name

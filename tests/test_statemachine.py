@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixstore.engine.errors import IllegalTransitionError
+from prefixstore.base.errors import IllegalTransitionError
 from prefixstore.statemachine.machine import Machine, MachineDefinitionError, T
 from prefixstore.statemachine.rows import (
     FILE,

@@ -9,9 +9,9 @@ import pytest
 from conftest import assert_restores, make_layout, node_at, store_tokens, tokens_for
 from tier_dict import DictBacking, DictRank
 
-from prefixstore.engine import errors as E
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
-from prefixstore.engine.keys import Prefix
 from prefixstore.gpu import tiers, verify
 from prefixstore.gpu.tier import Capability
 

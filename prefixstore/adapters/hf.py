@@ -47,16 +47,16 @@ import attrs
 import torch
 
 from prefixstore.adapters.hf_states import meta_model, mixer_states
-from prefixstore.engine.api import Engine
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     InvalidInputError,
     LayoutError,
     PrefixStoreError,
     RankError,
     ShapeError,
 )
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 
 try:
     from transformers.cache_utils import (

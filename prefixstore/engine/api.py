@@ -23,6 +23,9 @@ from typing import Any
 
 import attrs
 
+from prefixstore.base.errors import DiskFullError, InvalidInputError
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, RankTensors
 from prefixstore.engine import (
     audit,
     compaction,
@@ -41,9 +44,6 @@ from prefixstore.engine import (
     validate,
 )
 from prefixstore.engine.config import EngineConfig
-from prefixstore.engine.errors import DiskFullError, InvalidInputError
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, RankTensors
 from prefixstore.engine.params import LookupParams, StoreParams
 from prefixstore.engine.results import QUEUED, REFUSED, Match, Restored, StoreResult
 from prefixstore.gpu.diskroom import RESERVE_BYTES

@@ -59,6 +59,13 @@ from urllib.parse import quote
 
 import attrs
 
+from prefixstore.base.errors import (
+    LayoutError,
+    NotACacheError,
+    NotRegularFileError,
+    SchemaVersionError,
+)
+from prefixstore.base.layout import Layout
 from prefixstore.engine import dirlock, tiering
 from prefixstore.engine import structure as S
 from prefixstore.engine.cachedirs import own_dir_problems
@@ -69,13 +76,6 @@ from prefixstore.engine.catalog import (
     CatalogView,
     catalog_path,
 )
-from prefixstore.engine.errors import (
-    LayoutError,
-    NotACacheError,
-    NotRegularFileError,
-    SchemaVersionError,
-)
-from prefixstore.engine.layout import Layout
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.diskroom import RESERVE_NAME
 from prefixstore.gpu.fileio import open_regular, read_fd

@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 from urllib.parse import quote
 
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     CatalogCorruptError,
     CatalogIOError,
     NotACacheError,

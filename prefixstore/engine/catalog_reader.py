@@ -31,18 +31,18 @@ from urllib.parse import quote
 import attrs
 import sqlite_utils
 
+from prefixstore.base.errors import (
+    CatalogIOError,
+    InvalidArgumentError,
+    NotACacheError,
+    SchemaVersionError,
+)
 from prefixstore.engine.catalog import (
     CATALOG_NAME,
     FORMAT_MARKER,
     SCHEMA_VERSION,
     CatalogView,
     catalog_path,
-)
-from prefixstore.engine.errors import (
-    CatalogIOError,
-    InvalidArgumentError,
-    NotACacheError,
-    SchemaVersionError,
 )
 
 TABLES = ("nodes", "files", "journal", "meta")

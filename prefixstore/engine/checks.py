@@ -10,7 +10,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-from prefixstore.engine.errors import InvalidArgumentError
+from prefixstore.base.errors import InvalidArgumentError
 
 
 def integer(argument: str, value: Any, *, minimum: int = 0, none: bool = False) -> int | None:

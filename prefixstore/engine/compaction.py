@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
+from prefixstore.base.log import log
 from prefixstore.engine import lifecycle, replace
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import EngineClosedError, InvalidInputError, SimulatedCrash
 from prefixstore.statemachine.compaction import (
     CompactionPolicy,
     RunStats,

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from prefixstore.base.errors import InvalidArgumentError
+from prefixstore.base.layout import Layout
 from prefixstore.engine.checks import callable_or_none, choice, flag, instance, integer, real
-from prefixstore.engine.errors import InvalidArgumentError
-from prefixstore.engine.layout import Layout
 from prefixstore.gpu.backings import BACKINGS
 from prefixstore.statemachine.compaction import CompactionPolicy
 from prefixstore.statemachine.cost import CostModel

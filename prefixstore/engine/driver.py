@@ -93,7 +93,7 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine.errors import CatalogCorruptError, IllegalTransitionError
+from prefixstore.base.errors import CatalogCorruptError, IllegalTransitionError
 from prefixstore.statemachine.machine import Machine, Step
 from prefixstore.statemachine.rows import FileRow, NodeRow
 from prefixstore.statemachine.transactions import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prefixstore.engine.counters import log
+from prefixstore.base.log import log
 from prefixstore.engine.index import Node
 
 if TYPE_CHECKING:

@@ -11,6 +11,20 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from prefixstore.base.errors import (
+    CapacityError,
+    CatalogIOError,
+    DiskFullError,
+    EngineClosedError,
+    InvalidInputError,
+    LayoutMismatchError,
+    NotACacheError,
+    PrefixStoreError,
+    ReadOnlyError,
+    SimulatedCrash,
+)
+from prefixstore.base.layout import Layout
+from prefixstore.base.log import log
 from prefixstore.engine import (
     cachedirs,
     calibration,
@@ -27,21 +41,8 @@ from prefixstore.engine import (
 )
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog, drop_empty_log, log_files
 from prefixstore.engine.config import EngineConfig
-from prefixstore.engine.counters import Counters, log
-from prefixstore.engine.errors import (
-    CapacityError,
-    CatalogIOError,
-    DiskFullError,
-    EngineClosedError,
-    InvalidInputError,
-    LayoutMismatchError,
-    NotACacheError,
-    PrefixStoreError,
-    ReadOnlyError,
-    SimulatedCrash,
-)
+from prefixstore.engine.counters import Counters
 from prefixstore.engine.index import Index
-from prefixstore.engine.layout import Layout
 from prefixstore.gpu import tiers
 from prefixstore.gpu.diskroom import LOW_WATER, DiskRoom, free_bytes
 from prefixstore.gpu.executor import make_executor

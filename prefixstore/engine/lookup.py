@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prefixstore.base.keys import Prefix
 from prefixstore.engine.index import Node
-from prefixstore.engine.keys import Prefix
 from prefixstore.engine.results import Match
 from prefixstore.statemachine.cost import choose
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import attrs
 
+from prefixstore.base.errors import InvalidArgumentError
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import RankTensors
 from prefixstore.engine.checks import callable_or_none, integer
-from prefixstore.engine.errors import InvalidArgumentError
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import RankTensors
 
 
 def _prefix(_inst: Any, _attribute: attrs.Attribute, value: Any) -> None:

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
 from prefixstore.engine import journal, lifecycle, loading, replace, retry, spans, store, validate
-from prefixstore.engine.errors import EngineClosedError, InvalidInputError, SimulatedCrash
 from prefixstore.engine.results import DUPLICATE, QUEUED, REFUSED, StoreResult
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Buffer, Copy, Staged

@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from prefixstore.engine import journal, structure
-from prefixstore.engine.audit import durable_shards, read_catalog, verify_bytes
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     BackingContradictionError,
     CatalogCorruptError,
     PrefixStoreError,
 )
+from prefixstore.engine import journal, structure
+from prefixstore.engine.audit import durable_shards, read_catalog, verify_bytes
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
 from prefixstore.gpu.tier import Capability, has

@@ -35,6 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from prefixstore.base.errors import (
+    LockedError,
+    NotACacheError,
+    NotRegularFileError,
+    RankDirMissingError,
+    SimulatedCrash,
+)
+from prefixstore.base.keys import ROOT
+from prefixstore.base.layout import Layout
 from prefixstore.engine import dirlock, health, lifecycle
 from prefixstore.engine import structure as S
 from prefixstore.engine.api import Engine
@@ -47,15 +56,6 @@ from prefixstore.engine.audit import (
 )
 from prefixstore.engine.cachedirs import check_own_dirs, missing_rank_dirs
 from prefixstore.engine.catalog import Catalog
-from prefixstore.engine.errors import (
-    LockedError,
-    NotACacheError,
-    NotRegularFileError,
-    RankDirMissingError,
-    SimulatedCrash,
-)
-from prefixstore.engine.keys import ROOT
-from prefixstore.engine.layout import Layout
 from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES

@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import DIGEST_SIZE, ROOT
+from prefixstore.base.log import log
 from prefixstore.engine import health, journal, pipeline, restore, store
 from prefixstore.engine import space as engine_space
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import SimulatedCrash
 from prefixstore.engine.index import Node
-from prefixstore.engine.keys import DIGEST_SIZE, ROOT
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
 

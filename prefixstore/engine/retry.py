@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from prefixstore.base.errors import InvalidInputError, SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import RankTensors
+from prefixstore.base.log import log
 from prefixstore.engine import lifecycle, store
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import InvalidInputError, SimulatedCrash
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import RankTensors
 from prefixstore.engine.results import DUPLICATE, REFILLED, REFUSED, STORED
 
 if TYPE_CHECKING:

@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import DIGEST_SIZE, Prefix
+from prefixstore.base.layout import RankTensors
+from prefixstore.base.log import log
 from prefixstore.engine import holds, recency, replace, store
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import InvalidInputError
-from prefixstore.engine.keys import DIGEST_SIZE, Prefix
-from prefixstore.engine.layout import RankTensors
 from prefixstore.engine.results import FAILED, REFILLED, REFUSED, SKIPPED, STORED, StoreResult
 
 if TYPE_CHECKING:

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import Prefix
+from prefixstore.base.log import log
 from prefixstore.engine import (
     health,
     holds,
@@ -21,10 +24,7 @@ from prefixstore.engine import (
     spans,
     tiering,
 )
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import InvalidInputError
 from prefixstore.engine.index import Node
-from prefixstore.engine.keys import Prefix
 from prefixstore.engine.results import (
     DUPLICATE,
     FAILED,

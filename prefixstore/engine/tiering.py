@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.gpu import tiers, verify
 from prefixstore.gpu.tier import Backing, Capability, Tier, TierOptions, has
 

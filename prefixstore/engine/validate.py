@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prefixstore.engine.checks import callable_or_none, flag, instance, integer
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     BlockSizeMismatchError,
     ForeignMatchError,
     InvalidArgumentError,
     ShapeError,
 )
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, RankTensors
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, RankTensors
+from prefixstore.engine.checks import callable_or_none, flag, instance, integer
 from prefixstore.engine.results import Match
 from prefixstore.statemachine.compaction import CompactionPolicy
 

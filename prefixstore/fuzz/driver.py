@@ -47,9 +47,9 @@ from typing import Any
 
 import attrs
 
+from prefixstore.base.errors import InvalidInputError, PinnedError, SimulatedCrash
 from prefixstore.engine import lifecycle
 from prefixstore.engine.api import Engine
-from prefixstore.engine.errors import InvalidInputError, PinnedError, SimulatedCrash
 from prefixstore.engine.results import Match
 from prefixstore.fuzz.faultfs import OPS, ChainHook, CrashAt, FaultFS, FaultPlan, FaultRule
 from prefixstore.fuzz.model import CatalogObserver, NodeRow, Universe, fuzz_layout

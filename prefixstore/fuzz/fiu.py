@@ -47,9 +47,9 @@ from typing import Any
 import attrs
 import torch
 
+from prefixstore.base.errors import CatalogIOError, EngineClosedError, PrefixStoreError
+from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
-from prefixstore.engine.errors import CatalogIOError, EngineClosedError, PrefixStoreError
-from prefixstore.engine.keys import Prefix
 from prefixstore.engine.workdir import work_dir
 from prefixstore.fuzz.soak import (
     BT,

@@ -12,7 +12,7 @@ import os
 import stat
 from typing import Protocol
 
-from prefixstore.engine.errors import UnsafeDirectoryError
+from prefixstore.base.errors import UnsafeDirectoryError
 from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS
 from prefixstore.gpu.tier import Capability
 

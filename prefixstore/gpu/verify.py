@@ -18,8 +18,8 @@ from collections.abc import Mapping
 import attrs
 import torch
 
-from prefixstore.engine.errors import NotRegularFileError, RankUnavailableError, ShardError
-from prefixstore.engine.layout import Layout
+from prefixstore.base.errors import NotRegularFileError, RankUnavailableError, ShardError
+from prefixstore.base.layout import Layout
 from prefixstore.gpu import shards
 from prefixstore.gpu.executor import Buffer, CopyStats, StagingPool
 from prefixstore.gpu.tier import Capability, Tier, has

@@ -74,10 +74,10 @@ from typing import Any
 import attrs
 import torch
 
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.api import Engine
-from prefixstore.engine.errors import InvalidInputError
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.engine.results import FAILED, REFUSED, SKIPPED
 from prefixstore.replay.sim import PREFILL_A, PREFILL_B
 from prefixstore.replay.trace import BLOCK_TOKENS, Request, parse_capacity, unique_blocks

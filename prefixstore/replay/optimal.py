@@ -51,7 +51,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.replay.compiled import (
     DEFAULT_BLOCK_BYTES,
     CompiledTrace,

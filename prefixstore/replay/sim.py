@@ -73,7 +73,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.replay.compiled import (
     DEFAULT_BLOCK_BYTES,
     PREFILL_A,

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from prefixstore.engine.errors import IllegalTransitionError
+from prefixstore.base.errors import IllegalTransitionError
 
 
 class MachineDefinitionError(Exception):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.gpu.tier import BackingFactory
 from prefixstore.gpu.tiers.composite import CompositeBacking
 from prefixstore.gpu.tiers.disk import DiskBacking

@@ -13,7 +13,7 @@ import errno
 from collections.abc import Sequence
 from typing import Any
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.gpu.executor import Buffer
 from prefixstore.gpu.tier import Capability, Tier, TierOptions
 from prefixstore.gpu.tiers.ram import RamTier

@@ -7,7 +7,7 @@ import errno
 import threading
 from collections import OrderedDict
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.gpu.executor import Buffer, StagingPool
 
 
