@@ -367,6 +367,11 @@ def quiesce(eng: Engine, deadline: float) -> None:
             eng._calls_cv.wait(left)
 
 
+def is_closed(eng: Engine) -> bool:
+    """Whether ``eng`` was closed or abandoned (its calls are refused)."""
+    return eng._closed
+
+
 def abandon(eng: Engine) -> None:
     """Model process death: drop the connection (uncommitted work rolls back)."""
     shutdown(eng)

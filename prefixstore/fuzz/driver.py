@@ -179,7 +179,7 @@ class Driver:
     def close(self) -> None:
         """Close the engine (cleanly, faults off) and undo a plant's patches."""
         try:
-            if self.eng is not None and not self.eng._closed:
+            if self.eng is not None and not lifecycle.is_closed(self.eng):
                 self._absorb(self.eng)
                 with self.plan.paused():
                     self.gate.inner = None
@@ -219,7 +219,7 @@ class Driver:
         eng, self.eng = self.eng, None
         if eng is not None:
             self._absorb(eng)
-            if not eng._closed:
+            if not lifecycle.is_closed(eng):
                 lifecycle.abandon(eng)
         self.pins.clear()
 
