@@ -8,13 +8,24 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import (
+    ClusterError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from prefixstore.gpu.remote.config import RemoteConfig
 from prefixstore.gpu.remote.urls import RemoteURL
 
 NETWORK_ERRORS = (RedisError, RedisClusterException, OSError)
+# The cluster lost slots or nodes: treated as unreachable, though a node answered.
+CLUSTER_ERRORS = (ClusterError,)
+# Other errors the server answered with (out of memory, ...): it is reachable.
+ANSWERED_ERRORS = (ResponseError,)
+TIMEOUT_ERRORS = (RedisTimeoutError, TimeoutError)
 
 
 def connect(url: RemoteURL, config: RemoteConfig, timeout: float) -> Any:

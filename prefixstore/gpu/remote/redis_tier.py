@@ -233,9 +233,18 @@ class RemoteTier:
             return fut.result(timeout=budget)
         except concurrent.futures.TimeoutError:
             self._failed("timeouts", purpose, "no answer within the budget")
+        except clients.CLUSTER_ERRORS as exc:
+            self._failed("errors", purpose, type(exc).__name__)
+        except clients.ANSWERED_ERRORS as exc:  # the server answered: it is up
+            self.counts.add("errors")
+            log.warning("remote_refused", remote=self.url.redacted(), call=purpose,
+                        reason=type(exc).__name__)
         except clients.NETWORK_ERRORS as exc:
-            kind = "timeouts" if "imeout" in type(exc).__name__ else "errors"
+            kind = "timeouts" if isinstance(exc, clients.TIMEOUT_ERRORS) else "errors"
             self._failed(kind, purpose, type(exc).__name__)
+        except ValueError:  # redis-py reading a connection that close() shut under it
+            if not self._closed:
+                raise
         return None
 
     def _failed(self, kind: str, purpose: str, why: str) -> None:
@@ -260,7 +269,7 @@ class RemoteTier:
                 try:
                     if clients.ping(self._client("lookup")):
                         break
-                except clients.NETWORK_ERRORS:
+                except (*clients.NETWORK_ERRORS, ValueError):  # ValueError: closed under it
                     continue
             else:
                 return
