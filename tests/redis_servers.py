@@ -30,20 +30,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def make_certificate(directory: Path) -> None:
+    """A self-signed certificate for 127.0.0.1: ``cert.pem`` (also the CA) and ``key.pem``."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(directory / "key.pem"), "-out", str(directory / "cert.pem"),
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+
+
 class RedisServer:
     """One ``redis-server`` on 127.0.0.1 in ``directory``; ``extra`` are more config args."""
 
-    def __init__(self, directory: Path, *extra: str, password: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, *extra: str, password: str | None = None, tls: bool = False
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.extra = list(extra)
         self.password = password
+        self.tls = tls
+        if tls:
+            make_certificate(self.directory)
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    @property
+    def ca_file(self) -> str:
+        return str(self.directory / "cert.pem")
 
     def args(self) -> list[str]:
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
@@ -52,6 +71,11 @@ class RedisServer:
                 *self.extra]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            d = self.directory
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port)]
+            args += ["--tls-cert-file", str(d / "cert.pem"), "--tls-key-file", str(d / "key.pem"),
+                     "--tls-ca-cert-file", str(d / "cert.pem"), "--tls-auth-clients", "no"]
         return args
 
     def start(self, tries: int = 3) -> RedisServer:
@@ -74,6 +98,8 @@ class RedisServer:
             time.sleep(0.02)
 
     def client(self, **kw) -> redis.Redis:
+        if self.tls:
+            kw.update(ssl=True, ssl_ca_certs=self.ca_file)
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                            socket_timeout=5, **kw)
 
