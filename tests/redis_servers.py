@@ -24,10 +24,23 @@ REDIS_CLI = shutil.which("redis-cli")
 START_TIMEOUT = 10.0
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A free loopback port; with ``cluster_bus``, one whose bus port (+10000) is free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster_bus or (port + 10000 < 65536 and _bindable(port + 10000)):
+            return port
 
 
 def make_certificate(directory: Path) -> None:
@@ -53,7 +66,8 @@ class RedisServer:
         self.tls = tls
         if tls:
             make_certificate(self.directory)
-        self.port = free_port()
+        self.cluster_bus = "--cluster-enabled" in extra
+        self.port = free_port(self.cluster_bus)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -90,7 +104,7 @@ class RedisServer:
             except redis.RedisError:
                 pass
             if self.proc.poll() is not None and tries > 1:
-                self.port = free_port()
+                self.port = free_port(self.cluster_bus)
                 return self.start(tries - 1)
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]

@@ -48,22 +48,39 @@ def connect(url: RemoteURL, config: RemoteConfig, timeout: float) -> Any:
     return RedisCluster(
         startup_nodes=[ClusterNode(h, p) for h, p in url.hosts],
         require_full_coverage=False,
-        cluster_error_retry_attempts=0,
         **common,
     )
 
 
 def get_many(client: Any, keys: list[str]) -> list[Any]:
-    """Values of ``keys`` in one round trip (per cluster node): bytes, None when absent, or
-    the exception one key's node answered with."""
+    """Values of ``keys`` in one round trip per server: bytes, None when absent, or the
+    exception that one key's cluster node failed with (raised only if every node failed)."""
     if not keys:
         return []
     if not isinstance(client, RedisCluster):
         return client.mget(keys)
-    pipe = client.pipeline()
-    for k in keys:
-        pipe.get(k)
-    return pipe.execute(raise_on_error=False)
+    by_node: dict[str, list[int]] = {}
+    nodes = {}
+    for i, k in enumerate(keys):
+        node = client.get_node_from_key(k)
+        nodes[node.name] = node
+        by_node.setdefault(node.name, []).append(i)
+    out: list[Any] = [None] * len(keys)
+    failed = 0
+    for name, idx in by_node.items():
+        try:
+            pipe = client.get_redis_connection(nodes[name]).pipeline(transaction=False)
+            for i in idx:
+                pipe.get(keys[i])
+            values = pipe.execute(raise_on_error=False)
+        except NETWORK_ERRORS as exc:
+            failed += 1
+            values = [exc] * len(idx)
+            if failed == len(by_node):
+                raise
+        for i, v in zip(idx, values, strict=True):
+            out[i] = v
+    return out
 
 
 def set_many(client: Any, items: list[tuple[str, bytes]], ttl_ms: int | None) -> None:

@@ -30,6 +30,7 @@ from prefixstore.gpu.remote.writeback import WriteBehind
 
 T = TypeVar("T")
 CALL_THREADS = 4
+PURPOSES = ("lookup", "restore", "write")
 
 
 @attrs.frozen
@@ -86,6 +87,8 @@ class RemoteTier:
             on_written=lambda: self.counts.add("writes"),
             on_dropped=lambda: self.counts.add("dropped"),
         ) if self.config.write_behind else None
+        for purpose in PURPOSES:  # connect now, so that no call's budget pays for it
+            self._calls.submit(self._warm, purpose)
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url.redacted()!r}, space={self.keys.base!r}, up={self._up})"
@@ -219,6 +222,12 @@ class RemoteTier:
                 c = self._clients.setdefault(purpose, c)
         return c
 
+    def _warm(self, purpose: str) -> None:
+        try:
+            clients.ping(self._client(purpose))
+        except clients.NETWORK_ERRORS as exc:
+            self._failed("errors", purpose, type(exc).__name__)
+
     def _call(self, fn: Callable[[Any, T], Any], arg: T, purpose: str, budget: float) -> Any:
         """``fn(client, arg)`` within ``budget`` seconds; None (counted) on any network
         fault, a timeout, or while the server is down."""
@@ -285,10 +294,11 @@ class RemoteTier:
     ) -> RemoteHit | None:
         paths: dict[int, tuple[Manifest, ...]] = {}  # end block -> covering path
         best: tuple[Manifest, ...] | None = None
+        failures = {id(v) for v in values if isinstance(v, Exception)}
+        if failures:  # some cluster nodes failed: their keys are absent
+            self.counts.add("errors", len(failures))
         for i, value in enumerate(values, start=have):
             if not isinstance(value, bytes):
-                if value is not None:
-                    self.counts.add("errors")
                 continue
             try:
                 m = manifest.decode(self.keys, chain_keys[i], value, self.ranks)
