@@ -81,7 +81,7 @@ def test_wrong_or_missing_password_is_a_miss(tmp_path):
             assert t.deepest(keys) is None
             assert t.stats()["errors"] >= 1 and not t.up
         with tier(server.url, write_behind=False, password="wrong") as t:
-            assert t.deepest(keys) is None and t.stats()["errors"] == 1
+            assert t.deepest(keys) is None and t.stats()["errors"] >= 1
         with tier(server.url, write_behind=False, password=SECRET) as t:  # option, not URL
             blobs = store(t, keys, 0, 4, seed=2)
             assert t.fetch_path(t.deepest(keys).path) == [blobs]
@@ -113,7 +113,8 @@ def test_tls(tmp_path):
             blobs = store(t, keys, 0, 4, seed=4)
             assert t.fetch_path(t.deepest(keys).path) == [blobs]
         with tier(server.url, write_behind=False) as t:  # the server's CA is not trusted
-            assert t.deepest(keys) is None and t.stats()["errors"] == 1
+            assert t.deepest(keys) is None
+            assert wait_until(lambda: t.stats()["errors"] + t.stats()["timeouts"] >= 1)
         plain = f"redis://127.0.0.1:{server.port}/0"  # TLS port, plain client
         with tier(plain, write_behind=False, lookup_timeout=0.3) as t:
             assert t.deepest(keys) is None

@@ -157,4 +157,6 @@ def test_bad_put_is_refused(redis_server):
         m = t.manifest_for(keys[3], blobs, start=0, end=4, generation=1, snapshot=False)
         with pytest.raises(InvalidArgumentError):
             t.put(keys[2], m, blobs)
-        assert isinstance(RemoteTier(redis_server.url, LAYOUT.to_json(), 2), RemoteTier)
+    plain = RemoteTier(redis_server.url, LAYOUT.to_json(), 2)
+    plain.close()
+    assert plain.keys.base == t.keys.base

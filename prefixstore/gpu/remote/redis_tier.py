@@ -258,6 +258,8 @@ class RemoteTier:
 
     def _failed(self, kind: str, purpose: str, why: str) -> None:
         self.counts.add(kind)
+        if self._closed:
+            return
         with self._lock:
             was_up, self._up = self._up, False
             start = self._reconnecting is None and not self._closed
