@@ -9,7 +9,7 @@ import logging
 import pytest
 import structlog
 from redis_servers import RedisServer
-from remote_helpers import chain, store, tier, wait_until
+from remote_helpers import blobs_for, chain, store, tier, wait_until
 
 from prefixstore.engine.errors import InvalidArgumentError
 from prefixstore.gpu.remote import parse, redis_tier
@@ -124,7 +124,5 @@ def test_tls(tmp_path):
 
 
 def _one(t, keys):
-    from remote_helpers import blobs_for
-
     blobs = blobs_for(9)
     return t.manifest_for(keys[3], blobs, start=0, end=4, generation=1, snapshot=False), blobs

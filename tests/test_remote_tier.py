@@ -12,6 +12,7 @@ from redis_servers import redis_server_fixture  # noqa: F401
 from remote_helpers import LAYOUT, blobs_for, chain, store, tier
 
 from prefixstore.engine.errors import InvalidArgumentError
+from prefixstore.gpu import shards
 from prefixstore.gpu.remote import RemoteCollector, RemoteConfig, RemoteTier
 
 
@@ -27,6 +28,9 @@ def test_round_trip_bit_for_bit(redis_server):
         assert hit.manifest.snapshot and hit.manifest.generation == 1
         assert t.fetch_path(hit.path) == [first, second]
         assert [t.fetch(hit.manifest, r) for r in range(2)] == second
+        known = t.manifest_for(keys[7], second, start=4, end=8, generation=1, snapshot=True,
+                               checksums=[shards.checksum(b) for b in second])
+        assert known == hit.manifest
         s = t.stats()
     assert s["writes"] == 2 and s["hits"] == 1 and s["misses"] == 0
     assert s["bytes_in"] == 2 * sum(map(len, second)) + sum(map(len, first))

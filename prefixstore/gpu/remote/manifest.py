@@ -67,11 +67,13 @@ def build(
     end: int,
     generation: int,
     snapshot: bool,
+    checksums: Sequence[str] | None = None,
 ) -> Manifest:
-    """The manifest of ``blobs`` (one per rank) for the checkpoint ending at ``prefix_key``."""
+    """The manifest of ``blobs`` (one per rank) for the checkpoint ending at ``prefix_key``;
+    ``checksums``: their ``shards.checksum`` when already known (else computed)."""
     refs = []
     for rank, data in enumerate(blobs):
-        ck = shards.checksum(data)
+        ck = shards.checksum(data) if checksums is None else checksums[rank]
         refs.append(BlobRef(keys.blob(prefix_key, rank, ck), len(data), ck))
     return Manifest(prefix_key.hex(), int(start), int(end), int(generation), bool(snapshot), refs)
 

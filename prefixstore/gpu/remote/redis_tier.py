@@ -72,6 +72,8 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._clients: dict[str, Any] = {}
         self._up = True
+        self._back = threading.Event()  # set while up: the writer waits on it
+        self._back.set()
         self._closed = False
         self._reconnecting: threading.Thread | None = None
         self._wake = threading.Event()
@@ -107,14 +109,17 @@ class RemoteTier:
 
     def manifest_for(
         self, prefix_key: bytes, blobs: Sequence[bytes], *, start: int, end: int,
-        generation: int, snapshot: bool,
+        generation: int, snapshot: bool, checksums: Sequence[str] | None = None,
     ) -> Manifest:
         """The manifest of one checkpoint: blocks ``[start, end)`` ending at ``prefix_key``,
-        one blob (the rank's shard file bytes) per rank."""
+        one blob (the rank's shard file bytes) per rank; ``checksums``: their
+        ``shards.checksum`` if known (the catalog's), else computed here."""
         if len(blobs) != self.ranks:
             raise InvalidArgumentError("blobs", f"got {len(blobs)} blobs for {self.ranks} ranks")
+        if checksums is not None and len(checksums) != self.ranks:
+            raise InvalidArgumentError("checksums", f"got {len(checksums)} for {self.ranks} ranks")
         return manifest.build(self.keys, prefix_key, blobs, start=start, end=end,
-                              generation=generation, snapshot=snapshot)
+                              generation=generation, snapshot=snapshot, checksums=checksums)
 
     def put(self, prefix_key: bytes, m: Manifest, blobs: Sequence[bytes]) -> bool:
         """Store a checkpoint: its blobs, then its manifest. Write-behind: queue it (False if
@@ -190,6 +195,7 @@ class RemoteTier:
         done = True if self._queue is None else self._queue.stop(timeout)
         self._closed = True
         self._wake.set()
+        self._back.set()
         self._calls.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for c in self._clients.values():
@@ -262,6 +268,7 @@ class RemoteTier:
             return
         with self._lock:
             was_up, self._up = self._up, False
+            self._back.clear()
             start = self._reconnecting is None and not self._closed
             if start:
                 self._reconnecting = threading.Thread(
@@ -285,6 +292,7 @@ class RemoteTier:
             else:
                 return
             self._up = True
+            self._back.set()
             self.counts.add("reconnects")
             log.info("remote_up", remote=self.url.redacted())
         finally:
@@ -337,6 +345,8 @@ class RemoteTier:
         return True
 
     def _write_checked(self, item: tuple[bytes, Manifest, tuple[bytes, ...]]) -> None:
-        """One write-behind attempt in the writer thread; raises if it did not land."""
+        """One write-behind attempt in the writer thread (after waiting, at most
+        ``write_timeout``, for a reconnect if the server is down); raises if it did not land."""
+        self._back.wait(self.config.write_timeout)
         if self._call(self._write, item, "write", self.config.write_timeout) is None:
             raise ConnectionError("remote write failed")
