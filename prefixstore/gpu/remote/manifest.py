@@ -106,8 +106,8 @@ def decode(keys: KeySpace, prefix_key: bytes, data: bytes, ranks: int) -> Manife
     it is intact and describes a ``ranks``-rank checkpoint of this key space at that key."""
     try:
         body = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise ManifestError(f"not JSON: {type(exc).__name__}") from None
     if not isinstance(body, dict) or not isinstance(body.get("sum"), str):
         raise ManifestError("no checksum")
     claimed = body.pop("sum")
