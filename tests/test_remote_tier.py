@@ -38,6 +38,21 @@ def test_round_trip_bit_for_bit(redis_server):
     assert s["queue_depth"] == 0 and s["up"] == 1
 
 
+def test_lookup_and_restore_are_one_command_each(redis_server):
+    keys = chain(32)
+    r = redis_server.client()
+    with tier(redis_server.url, write_behind=False) as t:
+        for start in range(0, 32, 4):
+            store(t, keys, start, start + 4, seed=start)
+        r.config_resetstat()
+        hit = t.deepest(keys)
+        assert hit.blocks == 32 and len(hit.path) == 8
+        assert len(t.fetch_path(hit.path)) == 8
+        stats = r.info("commandstats")
+    data_calls = {k: v["calls"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_ping", "cmdstat_config|resetstat")}
+    assert data_calls == {"cmdstat_mget": 2}
+
+
 def test_deepest_needs_a_covered_path_from_what_is_held(redis_server):
     keys = chain(12)
     with tier(redis_server.url, write_behind=False) as t:

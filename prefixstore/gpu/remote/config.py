@@ -55,6 +55,7 @@ class RemoteConfig:
     queue's bounds (a put beyond them is dropped and counted). ``write_attempts``: tries
     per checkpoint, ``retry_backoff`` seconds doubling between them. ``reconnect_interval``:
     seconds between background reconnect attempts while the server is unreachable.
+    ``call_threads``: threads that run calls so that a caller can stop waiting at its budget.
     ``ttl``: seconds a stored key lives (None: until Redis evicts it). ``username`` /
     ``password`` override the URL's. ``tls``: redis-py ``ssl_*`` options
     (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``...).
@@ -70,6 +71,7 @@ class RemoteConfig:
     write_attempts: int = attrs.field(default=4, validator=_count)
     retry_backoff: float = attrs.field(default=0.05, validator=_seconds)
     reconnect_interval: float = attrs.field(default=0.5, validator=_seconds)
+    call_threads: int = attrs.field(default=8, validator=_count)
     ttl: float | None = attrs.field(default=None, validator=_optional_seconds)
     username: str | None = attrs.field(default=None, validator=_optional_text)
     password: str | None = attrs.field(default=None, validator=_optional_text, repr=False)

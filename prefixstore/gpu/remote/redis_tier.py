@@ -29,7 +29,6 @@ from prefixstore.gpu.remote.urls import RemoteURL, parse
 from prefixstore.gpu.remote.writeback import WriteBehind
 
 T = TypeVar("T")
-CALL_THREADS = 4
 PURPOSES = ("lookup", "restore", "write")
 
 
@@ -77,7 +76,8 @@ class RemoteTier:
         self._closed = False
         self._reconnecting: threading.Thread | None = None
         self._wake = threading.Event()
-        self._calls = concurrent.futures.ThreadPoolExecutor(CALL_THREADS, "prefixstore-remote-call")
+        self._calls = concurrent.futures.ThreadPoolExecutor(
+            self.config.call_threads, "prefixstore-remote-call")
         self.counts = RemoteStats(self._gauges)
         self._queue = WriteBehind(
             self._write_checked,
