@@ -70,6 +70,19 @@ def test_deepest_needs_a_covered_path_from_what_is_held(redis_server):
         assert t.stats()["misses"] == 1
 
 
+def test_a_reused_buffer_does_not_change_what_is_queued(redis_server):
+    keys = chain(4)
+    with tier(redis_server.url) as t:
+        blobs = blobs_for(6)
+        staged = [bytearray(b) for b in blobs]
+        m = t.manifest_for(keys[3], blobs, start=0, end=4, generation=1, snapshot=False)
+        assert t.put(keys[3], m, [memoryview(b) for b in staged])
+        for b in staged:
+            b[:] = bytes(len(b))  # the caller reuses its staging buffers at once
+        assert t.flush(5)
+        assert t.fetch_path(t.deepest(keys).path) == [blobs]
+
+
 def test_write_through_returns_once_stored(redis_server):
     keys = chain(4)
     with tier(redis_server.url, write_behind=False) as t:
@@ -176,6 +189,12 @@ def test_bad_put_is_refused(redis_server):
         m = t.manifest_for(keys[3], blobs, start=0, end=4, generation=1, snapshot=False)
         with pytest.raises(InvalidArgumentError):
             t.put(keys[2], m, blobs)
+    with pytest.raises(InvalidArgumentError) as e:
+        RemoteTier(redis_server.url, LAYOUT.to_json(), 0)
+    assert e.value.argument == "ranks"
+    with pytest.raises(InvalidArgumentError) as e:
+        RemoteTier(redis_server.url, LAYOUT.to_json(), 2, {"namespace": "x"})
+    assert e.value.argument == "config"
     plain = RemoteTier(redis_server.url, LAYOUT.to_json(), 2)
     plain.close()
     assert plain.keys.base == t.keys.base

@@ -64,8 +64,12 @@ class RemoteTier:
         self, url: str | RemoteURL, layout_json: str, ranks: int, config: RemoteConfig | None = None
     ) -> None:
         self.url = url if isinstance(url, RemoteURL) else parse(url)
+        if config is not None and not isinstance(config, RemoteConfig):
+            raise InvalidArgumentError("config", f"must be a RemoteConfig, got {type(config).__name__}")
         self.config = config or RemoteConfig()
-        self.ranks = int(ranks)
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise InvalidArgumentError("ranks", f"must be a positive integer, got {ranks!r}")
+        self.ranks = ranks
         self.keys = KeySpace(self.config.namespace, layout_id(layout_json))
         self._ttl_ms = None if self.config.ttl is None else max(1, int(self.config.ttl * 1000))
         self._lock = threading.Lock()
@@ -122,12 +126,13 @@ class RemoteTier:
                               generation=generation, snapshot=snapshot, checksums=checksums)
 
     def put(self, prefix_key: bytes, m: Manifest, blobs: Sequence[bytes]) -> bool:
-        """Store a checkpoint: its blobs, then its manifest. Write-behind: queue it (False if
+        """Store a checkpoint: its blobs, then its manifest (a blob that is not ``bytes`` is
+        copied first, so the caller may reuse its buffer). Write-behind: queue it (False if
         the queue is full: dropped, counted). Write-through: write it now within
         ``write_timeout`` (False if that failed). Never raises for a network fault."""
         if m.prefix != prefix_key.hex() or len(blobs) != len(m.blobs):
             raise InvalidArgumentError("manifest", "does not describe these blobs at this key")
-        item = (prefix_key, m, tuple(blobs))
+        item = (prefix_key, m, tuple(b if isinstance(b, bytes) else bytes(b) for b in blobs))
         if self._queue is not None:
             if self._queue.offer(item, m.nbytes):
                 return True
