@@ -61,3 +61,18 @@ def test_cluster_node_killed_mid_run(redis_cluster):
         assert 0 < full < REQUESTS and slowest < 1.0 + GRACE
         s = t.stats()
     assert s["errors"] + s["timeouts"] >= 1 and s["verify_failures"] == 0
+
+
+def test_cluster_node_stopped_mid_run(redis_cluster):
+    """SIGSTOP on one node: calls that need it end within their budget as misses."""
+    with tier(redis_cluster.url, write_behind=False, lookup_timeout=0.5,
+              restore_timeout=0.5) as t:
+        _store_all(t)
+        redis_cluster.nodes[2].pause()
+        try:
+            full, slowest = _read_all(t)  # no exception, no wrong bytes
+            assert full < REQUESTS and slowest < 0.5 + GRACE
+            s = t.stats()
+            assert s["timeouts"] >= 1 and s["verify_failures"] == 0
+        finally:
+            redis_cluster.nodes[2].resume()

@@ -36,6 +36,7 @@ def test_round_trip_bit_for_bit(redis_server):
     assert s["bytes_in"] == 2 * sum(map(len, second)) + sum(map(len, first))
     assert s["bytes_out"] > sum(map(len, first + second)) and s["verify_failures"] == 0
     assert s["queue_depth"] == 0 and s["up"] == 1
+    assert s["lookup_seconds"] > 0 and s["fetch_seconds"] > 0
 
 
 def test_lookup_and_restore_are_one_command_each(redis_server):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -151,7 +152,8 @@ class RemoteTier:
         must hold a snapshot. None (a miss) when nothing beyond ``have`` is covered."""
         self.counts.add("lookups")
         names = [self.keys.manifest(k) for k in chain_keys[have:]]
-        values = self._call(clients.get_many, names, "lookup", self.config.lookup_timeout)
+        values = self._timed("lookup_seconds", clients.get_many, names, "lookup",
+                             self.config.lookup_timeout)
         hit = None if values is None else self._deepest_path(chain_keys, have, values, need_snapshot)
         self.counts.add("hits" if hit else "misses")
         return hit
@@ -161,7 +163,8 @@ class RemoteTier:
         ``restore_timeout``."""
         self.counts.add("fetches")
         ref = m.blobs[rank]
-        values = self._call(clients.get_many, [ref.key], "restore", self.config.restore_timeout)
+        values = self._timed("fetch_seconds", clients.get_many, [ref.key], "restore",
+                             self.config.restore_timeout)
         data = self._verified(ref, values[0]) if values else None
         if data is None:
             self.counts.add("fetch_misses")
@@ -173,8 +176,8 @@ class RemoteTier:
         blobs all verify (empty on a miss)."""
         refs = [ref for m in path for ref in m.blobs]
         self.counts.add("fetches", len(refs))
-        values = self._call(clients.get_many, [r.key for r in refs], "restore",
-                            self.config.restore_timeout) or [None] * len(refs)
+        values = self._timed("fetch_seconds", clients.get_many, [r.key for r in refs], "restore",
+                             self.config.restore_timeout) or [None] * len(refs)
         out: list[list[bytes]] = []
         i = 0
         for m in path:
@@ -190,7 +193,7 @@ class RemoteTier:
         """Wait at most ``timeout`` seconds for queued writes; True if none is left."""
         return True if self._queue is None else self._queue.flush(timeout)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Counters and gauges (names as in ``stats.COUNTERS`` / ``stats.GAUGES``)."""
         return self.counts.snapshot()
 
@@ -266,6 +269,15 @@ class RemoteTier:
             if not self._closed:
                 raise
         return None
+
+    def _timed(self, counter: str, fn: Callable[[Any, T], Any], arg: T, purpose: str,
+               budget: float) -> Any:
+        """``_call``, adding its seconds to ``counter`` when the server answered."""
+        t0 = time.perf_counter()
+        out = self._call(fn, arg, purpose, budget)
+        if out is not None:
+            self.counts.add(counter, time.perf_counter() - t0)
+        return out
 
     def _failed(self, kind: str, purpose: str, why: str) -> None:
         self.counts.add(kind)

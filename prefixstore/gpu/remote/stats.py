@@ -10,6 +10,7 @@ Prometheus names (counters end in ``_total`` when exposed):
     prefixstore_remote_skipped                            calls answered "miss" while down
     prefixstore_remote_writes, _write_retries, _dropped   checkpoints written, retried, given up
     prefixstore_remote_reconnects                         background reconnects that succeeded
+    prefixstore_remote_lookup_seconds, _fetch_seconds     time in answered calls (calibration)
     prefixstore_remote_queue_depth, _queue_bytes, _up     gauges
 """
 
@@ -36,6 +37,8 @@ COUNTERS = {
     "write_retries": "Write attempts that failed and were retried",
     "dropped": "Checkpoints not written (queue full or attempts exhausted)",
     "reconnects": "Background reconnects that succeeded",
+    "lookup_seconds": "Seconds spent in lookups the server answered",
+    "fetch_seconds": "Seconds spent in fetches the server answered (bandwidth: bytes_in / this)",
 }
 GAUGES = {
     "queue_depth": "Checkpoints waiting in the write-behind queue",
@@ -46,18 +49,19 @@ PREFIX = "prefixstore_remote_"
 
 
 class RemoteStats:
-    """Thread-safe counters; gauges are read from ``gauges()`` when asked."""
+    """Thread-safe counters (ints, but the ``_seconds`` ones); gauges are read from
+    ``gauges()`` when asked."""
 
     def __init__(self, gauges: Callable[[], dict[str, int]]) -> None:
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._gauges = gauges
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, name: str, n: float = 1) -> None:
         with self._lock:
             self._counts[name] += n
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         with self._lock:
             out = dict(self._counts)
         out.update(self._gauges())
@@ -68,7 +72,7 @@ class RemoteCollector:
     """A Prometheus collector reading ``stats()`` at scrape time
     (``registry.register(RemoteCollector(tier.stats))``)."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
