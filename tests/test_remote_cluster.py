@@ -10,6 +10,7 @@ from remote_helpers import blobs_for, chain, store, tier
 from prefixstore.gpu.remote import RemoteTier
 
 GRACE = 5.0
+SETUP_WRITE_S = 10.0  # the stores before a fault: a loaded machine must not fail them
 REQUESTS = 24
 
 
@@ -47,7 +48,7 @@ def test_cluster_round_trip_across_slots(redis_cluster):
 
 
 def test_cluster_node_killed_mid_run(redis_cluster):
-    with tier(redis_cluster.url, write_behind=False, lookup_timeout=1.0,
+    with tier(redis_cluster.url, write_timeout=SETUP_WRITE_S, write_behind=False, lookup_timeout=1.0,
               restore_timeout=1.0) as t:
         _store_all(t)
         assert _read_all(t)[0] == REQUESTS
@@ -65,7 +66,7 @@ def test_cluster_node_killed_mid_run(redis_cluster):
 
 def test_cluster_node_stopped_mid_run(redis_cluster):
     """SIGSTOP on one node: calls that need it end within their budget as misses."""
-    with tier(redis_cluster.url, write_behind=False, lookup_timeout=0.5,
+    with tier(redis_cluster.url, write_timeout=SETUP_WRITE_S, write_behind=False, lookup_timeout=0.5,
               restore_timeout=0.5) as t:
         _store_all(t)
         redis_cluster.nodes[2].pause()
