@@ -125,7 +125,7 @@ def start(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: Engine
     except BaseException as exc:
         if not fall_back(eng, exc, o, logs):
             raise
-    eng.remote = remote.open_tier(eng, o)
+    remote.open_tier(eng, o)
 
 
 def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: EngineConfig) -> None:

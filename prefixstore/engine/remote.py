@@ -12,6 +12,10 @@ audit note, never a violation. No credential is logged or stored (URLs are redac
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -20,8 +24,10 @@ import torch
 from prefixstore.base.errors import InvalidInputError
 from prefixstore.base.keys import Prefix
 from prefixstore.base.log import log
+from prefixstore.engine import restore as local_restore
 from prefixstore.engine import store
 from prefixstore.engine.config import EngineConfig
+from prefixstore.engine.index import Node
 from prefixstore.engine.results import Match, Restored
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Staged
@@ -44,23 +50,54 @@ class RemoteRef:
     prefix: Prefix
 
 
+class Backfill:
+    """The checkpoints this engine has sent to the remote, and one thread that sends the
+    ancestors a new checkpoint builds on which were never sent (those of an earlier
+    process, or made by a split): without them no other engine has a path to it."""
+
+    def __init__(self) -> None:
+        self.sent: set[tuple[bytes, int]] = set()  # (node key, generation)
+        self.jobs: list[concurrent.futures.Future] = []
+        self.lock = threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "prefixstore-remote-backfill")
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        with self.lock:
+            self.jobs = [j for j in self.jobs if not j.done()]
+            with contextlib.suppress(RuntimeError):  # closing: nothing more is sent
+                self.jobs.append(self.pool.submit(fn, *args))
+
+    def finish(self, timeout: float) -> None:
+        with self.lock:
+            jobs = list(self.jobs)
+        concurrent.futures.wait(jobs, timeout)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 # -- open / close -------------------------------------------------------------------------------
 
 
-def open_tier(eng: Engine, o: EngineConfig) -> RemoteTier | None:
-    """The tier of ``o.remote`` (None without one), its collector in the engine's registry."""
+def open_tier(eng: Engine, o: EngineConfig) -> None:
+    """Set ``eng.remote``: the tier of ``o.remote`` (None without one), its collector in
+    the engine's registry."""
     if o.remote is None:
-        return None
+        return
     tier = RemoteTier.for_layout(o.remote, eng.layout, o.remote_options)
     eng.counters.registry.register(RemoteCollector(tier.stats))
+    eng.remote_backfill = Backfill()
+    eng.remote = tier
     log.info("remote_opened", remote=tier.url.redacted(), write_behind=tier.config.write_behind)
-    return tier
 
 
 def close_tier(eng: Engine, timeout: float) -> None:
-    """Flush queued writes within ``timeout`` seconds, then disconnect (idempotent)."""
+    """Send what is being sent and flush queued writes, within ``timeout`` seconds in
+    all, then disconnect (idempotent)."""
     tier, eng.remote = eng.remote, None
-    if tier is not None and not tier.close(timeout):
+    if tier is None:
+        return
+    deadline = time.monotonic() + timeout
+    eng.remote_backfill.finish(timeout)
+    if not tier.close(max(0.0, deadline - time.monotonic())):
         log.warning("remote_unflushed", remote=tier.url.redacted(), left=tier.stats()["queue_depth"])
 
 
@@ -77,12 +114,46 @@ def offer(eng: Engine, t: Any) -> None:
         return
     try:
         blobs = [bytes(d.buffer.mv()[: d.size]) if isinstance(d, Staged) else bytes(d) for d in t.datas]
-        sums = [d.checksum() if isinstance(d, Staged) else shards.checksum(b) for d, b in zip(t.datas, blobs, strict=True)]
+        sums = [d.checksum() if isinstance(d, Staged) else shards.checksum(b)
+                for d, b in zip(t.datas, blobs, strict=True)]
         m = tier.manifest_for(t.key, blobs, start=t.plan.start, end=t.end, generation=t.gen,
                               snapshot=eng.layout.has_snapshot, checksums=sums)
         tier.put(t.key, m, blobs)
+        eng.remote_backfill.sent.add((t.key, t.gen))
+        unsent = unsent_ancestors(eng, t.plan.parent)
+        if unsent:
+            rows = local_restore.file_rows(eng, unsent)
+            eng.remote_backfill.submit(send_nodes, eng, tier, [(x, rows[x.id]) for x in unsent])
     except Exception as exc:  # the local store stands whatever the remote does
         log.warning("remote_offer_failed", key=t.key.hex()[:12], reason=f"{type(exc).__name__}: {exc}")
+
+
+def unsent_ancestors(eng: Engine, parent: Node | None) -> list[Node]:
+    """The ready nodes of ``parent``'s path not sent to the remote (marked sent now). Lock held."""
+    if parent is None:
+        return []
+    sent = eng.remote_backfill.sent
+    out = [x for x in eng.index.path(parent) if x.ready and (x.key, x.generation) not in sent]
+    sent.update((x.key, x.generation) for x in out)
+    return out
+
+
+def send_nodes(eng: Engine, tier: RemoteTier, nodes: list[tuple[Node, dict]]) -> None:
+    """In the backfill thread: read and verify each node's shards from the local tiers
+    and put them (a node evicted or replaced meanwhile fails its check: not sent)."""
+    for x, rows in nodes:
+        if set(rows) != set(range(eng.layout.ranks)):
+            continue
+        got = [verify.read(eng.ranks[r], *rows[r]) for r in range(eng.layout.ranks)]
+        if not all(isinstance(g, verify.Shard) for g in got):
+            continue
+        blobs = [g.data for g in got]
+        try:
+            m = tier.manifest_for(x.key, blobs, start=x.start, end=x.end, generation=x.generation,
+                                  snapshot=x.has_snapshot, checksums=[rows[r][2] for r in range(len(blobs))])
+            tier.put(x.key, m, blobs)
+        except Exception as exc:
+            log.warning("remote_offer_failed", key=x.key.hex()[:12], reason=f"{type(exc).__name__}: {exc}")
 
 
 # -- lookup -------------------------------------------------------------------------------------
