@@ -247,7 +247,31 @@ def test_flushall_mid_restore_and_an_overwritten_blob_are_misses(redis_server, t
         m = b.lookup(prefix(y))
         assert m.source == "remote" and b.restore(m) is None
         assert b.stats()["remote"]["verify_failures"] == 1 and node_at(b, y) is None
+        z = tokens_for(3, 4)  # a blob gone (as Redis evicts): its manifest is deleted too
+        assert store_tokens(a, z).ok
+        client.delete(next(k for k in client.keys(f"*{prefix(z).keys[-1].hex()}*:b:0:*")))
+        m = b.lookup(prefix(z))
+        assert m.source == "remote" and b.restore(m) is None
+        assert wait_until(lambda: b.stats()["remote"]["forgotten"] == 1)
+        assert not b.lookup(prefix(z)).hit  # later lookups miss at once
         local_unaffected(b, own)
+        assert_clean(b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_remote_miss_falls_back_to_the_local_shallower_hit(redis_server, tmp_path):
+    a, b, own = two_engines(redis_server.url, tmp_path)
+    try:
+        family = tokens_for(5, 6)
+        assert store_tokens(a, family).ok and store_tokens(b, family[:8]).ok
+        m = b.lookup(prefix(family))
+        assert m.source == "remote" and m.blocks == 6
+        redis_server.client().flushall()
+        r = b.restore(m)
+        assert r.match.source == "local" and r.match.blocks == 2 and r.end_tokens == 8
+        restored_exactly(b, family, r)
         assert_clean(b)
     finally:
         a.close()
@@ -297,3 +321,27 @@ def test_cluster_node_killed_mid_run(redis_cluster, tmp_path):
     finally:
         a.close()
         b.close()
+
+
+# -- replay -------------------------------------------------------------------------------------
+
+TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def test_replay_instances_share_a_remote(redis_server, tmp_path):
+    if not TRACE.exists():
+        pytest.fail(f"the Mooncake trace is missing: {TRACE}")
+    def replay(*extra: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-m", "prefixstore.cli", "replay", str(TRACE), "--limit", "200", "--instances", "3",
+             "--capacity", "2.5%", "--json", "--quiet", *extra],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout)
+
+    alone = replay()
+    shared = replay("--remote", redis_server.url)
+    assert alone["instances"] == shared["instances"] == 3 and alone["remote"] is None
+    assert alone["restores_remote"] == 0 < shared["restores_remote"]
+    assert shared["hit_ratio_tokens"] > alone["hit_ratio_tokens"]
+    assert shared["wrong_bytes"] == 0 and shared["audit_ok"] and shared["remote"]["writes"] > 0

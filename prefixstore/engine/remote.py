@@ -43,11 +43,12 @@ SOURCE = "remote"
 
 @attrs.frozen(eq=False)
 class RemoteRef:
-    """What a remote Match restores: the checkpoint path and the request's prefix up
-    to its end (for the local copy)."""
+    """What a remote Match restores: the checkpoint path, the request's prefix up to its
+    end (for the local copy), and the local tiers' answer (restored instead on a miss)."""
 
     hit: RemoteHit
     prefix: Prefix
+    local: Match
 
 
 class Backfill:
@@ -183,7 +184,7 @@ def extend(eng: Engine, prefix: Prefix, local: Match, gpu_blocks: int, total_tok
     return attrs.evolve(
         local, outcome="hit", blocks=hit.blocks, node_id=None, path=(), node_key=hit.manifest.prefix_key,
         nbytes=nbytes, transfer_s=est[1] if est else None, prefill_s=est[2] if est else None,
-        source=SOURCE, remote=RemoteRef(hit, prefix[: hit.blocks]),
+        source=SOURCE, remote=RemoteRef(hit, prefix[: hit.blocks], local),
     )
 
 
@@ -209,15 +210,16 @@ def cost_model(eng: Engine, tier: RemoteTier) -> CostModel | None:
 
 
 def restore(eng: Engine, match: Match) -> Restored | None:
-    """Fetch and verify every rank's blob of ``match``'s remote path; the tensors, or
-    None (a miss: the server is down, slow, or a blob is absent or does not verify).
-    A verified restore is also stored locally when the policy admits it."""
+    """Fetch and verify every rank's blob of ``match``'s remote path; the tensors. On a
+    miss (the server is down or slow, a blob is absent or does not verify) the local
+    tiers' shallower hit is restored instead (its ``Restored.match`` says so), else None.
+    A verified remote restore is also stored locally when the policy admits it."""
     tier, ref = eng.remote, match.remote
     got = tier.fetch_path(ref.hit.path) if tier is not None else []
     decoded = decode_path(eng, ref.hit.path, got) if len(got) == len(ref.hit.path) else None
     if decoded is None:
         eng.counters.inc("remote", "missed")
-        return None
+        return local_restore.restore(eng, ref.local) if ref.local.hit else None
     segments, snaps = assemble(eng, ref.hit.path, decoded, match.gpu_blocks)
     eng.counters.inc("remote", "restored")
     keep_local(eng, ref.prefix, segments, snaps, match.gpu_tokens)
