@@ -1,12 +1,13 @@
 """The Mooncake conversation trace served round-robin by 4 engine instances (a load balancer
 without prefix-aware routing), each with a local tier of 2.5% of the trace's unique bytes:
 without, then with a shared Redis tier holding 10% (``maxmemory``, ``allkeys-lru``); and one
-instance holding 10% locally for reference. Token hit ratio and modeled prefill seconds saved.
+instance holding 10% locally for reference, and the shared Redis without a bound (what
+sharing could give at most). Token hit ratio and modeled prefill seconds saved.
 
     python3 bench/bench_remote_replay.py [--limit N] [--out bench/results]
 
 Writes ``remote_replay.json`` and ``remote_replay.md``. ``--limit`` replays the first N
-requests (default 2000: about 10 minutes on one core for the three runs; 0: the whole
+requests (default 2000: about 2 minutes on one core for the four runs; 0: the whole
 trace); every share is of the replayed requests' unique bytes. Needs ``redis-server``.
 """
 
@@ -42,7 +43,7 @@ def free_port() -> int:
 
 class Redis:
     """A throwaway redis-server on loopback holding at most ``nbytes`` of data beyond its
-    empty footprint, evicting by LRU."""
+    empty footprint (0: no bound), evicting by LRU."""
 
     def __init__(self, directory: str, nbytes: int) -> None:
         self.port = free_port()
@@ -60,7 +61,8 @@ class Redis:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        client.config_set("maxmemory", client.info("memory")["used_memory"] + nbytes)
+        if nbytes:
+            client.config_set("maxmemory", client.info("memory")["used_memory"] + nbytes)
         self.client = client
 
     @property
@@ -117,6 +119,12 @@ def main() -> int:
                             capacity="2.5%", remote=server.url))
         finally:
             info = server.stop()
+        server = Redis(d, 0)
+        try:
+            rows.append(run(requests, "4 instances, 2.5% local each + shared Redis, unbounded (upper bound)",
+                            instances=4, capacity="2.5%", remote=server.url))
+        finally:
+            server.stop()
     rows.append(run(requests, "1 instance, 10% local (reference)", instances=1, capacity="10%"))
     meta = {"trace": TRACE.name, "requests": len(requests), "unique_bytes_files": unique, "redis": info}
     out = Path(args.out)

@@ -170,7 +170,10 @@ def extend(eng: Engine, prefix: Prefix, local: Match, gpu_blocks: int, total_tok
     if tier is None or held >= n:
         return local
     hit = tier.deepest(prefix.keys, have=gpu_blocks, need_snapshot=eng.layout.has_snapshot)
-    if hit is None or hit.blocks <= held:
+    if hit is None:
+        return local
+    if hit.blocks <= held:
+        tier.touch(hit)  # in use here: keep its blobs as fresh as its manifests in Redis
         return local
     bt = eng.layout.block_tokens
     nbytes = sum(m.nbytes for m in hit.path)

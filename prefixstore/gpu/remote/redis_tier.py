@@ -356,6 +356,20 @@ class RemoteTier:
         self.counts.add("bytes_in", len(value))
         return value
 
+    def touch(self, hit: RemoteHit) -> None:
+        """Mark, in the background, the blobs of a path found but not fetched (the caller
+        holds it already) as used: Redis's LRU then ages a checkpoint's blobs with its
+        manifest (which every lookup reads) instead of evicting blobs still in use."""
+        if not self._up or self._closed:
+            return
+        keys = [ref.key for m in hit.path for ref in m.blobs]
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._calls.submit(self._quietly, clients.touch, keys)
+
+    def _quietly(self, fn: Callable[[Any, Any], Any], arg: Any) -> None:
+        with contextlib.suppress(*clients.NETWORK_ERRORS, ValueError):
+            fn(self._client("write"), arg)
+
     def _forget(self, m: Manifest) -> None:
         """Delete, in the background, the manifest of a checkpoint a blob of which Redis
         evicted: later lookups stop finding a checkpoint that cannot be read (an altered
