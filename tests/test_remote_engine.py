@@ -345,3 +345,21 @@ def test_replay_instances_share_a_remote(redis_server, tmp_path):
     assert alone["restores_remote"] == 0 < shared["restores_remote"]
     assert shared["hit_ratio_tokens"] > alone["hit_ratio_tokens"]
     assert shared["wrong_bytes"] == 0 and shared["audit_ok"] and shared["remote"]["writes"] > 0
+
+
+def test_a_path_held_locally_keeps_its_blobs_fresh_in_redis(redis_server, tmp_path):
+    a, b, own = two_engines(redis_server.url, tmp_path)
+    try:
+        family = tokens_for(6, 5)
+        assert store_tokens(a, family[:8]).ok and store_tokens(b, family[:8]).ok
+        client = redis_server.client()
+        blobs = client.keys(f"*{prefix(family[:8]).keys[-1].hex()}*:b:*")
+        assert len(blobs) == 2
+        time.sleep(2.2)  # Redis's LRU clock counts seconds
+        assert all(client.object("idletime", k) >= 2 for k in blobs)
+        m = b.lookup(prefix(family))  # local 2 blocks, the remote's deepest 2: not fetched, touched
+        assert m.source == "local" and m.blocks == 2
+        assert wait_until(lambda: all(client.object("idletime", k) < 2 for k in blobs), 3.0)
+    finally:
+        a.close()
+        b.close()
