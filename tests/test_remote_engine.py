@@ -328,6 +328,7 @@ def test_cluster_node_killed_mid_run(redis_cluster, tmp_path):
 TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
+@pytest.mark.slow
 def test_replay_instances_share_a_remote(redis_server, tmp_path):
     if not TRACE.exists():
         pytest.fail(f"the Mooncake trace is missing: {TRACE}")

@@ -125,7 +125,11 @@ def start(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: Engine
     except BaseException as exc:
         if not fall_back(eng, exc, o, logs):
             raise
-    remote.open_tier(eng, o)
+    try:
+        remote.open_tier(eng, o)
+    except BaseException:
+        shutdown(eng)  # the lock and catalog are released as by a failed open
+        raise
 
 
 def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: EngineConfig) -> None:
