@@ -20,6 +20,7 @@ from prefixstore.engine import params
 from prefixstore.engine.api import Engine
 from prefixstore.engine.config import OPTIONS, EngineConfig, resolve_open
 from prefixstore.engine.params import LookupParams, StoreParams
+from prefixstore.gpu.remote import RemoteConfig
 from prefixstore.statemachine.compaction import CompactionPolicy
 from prefixstore.statemachine.cost import CostModel
 
@@ -34,7 +35,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "low_watermark": 1.0, "create": True, "fs": None, "hook": None, "ranks": None,
     "registry": None, "admission": None, "inflight_wait_s": 30.0, "compaction": None,
     "backing": "disk", "ram_bytes": None, "executor": None, "bandwidth": None,
-    "read_only_fallback": True,
+    "read_only_fallback": True, "remote": None, "remote_options": None,
 }
 
 NAN = math.nan
@@ -80,6 +81,12 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("bandwidth", {"bandwidth": "fast"}),
     ("read_only_fallback", {"read_only_fallback": "yes"}),
     ("read_only_fallback", {"read_only_fallback": None}),
+    ("remote", {"remote": "http://127.0.0.1:6379"}),
+    ("remote", {"remote": 6379}),
+    ("remote", {"remote": "redis://127.0.0.1:notaport/0"}),
+    ("remote_options", {"remote_options": 5}),
+    ("remote_options", {"remote_options": {"bogus": 1}}),
+    ("remote_options", {"remote_options": {"lookup_timeout": -1}}),
 ]
 CHECKED = {a for a, _ in BAD_OPTIONS}
 TAKEN_AS_GIVEN = {"fs", "hook", "registry"}  # effect objects: any object is accepted
@@ -93,7 +100,9 @@ GOOD_OPTIONS: list[dict[str, Any]] = [
     {"backing": "memory"}, {"backing": "composite", "ram_bytes": 1 << 20},
     {"executor": "cpu"}, {"executor": "cuda"}, {"executor": "cuda:1"}, {"executor": object()},
     {"bandwidth": 1e9}, {"bandwidth": 5}, {"bandwidth": "measure"}, {"bandwidth": "remeasure"},
-    {"read_only_fallback": False}, {"fs": object(), "hook": object(), "registry": object()},
+    {"read_only_fallback": False}, {"remote": "redis://127.0.0.1:6379/0"},
+    {"remote": "redis+cluster://127.0.0.1:7000,127.0.0.1:7001", "remote_options": RemoteConfig(lookup_timeout=0.1)},
+    {"fs": object(), "hook": object(), "registry": object()},
 ]
 
 

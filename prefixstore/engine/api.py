@@ -36,6 +36,7 @@ from prefixstore.engine import (
     lookup,
     params,
     pipeline,
+    remote,
     restore,
     retry,
     space,
@@ -66,6 +67,7 @@ class Engine:
     """Read-only: the nodes held out of service (an unfinished transaction touches them)."""
     pin_wait_s = 2.0  # how long a refill waits for a restore's pin before it rolls back
     close_wait_s = 30.0  # how long close() waits for public calls in flight on other threads
+    remote_flush_s = 10.0  # how long close() waits for the remote tier's queued writes (at most)
 
     @classmethod
     def open(cls, path: str | os.PathLike, layout: Layout, capacity_bytes: int, **opts: Any) -> Engine:
@@ -91,7 +93,10 @@ class Engine:
         bytes/s, 'measure' or 'remeasure': the cost rule's restore bandwidth; see
         ``gpu/calibrate.py``), ``read_only_fallback`` (True default: on a full disk
         where nothing can be freed without a commit, open read-only, with the reason in
-        ``read_only``, instead of raising DiskFullError; see ``engine/readonly.py``).
+        ``read_only``, instead of raising DiskFullError; see ``engine/readonly.py``),
+        ``remote`` (a ``redis://``, ``rediss://`` or ``redis+cluster://`` URL: the shared
+        remote tier below the local ones; see ``engine/remote.py``) with
+        ``remote_options`` (a ``gpu.remote.RemoteConfig`` or a dict of its fields).
         ``config``: an ``EngineConfig`` holding these options (others given beside it
         override its fields); every option is checked once, with a typed error naming it.
         """
@@ -182,8 +187,10 @@ class Engine:
             params.alone("lookup", prefix, gpu_blocks, total_tokens)
             prefix, gpu_blocks, total_tokens = prefix.prefix, prefix.gpu_blocks, prefix.total_tokens
         validate.lookup_args(self, prefix, gpu_blocks, total_tokens)
-        with lifecycle.guard(self), self._lock:
-            match = lookup.lookup(self, prefix, gpu_blocks, total_tokens)
+        with lifecycle.guard(self):
+            with self._lock:
+                match = lookup.lookup(self, prefix, gpu_blocks, total_tokens)
+            match = remote.extend(self, prefix, match, gpu_blocks, total_tokens)  # outside the lock
         self.counters.inc("lookups", match.outcome)
         return match
 
@@ -198,6 +205,8 @@ class Engine:
         if not match.hit:
             return None
         with lifecycle.guard(self):
+            if match.source == remote.SOURCE:
+                return remote.restore(self, match)
             return restore.restore(self, match)
 
     def pin(self, match: Match) -> bool:
@@ -291,7 +300,9 @@ class Engine:
         """Check every invariant against this engine's directory (and its memory)."""
         validate.flag("checksums", checksums)
         with lifecycle.guard(self), self._lock:
-            return audit.audit_engine(self, checksums=checksums)
+            report = audit.audit_engine(self, checksums=checksums)
+            remote.note(self, report)
+            return report
 
     def close(self) -> None:
         """Flush recency, close the catalog and release the directory lock.

@@ -20,6 +20,7 @@ from prefixstore.base.errors import InvalidArgumentError
 from prefixstore.base.layout import Layout
 from prefixstore.engine.checks import callable_or_none, choice, flag, instance, integer, real
 from prefixstore.gpu.backings import BACKINGS
+from prefixstore.gpu.remote import RemoteConfig, parse
 from prefixstore.statemachine.compaction import CompactionPolicy
 from prefixstore.statemachine.cost import CostModel
 from prefixstore.statemachine.policy import POLICIES
@@ -61,6 +62,28 @@ def check_compaction(argument: str, value: Any) -> None:
         raise InvalidArgumentError(argument, f"must be True, False, None or a CompactionPolicy, got {value!r}")
 
 
+def check_remote(argument: str, value: Any) -> None:
+    """``remote``: None or a ``redis://`` / ``rediss://`` / ``redis+cluster://`` URL."""
+    if value is not None:
+        parse(value)  # InvalidArgumentError("remote", ...) naming what is wrong, never the password
+
+
+def remote_options(value: Any) -> RemoteConfig | None:
+    """``remote_options`` as a ``RemoteConfig``: one, a mapping of its fields, or None."""
+    if value is None or isinstance(value, RemoteConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError("remote_options", f"must be a RemoteConfig or a dict, got {type(value).__name__}")
+    known = {a.name for a in attrs.fields(RemoteConfig)}
+    for name in value:
+        if name not in known:
+            raise InvalidArgumentError("remote_options", f"unknown option {name!r}; known: {', '.join(sorted(known))}")
+    try:
+        return RemoteConfig(**value)
+    except InvalidArgumentError as exc:  # named as the option it came in: remote_options
+        raise InvalidArgumentError("remote_options", str(exc)) from exc
+
+
 def _low_below_high(inst: EngineConfig, _attribute: attrs.Attribute, low: float) -> None:
     if low > inst.high_watermark:
         raise InvalidArgumentError("low_watermark", f"must be <= high_watermark ({inst.high_watermark}), got {low}")
@@ -95,6 +118,8 @@ class EngineConfig:
     executor: Any = attrs.field(default=None, validator=_checked(check_executor))
     bandwidth: float | str | None = attrs.field(default=None, validator=_checked(check_bandwidth))
     read_only_fallback: bool = attrs.field(default=True, validator=_checked(flag))
+    remote: str | None = attrs.field(default=None, validator=_checked(check_remote), repr=False)
+    remote_options: RemoteConfig | None = attrs.field(default=None, converter=remote_options)
 
     @classmethod
     def from_options(cls, **opts: Any) -> EngineConfig:

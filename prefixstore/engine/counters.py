@@ -56,6 +56,10 @@ class Counters:
             "prefixstore_restore_decisions", "Restore decisions: deepest, shallower or rejected", ["result"],
             registry=r,
         )
+        self.remote = Counter(
+            "prefixstore_remote_restores", "Remote-tier matches: restored, missed, kept_local, rejected_cost",
+            ["result"], registry=r,
+        )
         self.bytes = Gauge("prefixstore_bytes", "Backing bytes by kind", ["kind"], registry=r)
         self.state = Gauge("prefixstore_state", "Engine state by kind (live values)", ["kind"], registry=r)
         self.transfer_s = Histogram(

@@ -35,6 +35,7 @@ from prefixstore.engine import (
     readonly,
     recency,
     recovery,
+    remote,
     space,
     stats,
     tiering,
@@ -124,6 +125,11 @@ def start(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: Engine
     except BaseException as exc:
         if not fall_back(eng, exc, o, logs):
             raise
+    try:
+        remote.open_tier(eng, o)
+    except BaseException:
+        shutdown(eng)  # the lock and catalog are released as by a failed open
+        raise
 
 
 def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: EngineConfig) -> None:
@@ -149,6 +155,7 @@ def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     eng._calls_cv = threading.Condition(threading.Lock())
     eng._local = threading.local()  # .depth: this thread's nested public calls
     eng._dir_lock = None
+    eng.remote = None  # the shared remote tier (engine/remote.py), set once open succeeded
     eng.identity = uuid.uuid4().hex  # carried by this engine's Matches (validate.match)
     eng._pins = Counter()  # every pin: pin()'s and running restores'
     eng._request_pins = Counter()  # the pins taken by pin() (a request holds them)
@@ -343,6 +350,7 @@ def close(eng: Engine) -> None:
     quiesce(eng, deadline)
     # Jobs queued since the drain are refused by the guard; let them release what they hold.
     eng.transfers.drain(max(0.0, deadline - time.monotonic()))
+    remote.close_tier(eng, min(eng.remote_flush_s, max(0.0, deadline - time.monotonic())))
     with eng._lock:
         if eng._closed:  # abandoned meanwhile (a simulated crash)
             return
@@ -379,6 +387,7 @@ def abandon(eng: Engine) -> None:
 
 def shutdown(eng: Engine) -> None:
     eng._closed = True
+    remote.close_tier(eng, 0.0)
     transfers = getattr(eng, "transfers", None)
     if transfers is not None:
         transfers.stop(wait=False)

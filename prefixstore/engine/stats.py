@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prefixstore.engine import tiering
+from prefixstore.engine import remote, tiering
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -31,6 +31,7 @@ def collect(eng: Engine) -> dict[str, Any]:
         "counters": eng.counters.snapshot(),
         "last_decision": eng.counters.last_decision,
         "backing": tiering.stats(eng),
+        "remote": remote.stats(eng),
         "disk": eng.disk.stats(),
         "read_only": None if eng.read_only is None else str(eng.read_only),
         "nodes_unsettled": len(eng.unsettled),

@@ -18,6 +18,7 @@ from prefixstore.engine import (
     lifecycle,
     pipeline,
     recency,
+    remote,
     replace,
     restore,
     space,
@@ -239,6 +240,7 @@ def published(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     digests = b"".join(prefix.digests[p.start:n])
     was_damaged = p.existing is not None and p.existing.state == "damaged"
     node = publish(eng, t.tid, p, t.key, digests, p.start, n, t.gen, t.needed)
+    remote.offer(eng, t)
     status = REFILLED if p.existing is not None else STORED
     if was_damaged:
         eng.counters.inc("refills")

@@ -81,18 +81,7 @@ def read(
     """
     if pool is None:
         got = _read_bytes(tier, name)
-        if not isinstance(got, bytes):
-            return got
-        why = problem(got, size, checksum, None, name)
-        if why is not None:
-            return Damage(why)
-        if header is None:
-            return Shard(data=got)
-        try:
-            segs, snap = shards.decode(got, header.layout, header.tokens, header.with_snapshot, header.meta)
-        except ShardError as exc:
-            return Damage(str(exc))
-        return Shard(data=got, segments=segs, snapshot=snap)
+        return got if not isinstance(got, bytes) else check(got, size, checksum, header, name)
     buf = pool.acquire(size)
     try:
         n = _read_into(tier, name, buf.mv(), stats)
@@ -116,6 +105,21 @@ def read(
         buf.release()
         return Damage(why)
     return Shard(buffer=buf)
+
+
+def check(data: bytes, size: int, checksum: str, header: Header | None = None, name: str = "") -> Shard | Damage:
+    """``data`` (a shard's bytes from anywhere: a tier, the remote) checked against its
+    ``size``, ``checksum`` and, when given, ``header`` (then decoded)."""
+    why = problem(data, size, checksum, None, name)
+    if why is not None:
+        return Damage(why)
+    if header is None:
+        return Shard(data=data)
+    try:
+        segs, snap = shards.decode(data, header.layout, header.tokens, header.with_snapshot, header.meta)
+    except ShardError as exc:
+        return Damage(str(exc))
+    return Shard(data=data, segments=segs, snapshot=snap)
 
 
 def resident(tier: Tier, name: str, size: int) -> Shard | Damage | None:

@@ -91,6 +91,19 @@ def set_many(client: Any, items: list[tuple[str, bytes]], ttl_ms: int | None) ->
     pipe.execute(raise_on_error=True)
 
 
+def touch(client: Any, keys: list[str]) -> None:
+    """Mark ``keys`` used (for Redis's LRU/LFU eviction), one pipeline."""
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.touch(k)
+    pipe.execute(raise_on_error=False)
+
+
+def delete(client: Any, key: str) -> None:
+    """Delete ``key`` (absent: nothing to do)."""
+    client.delete(key)
+
+
 def ping(client: Any) -> bool:
     """Whether the server (or a random cluster node) answers."""
     if isinstance(client, RedisCluster):

@@ -181,9 +181,12 @@ class RemoteTier:
         out: list[list[bytes]] = []
         i = 0
         for m in path:
-            datas = [self._verified(ref, v) for ref, v in zip(m.blobs, values[i:i + len(m.blobs)], strict=True)]
+            got = values[i:i + len(m.blobs)]
+            datas = [self._verified(ref, v) for ref, v in zip(m.blobs, got, strict=True)]
             i += len(m.blobs)
             if any(d is None for d in datas):
+                if any(v is None for v in got):
+                    self._forget(m)  # the server answered that a blob is gone (evicted)
                 break
             out.append(datas)  # type: ignore[arg-type]
         self.counts.add("fetch_misses", len(refs) - sum(len(d) for d in out))
@@ -352,6 +355,37 @@ class RemoteTier:
             return None
         self.counts.add("bytes_in", len(value))
         return value
+
+    def touch(self, hit: RemoteHit) -> None:
+        """Mark, in the background, the blobs of a path found but not fetched (the caller
+        holds it already) as used: Redis's LRU then ages a checkpoint's blobs with its
+        manifest (which every lookup reads) instead of evicting blobs still in use."""
+        if not self._up or self._closed:
+            return
+        keys = [ref.key for m in hit.path for ref in m.blobs]
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._calls.submit(self._quietly, clients.touch, keys)
+
+    def _quietly(self, fn: Callable[[Any, Any], Any], arg: Any) -> None:
+        with contextlib.suppress(*clients.NETWORK_ERRORS, ValueError):
+            fn(self._client("write"), arg)
+
+    def _forget(self, m: Manifest) -> None:
+        """Delete, in the background, the manifest of a checkpoint a blob of which Redis
+        evicted: later lookups stop finding a checkpoint that cannot be read (an altered
+        blob is a miss each time, counted, and left for its writer to put again)."""
+        if not self._up or self._closed:
+            return
+        key = self.keys.manifest(m.prefix_key)
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._calls.submit(self._delete, key)
+
+    def _delete(self, key: str) -> None:
+        try:
+            clients.delete(self._client("write"), key)
+            self.counts.add("forgotten")
+        except (*clients.NETWORK_ERRORS, ValueError):
+            pass  # a miss stays a miss; the next failed fetch tries again
 
     def _write(self, client: Any, item: tuple[bytes, Manifest, tuple[bytes, ...]]) -> bool:
         prefix_key, m, blobs = item

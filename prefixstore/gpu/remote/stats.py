@@ -10,6 +10,7 @@ Prometheus names (counters end in ``_total`` when exposed):
     prefixstore_remote_skipped                            calls answered "miss" while down
     prefixstore_remote_writes, _write_retries, _dropped   checkpoints written, retried, given up
     prefixstore_remote_reconnects                         background reconnects that succeeded
+    prefixstore_remote_forgotten                          manifests deleted: a blob was evicted
     prefixstore_remote_lookup_seconds, _fetch_seconds     time in answered calls (calibration)
     prefixstore_remote_queue_depth, _queue_bytes, _up     gauges
 """
@@ -37,6 +38,7 @@ COUNTERS = {
     "write_retries": "Write attempts that failed and were retried",
     "dropped": "Checkpoints not written (queue full or attempts exhausted)",
     "reconnects": "Background reconnects that succeeded",
+    "forgotten": "Manifests deleted because a blob they name was evicted",
     "lookup_seconds": "Seconds spent in lookups the server answered",
     "fetch_seconds": "Seconds spent in fetches the server answered (bandwidth: bytes_in / this)",
 }
