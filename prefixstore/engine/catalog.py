@@ -34,6 +34,7 @@ from prefixstore.base.errors import (
 from prefixstore.engine.structure import FILE_COLUMNS, NODE_COLUMNS
 from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
 from prefixstore.gpu.fileio import FaultHook
+from prefixstore.statemachine.rows import FILE, NODE
 
 FORMAT_MARKER = "prefixstore"
 CATALOG_NAME = "catalog.sqlite"
@@ -368,9 +369,10 @@ class Catalog:
         c.execute("UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing'",
                   (node_id, tid))
 
-    def garbage_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
-        """Mark every file of ``tid`` garbage."""
-        c.execute("UPDATE files SET status='garbage' WHERE txn=?", (tid,))
+    def abandon_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
+        """Abandon the files ``tid`` reserved (writing -> garbage)."""
+        c.execute("UPDATE files SET status=? WHERE txn=? AND status=?",
+                  (FILE.next("writing", "abandoned"), tid, "writing"))
 
     def evict_node(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
         """Delete node ``node_id``, handing its files to ``tid`` as garbage; their (rank, name, size)."""

@@ -152,6 +152,10 @@ class Journal:
     def delete(self, c: Any, tid: int) -> None:
         c.execute("DELETE FROM journal WHERE id=?", (tid,))
 
+    def delete_all(self, c: Any) -> None:
+        """Forget every transaction (a volatile cache's rows dropped at open)."""
+        c.execute("DELETE FROM journal")
+
     def files(self, c: Any, tid: int, names: Iterable[str], nodes: Iterable[int], ranks: int) -> list[FileRow]:
         """File rows owned by ``tid``, of ``names`` (on ranks below ``ranks``) or naming
         one of ``nodes``; each part looked up by its index."""
