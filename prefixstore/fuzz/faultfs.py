@@ -509,18 +509,6 @@ class FaultFS:
 
     # -- power loss -------------------------------------------------------------------
 
-    def is_durable(self, path: str) -> bool:
-        """Whether ``path`` would come back from a power loss now with the bytes it
-        holds: its entry is durable, names the file it names now, and the file's
-        data was fsynced (and not changed since)."""
-        path = _norm(path)
-        with self._lock:
-            fid = self._durable.get(path)
-            if fid is None or fid != self._live.get(path):
-                return False
-            f = self._files[fid]
-            return f.synced is not None and not f.poisoned and len(f.synced) == f.length
-
     def crash(self, mode: CrashMode = "drop") -> CrashReport:
         """Simulate power loss: rewrite the disk to what would survive, restart tracking."""
         if mode not in ("drop", "garble"):

@@ -129,15 +129,15 @@ class _DoubleCountRetire(Engine):
 
 
 def _double_count() -> contextlib.AbstractContextManager[None]:
-    orig = journal.finish_retire
+    orig = journal.unlink_owned
 
-    def finish_retire(eng: Engine, tid: int, kind: str, rows) -> None:
+    def unlink_owned(eng: Engine, txn, ok: str, failed: str, *, barrier: bool) -> None:
         before = eng._charged
-        orig(eng, tid, kind, rows)
-        if isinstance(eng, _DoubleCountRetire) and kind in ("replace", "compact"):
+        orig(eng, txn, ok, failed, barrier=barrier)
+        if isinstance(eng, _DoubleCountRetire) and txn.kind == "compact" and ok == "retired":
             eng._charged -= before - eng._charged  # the retired generation, once more
 
-    return _patched(journal, "finish_retire", finish_retire)
+    return _patched(journal, "unlink_owned", unlink_owned)
 
 
 # -- evict a pinned node ---------------------------------------------------------------------
