@@ -46,6 +46,7 @@ from prefixstore.engine.driver import Txn
 from prefixstore.engine.index import Node
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
+from prefixstore.statemachine.rows import NODE
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -450,7 +451,8 @@ def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
     for r, nid in zip(job.new, ids, strict=True):
         nbytes = sum(len(b) for b in r.blobs)
         fields = dict(parent=prev.id if prev is not None else None, start=r.start, end=r.end,
-                      digests=r.digests, has_snapshot=r.has_snapshot, state="ready", generation=r.gen,
+                      digests=r.digests, has_snapshot=r.has_snapshot, state=NODE.next("absent", "published"),
+                      generation=r.gen,
                       last_used=r.last_used, snap_used=r.snap_used, nbytes=nbytes)
         node = idx.nodes.get(nid) if r.keep is not None else None
         if node is None:

@@ -37,6 +37,7 @@ from prefixstore.engine.results import (
 )
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
+from prefixstore.statemachine.rows import NODE
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -314,12 +315,12 @@ def apply_publish(eng: Engine, plan: Plan, nid: int, key: bytes, digests: bytes,
     has_snap = eng.layout.has_snapshot
     if plan.existing is not None:
         node = plan.existing
-        node.state, node.generation, node.has_snapshot = "ready", gen, has_snap
+        node.state, node.generation, node.has_snapshot = NODE.next(node.state, "published"), gen, has_snap
         node.last_used = node.snap_used = now
         node.nbytes = needed
     else:
         node = Node(id=nid, key=key, parent=plan.parent.id if plan.parent else None, start=start,
-                    end=end, digests=digests, has_snapshot=has_snap, state="ready",
+                    end=end, digests=digests, has_snapshot=has_snap, state=NODE.next("absent", "published"),
                     generation=gen, last_used=now, snap_used=now, nbytes=needed)
         eng.index.add(node)
         if plan.parent is not None:
