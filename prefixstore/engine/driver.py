@@ -87,12 +87,13 @@ whether ``name`` is durable, None when the rank cannot tell):
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
 
+from prefixstore.base.debug import DEBUG_ENV as DEBUG_ENV  # re-exported: the flag's name
+from prefixstore.base.debug import debug_from_env
 from prefixstore.base.errors import CatalogCorruptError, IllegalTransitionError
 from prefixstore.statemachine.machine import Machine, Step
 from prefixstore.statemachine.rows import FileRow, NodeRow
@@ -104,8 +105,6 @@ from prefixstore.statemachine.transactions import (
     violations,
 )
 
-DEBUG_ENV = "PREFIXSTORE_DEBUG_INVARIANTS"
-
 Handler = Callable[["Txn"], None]
 Durable = Callable[[int, str], "bool | None"]
 
@@ -116,10 +115,6 @@ class DriverDefinitionError(Exception):
 
 class InvariantViolation(AssertionError):
     """A transaction reached a state whose invariants do not hold (debug check)."""
-
-
-def debug_from_env() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 @attrs.frozen

@@ -18,6 +18,7 @@ import os
 import stat
 from typing import Protocol
 
+from prefixstore.base.debug import debug_from_env
 from prefixstore.base.errors import NotRegularFileError
 
 
@@ -260,7 +261,8 @@ class HookedFS:
 
     def __init__(self, inner: FileSystem, hook: FaultHook, rank: int | None) -> None:
         self.inner, self.hook, self.rank = inner, hook, rank
-        self.log = Durability()
+        # tracked only for the invariant checks (debug): the hot path pays one test
+        self.log = Durability() if debug_from_env() else None
 
     def _run(self, op: str, target: str, fn, *args):
         self.hook.before(op, target, self.rank)
@@ -273,27 +275,33 @@ class HookedFS:
 
     def fsync(self, path: str) -> None:
         self._run("fsync", path, self.inner.fsync, path)
-        self.log.fsynced(path)
+        if self.log is not None:
+            self.log.fsynced(path)
 
     def rename_new(self, src: str, dst: str) -> None:
         self._run("rename", dst, self.inner.rename_new, src, dst)
-        self.log.renamed(src, dst)
+        if self.log is not None:
+            self.log.renamed(src, dst)
 
     def fsync_dir(self, path: str) -> None:
         self._run("fsync_dir", path, self.inner.fsync_dir, path)
-        self.log.dir_synced(path)
+        if self.log is not None:
+            self.log.dir_synced(path)
 
     def unlink(self, path: str) -> None:
         self._run("unlink", path, self.inner.unlink, path)
-        self.log.unlinked(path)
+        if self.log is not None:
+            self.log.unlinked(path)
 
     def is_durable(self, path: str) -> bool | None:
         """Whether ``path`` would survive a power loss now: the inner file system's
         answer when it knows (the fault file system), else what this process's own
         completed fsync, rename and directory fsync made durable (None: a file it
-        did not write)."""
+        did not write, or the checks were off when this file system was built)."""
         inner = getattr(self.inner, "is_durable", None)
-        return inner(path) if inner is not None else self.log.is_durable(path)
+        if inner is not None:
+            return inner(path)
+        return None if self.log is None else self.log.is_durable(path)
 
     def read(self, path: str) -> bytes:
         return self._run("read", path, self.inner.read, path)
