@@ -13,9 +13,10 @@ import pytest
 from conftest import make_layout, node_at, store_tokens, tokens_for
 
 from prefixstore.cli import main
+from prefixstore.engine import health
 from prefixstore.engine.api import Engine
 from prefixstore.engine.driver import DEBUG_ENV, InvariantViolation
-from prefixstore.engine.results import STORED
+from prefixstore.engine.results import REFILLED, STORED
 from prefixstore.fuzz import plants
 from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
 from prefixstore.fuzz.faultfs import FaultFS
@@ -31,6 +32,7 @@ CAUGHT_BY = {
     "skip-orphan-cleanup": {"audit:3"},
     "skip-restore-checksum": {"bytes"},
     "skip-barrier": {"damaged", "miss", "audit:1"},
+    "skip-retire-output": {"invariant"},  # with the checks off: not found (no audit check sees it)
 }
 
 
@@ -128,3 +130,26 @@ def test_publish_without_dir_fsync_with_checks_off_shows_only_after_power_loss(t
         assert node_at(eng, tokens).state == "damaged"
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("checks", ["1", "0"])
+def test_refill_ending_without_its_retire_output(tmp_path, monkeypatch, checks):
+    """A refill whose ``retire_old`` output is skipped reaches DONE still owning the
+    old generation: the invariant check raises at that transition (DONE 2); with the
+    checks off the store is acknowledged and the engine's audit is clean."""
+    monkeypatch.setenv(DEBUG_ENV, checks)
+    plant = plants.get("skip-retire-output")
+    tokens = tokens_for(2, 2)
+    with plant.active():
+        eng = plant.engine_cls.open(str(tmp_path / "c"), make_layout(ranks=2), 1 << 24)
+        try:
+            assert store_tokens(eng, tokens).status == STORED
+            health.invalidate(eng, node_at(eng, tokens), "test")
+            if checks == "1":
+                with pytest.raises(InvariantViolation, match=r"store DONE 2: still owns rank0/"):
+                    store_tokens(eng, tokens)
+            else:
+                assert store_tokens(eng, tokens).status == REFILLED
+                assert eng.audit().ok
+        finally:
+            eng.close()
