@@ -10,8 +10,11 @@ import os
 
 import attrs
 import pytest
+from conftest import make_layout, node_at, store_tokens, tokens_for
 
 from prefixstore.base.errors import CatalogCorruptError, IllegalTransitionError
+from prefixstore.engine import health, journal
+from prefixstore.engine.api import Engine
 from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.driver import (
     DEBUG_ENV,
@@ -404,3 +407,56 @@ def test_abort_reads_the_journal(world):
     world.rollback(txn)
     with world.catalog.txn("x") as c:
         assert world.driver.abort(c, txn) is None
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+def test_engine_open_fails_on_an_output_with_no_handler(tmp_path, monkeypatch):
+    orig = journal.handlers
+
+    def missing_reclaim(eng):
+        out = orig(eng)
+        out["evict"] = {}
+        return out
+
+    monkeypatch.setattr(journal, "handlers", missing_reclaim)
+    with pytest.raises(DriverDefinitionError, match=r"evict: no handler for outputs \['reclaim'\]"):
+        Engine.open(str(tmp_path / "c"), make_layout(ranks=RANKS), 1 << 24)
+
+
+def test_engine_transitions_all_go_through_the_checked_driver(tmp_path, monkeypatch):
+    """With the flag on (the suite's default), a store, a refill, a rollback and an
+    evict reach every state of their tables through the driver, each one checked."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    seen: list[tuple[str, str]] = []
+    orig = Driver.check
+
+    def check(self, c, txn, state):
+        seen.append((txn.kind, state))
+        return orig(self, c, txn, state)
+
+    monkeypatch.setattr(Driver, "check", check)
+    eng = Engine.open(str(tmp_path / "c"), make_layout(ranks=RANKS), 1 << 24, hook=FailWritesOnce())
+    try:
+        assert eng.driver.debug
+        toks = tokens_for(3, 2)
+        assert store_tokens(eng, toks).status == "failed"  # the first write fails: rolled back
+        assert store_tokens(eng, toks).status == "stored"
+        health.invalidate(eng, node_at(eng, toks), "test")
+        assert store_tokens(eng, toks).status == "refilled"
+        assert eng.evict(1) > 0
+    finally:
+        eng.close()
+    assert set(seen) == {("store", s) for s in MACHINES["store"].states} | {
+        ("evict", "REMOVED"), ("evict", "DONE")}, seen
+
+
+class FailWritesOnce(FaultHook):
+    def __init__(self) -> None:
+        self.failed = False
+
+    def before(self, op: str, target: str, rank: int | None) -> None:
+        if op == "write" and not self.failed:
+            self.failed = True
+            raise OSError(5, "injected write failure", target)

@@ -41,8 +41,9 @@ from conftest import (
 )
 
 from prefixstore.base.keys import Prefix
-from prefixstore.engine import health, journal, replace
+from prefixstore.engine import health, replace
 from prefixstore.engine.api import Engine
+from prefixstore.engine.driver import Driver
 from prefixstore.fuzz.faultfs import ChainHook, CountingHook, CrashAt, FaultFS, FaultPlan, flip_bit
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
@@ -89,14 +90,15 @@ class Recorder(FaultHook):
 def transitions(monkeypatch) -> list[tuple[str, str, str, str]]:
     """Every state-machine step the engine commits: (kind, state, event, next)."""
     seen: list[tuple[str, str, str, str]] = []
-    orig = journal.advance
+    orig = Driver.fire
 
-    def advance(eng, c, tid, kind, state, event):
-        nxt = orig(eng, c, tid, kind, state, event)
-        seen.append((kind, state, event, nxt))
-        return nxt
+    def fire(self, c, txn, event):
+        state = self.journal.state(c, txn.id)[1]
+        outs = orig(self, c, txn, event)
+        seen.append((txn.kind, state, event, self.machines[txn.kind].next(state, event)))
+        return outs
 
-    monkeypatch.setattr(journal, "advance", advance)
+    monkeypatch.setattr(Driver, "fire", fire)
     return seen
 
 

@@ -10,8 +10,9 @@ pin/fence tables. File writes and reads of a store or restore run outside the lo
 with the nodes involved fenced (in flight) or pinned, so lookups never wait on I/O.
 
 Every mutation is a transaction whose states are defined in
-``prefixstore.statemachine.transactions``; ``journal.advance`` commits each state
-reached before the effects of the next step run.
+``prefixstore.statemachine.transactions``; the engine's driver (``eng.driver``,
+``engine/driver.py``, its output handlers in ``engine/journal.py``) commits each
+state reached before the outputs of that transition run.
 """
 
 from __future__ import annotations

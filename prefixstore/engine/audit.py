@@ -80,7 +80,7 @@ from prefixstore.gpu import shards, verify
 from prefixstore.gpu.diskroom import RESERVE_NAME
 from prefixstore.gpu.fileio import open_regular, read_fd
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
-from prefixstore.statemachine.transactions import MACHINES, RECOVERY_EVENT, recovery_direction
+from prefixstore.statemachine.transactions import MACHINES
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -483,9 +483,9 @@ def _journal(rep: AuditReport, rows: CatalogRows, files, quiescent: bool, in_fli
             rep.add(7, f"journal row {tid} ({kind}/{state}) cannot be recovered: unknown or corrupt")
             rep.journal.append(entry)
             continue
-        forward = recovery_direction(kind, state) == "forward"
+        forward = MACHINES[kind].direction(state) == "forward"
         entry["recovery"] = "roll forward" if forward else "roll back"
-        entry["event"] = RECOVERY_EVENT.get(kind, {}).get(state, "")
+        entry["event"] = "" if MACHINES[kind].is_final(state) else MACHINES[kind].recovery_event(state)
         key = str(info.get("key", ""))[:12]
         what = f"{kind} of {key}" if key else kind
         if forward and kind == "evict":

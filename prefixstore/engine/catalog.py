@@ -34,6 +34,11 @@ from prefixstore.base.errors import (
 from prefixstore.engine.structure import FILE_COLUMNS, NODE_COLUMNS
 from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
 from prefixstore.gpu.fileio import FaultHook
+from prefixstore.statemachine.rows import FILE, NODE
+
+# Repair (re)attaches a file row to its node whatever its status was: outside the
+# FILE table's edges, it writes the status a published row has.
+REPAIRED_LIVE = FILE.next("writing", "published")
 
 FORMAT_MARKER = "prefixstore"
 CATALOG_NAME = "catalog.sqlite"
@@ -335,22 +340,22 @@ class Catalog:
         """Reserve ``name`` on every rank for ``tid``: ``shards`` is (size, checksum) per rank."""
         c.executemany(
             "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-            "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
-            [(r, name, gen, size, ck, tid) for r, (size, ck) in enumerate(shards)],
+            "VALUES(?, ?, NULL, ?, ?, ?, ?, ?)",
+            [(r, name, gen, size, ck, FILE.next("absent", "reserved"), tid) for r, (size, ck) in enumerate(shards)],
         )
 
     def retire_live(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
         """Hand the live files of ``node_id`` to ``tid`` as garbage; their (rank, name, size)."""
         old = c.execute("SELECT rank, name, size FROM files WHERE node=? AND status='live'", (node_id,)).fetchall()
-        c.execute("UPDATE files SET status='garbage', node=NULL, txn=? WHERE node=? AND status='live'",
-                  (tid, node_id))
+        c.execute("UPDATE files SET status=?, node=NULL, txn=? WHERE node=? AND status=?",
+                  (FILE.next("live", "retired"), tid, node_id, "live"))
         return old
 
     def refill_node(self, c: sqlite3.Connection, node_id: int, gen: int, has_snapshot: bool, now: int) -> None:
         """Make node ``node_id`` ready at generation ``gen``, used at ``now``."""
         c.execute(
-            "UPDATE nodes SET state='ready', generation=?, has_snapshot=?, last_used=?, snap_used=? WHERE id=?",
-            (gen, int(has_snapshot), now, now, node_id),
+            "UPDATE nodes SET state=?, generation=?, has_snapshot=?, last_used=?, snap_used=? WHERE id=?",
+            (NODE.next("damaged", "published"), gen, int(has_snapshot), now, now, node_id),
         )
 
     def insert_node(self, c: sqlite3.Connection, key: bytes, parent: int | None, start: int, end: int,
@@ -358,24 +363,25 @@ class Catalog:
         """Add a ready node; its id."""
         cur = c.execute(
             "INSERT INTO nodes(key, parent, start_block, end_block, digests, has_snapshot, "
-            "state, generation, last_used, snap_used) VALUES(?, ?, ?, ?, ?, ?, 'ready', ?, ?, ?)",
-            (key, parent, start, end, digests, int(has_snapshot), gen, now, now),
+            "state, generation, last_used, snap_used) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (key, parent, start, end, digests, int(has_snapshot), NODE.next("absent", "published"), gen, now, now),
         )
         return int(cur.lastrowid)
 
     def publish_files(self, c: sqlite3.Connection, tid: int, node_id: int) -> None:
         """Make the files ``tid`` wrote the live files of ``node_id``."""
-        c.execute("UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing'",
-                  (node_id, tid))
+        c.execute("UPDATE files SET status=?, node=?, txn=NULL WHERE txn=? AND status=?",
+                  (FILE.next("writing", "published"), node_id, tid, "writing"))
 
-    def garbage_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
-        """Mark every file of ``tid`` garbage."""
-        c.execute("UPDATE files SET status='garbage' WHERE txn=?", (tid,))
+    def abandon_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
+        """Abandon the files ``tid`` reserved (writing -> garbage)."""
+        c.execute("UPDATE files SET status=? WHERE txn=? AND status=?",
+                  (FILE.next("writing", "abandoned"), tid, "writing"))
 
     def evict_node(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
         """Delete node ``node_id``, handing its files to ``tid`` as garbage; their (rank, name, size)."""
         rows = c.execute("SELECT rank, name, size FROM files WHERE node=?", (node_id,)).fetchall()
-        c.execute("UPDATE files SET status='garbage', node=NULL, txn=? WHERE node=?", (tid, node_id))
+        c.execute("UPDATE files SET status=?, node=NULL, txn=? WHERE node=?", (FILE.next("live", "retired"), tid, node_id))
         c.execute("DELETE FROM nodes WHERE id=?", (node_id,))
         return rows
 
@@ -394,7 +400,7 @@ class Catalog:
                 c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
 
     def mark_damaged(self, c: sqlite3.Connection, node_id: int) -> None:
-        c.execute("UPDATE nodes SET state='damaged' WHERE id=?", (node_id,))
+        c.execute("UPDATE nodes SET state=? WHERE id=?", (NODE.next("ready", "invalidated"), node_id))
 
     def set_recency(self, c: sqlite3.Connection, rows: Sequence[tuple[int, int, int]]) -> None:
         """``rows``: (last_used, snap_used, node id)."""
@@ -478,20 +484,20 @@ class Catalog:
 
     def garbage_stray_writing(self, c: sqlite3.Connection) -> None:
         """Every ``writing`` row becomes garbage of no transaction."""
-        c.execute("UPDATE files SET status='garbage', txn=NULL WHERE status='writing'")
+        c.execute("UPDATE files SET status=?, txn=NULL WHERE status=?", (FILE.next("writing", "abandoned"), "writing"))
 
     def set_node_generation(self, c: sqlite3.Connection, nid: int, gen: int) -> None:
         c.execute("UPDATE nodes SET generation=? WHERE id=?", (gen, nid))
 
     def attach_file(self, c: sqlite3.Connection, rank: int, name: str, nid: int, gen: int) -> None:
         """File ``rank``/``name`` becomes node ``nid``'s live file of generation ``gen``."""
-        c.execute("UPDATE files SET status='live', node=?, txn=NULL, generation=? WHERE rank=? AND name=?",
-                  (nid, gen, rank, name))
+        c.execute("UPDATE files SET status=?, node=?, txn=NULL, generation=? WHERE rank=? AND name=?",
+                  (REPAIRED_LIVE, nid, gen, rank, name))
 
     def insert_live_file(self, c: sqlite3.Connection, rank: int, name: str, nid: int, gen: int,
                          size: int, checksum: str) -> None:
         c.execute("INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-                  "VALUES(?, ?, ?, ?, ?, ?, 'live', NULL)", (rank, name, nid, gen, size, checksum))
+                  "VALUES(?, ?, ?, ?, ?, ?, ?, NULL)", (rank, name, nid, gen, size, checksum, REPAIRED_LIVE))
 
     def set_file_size(self, c: sqlite3.Connection, rank: int, name: str, size: int) -> None:
         c.execute("UPDATE files SET size=? WHERE rank=? AND name=?", (size, rank, name))
@@ -502,14 +508,15 @@ class Catalog:
 
     def garbage_file(self, c: sqlite3.Connection, rank: int, name: str) -> None:
         """File ``rank``/``name`` becomes garbage of no node and no transaction."""
-        c.execute("UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE rank=? AND name=?", (rank, name))
+        c.execute("UPDATE files SET status=?, node=NULL, txn=NULL WHERE rank=? AND name=?",
+                  (FILE.next("live", "retired"), rank, name))
 
     def forget_file(self, c: sqlite3.Connection, rank: Any, name: Any) -> None:
         """Delete the file row (never the file): its rank or name may be of any type."""
         c.execute("DELETE FROM files WHERE rank IS ? AND name IS ?", (rank, name))
 
     def mark_nodes_damaged(self, c: sqlite3.Connection, ids: Iterable[int]) -> None:
-        c.executemany("UPDATE nodes SET state='damaged' WHERE id=?", [(i,) for i in ids])
+        c.executemany("UPDATE nodes SET state=? WHERE id=?", [(NODE.next("ready", "invalidated"), i) for i in ids])
 
     def set_parent(self, c: sqlite3.Connection, nid: int, parent: int | None) -> None:
         c.execute("UPDATE nodes SET parent=? WHERE id=?", (parent, nid))
@@ -517,13 +524,14 @@ class Catalog:
     def drop_nodes(self, c: sqlite3.Connection, ids: Sequence[int]) -> None:
         """Delete nodes ``ids``, their files becoming garbage of no node."""
         marks = ",".join("?" * len(ids))
-        c.execute(f"UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE node IN ({marks})", ids)
+        c.execute(f"UPDATE files SET status=?, node=NULL, txn=NULL WHERE node IN ({marks})",
+                  (FILE.next("live", "retired"), *ids))
         c.execute(f"UPDATE nodes SET parent=NULL WHERE id IN ({marks})", ids)
         c.execute(f"DELETE FROM nodes WHERE id IN ({marks})", ids)
 
     def release_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
         """Transaction ``tid``'s ``writing`` files become garbage; none stays its."""
-        c.execute("UPDATE files SET status='garbage' WHERE txn=? AND status='writing'", (tid,))
+        c.execute("UPDATE files SET status=? WHERE txn=? AND status=?", (FILE.next("writing", "abandoned"), tid, "writing"))
         c.execute("UPDATE files SET txn=NULL WHERE txn=?", (tid,))
 
     def insert_writing_files(self, c: sqlite3.Connection, tid: int,
@@ -531,8 +539,8 @@ class Catalog:
         """Each (rank, name, generation, size, checksum): a ``writing`` row of ``tid``."""
         c.executemany(
             "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-            "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
-            [(*r, tid) for r in rows],
+            "VALUES(?, ?, NULL, ?, ?, ?, ?, ?)",
+            [(*r, FILE.next("absent", "reserved"), tid) for r in rows],
         )
 
     def retire_node_files(self, c: sqlite3.Connection, ids: Sequence[int], tid: int) -> list[tuple[int, str, int]]:
@@ -540,26 +548,28 @@ class Catalog:
         (rank, name, size)."""
         marks = ",".join("?" * len(ids))
         old = c.execute(f"SELECT rank, name, size FROM files WHERE node IN ({marks})", ids).fetchall()
-        c.execute(f"UPDATE files SET status='garbage', node=NULL, txn=? WHERE node IN ({marks})", (tid, *ids))
+        c.execute(f"UPDATE files SET status=?, node=NULL, txn=? WHERE node IN ({marks})",
+                  (FILE.next("live", "retired"), tid, *ids))
         return [tuple(f) for f in old]
 
     def rewrite_node(self, c: sqlite3.Connection, nid: int, fields: tuple) -> None:
         """Node ``nid`` becomes ready with ``fields`` = (parent, start, end, digests,
         has_snapshot, generation, last_used, snap_used)."""
         c.execute("UPDATE nodes SET parent=?, start_block=?, end_block=?, digests=?, has_snapshot=?, "
-                  "state='ready', generation=?, last_used=?, snap_used=? WHERE id=?", (*fields, nid))
+                  "state=?, generation=?, last_used=?, snap_used=? WHERE id=?",
+                  (*fields[:5], NODE.next("ready", "published"), *fields[5:], nid))
 
     def insert_node_fields(self, c: sqlite3.Connection, key: bytes, fields: tuple) -> int:
         """A new ready node of ``key`` with ``fields`` (as ``rewrite_node``); its id."""
         cur = c.execute("INSERT INTO nodes(parent, start_block, end_block, digests, has_snapshot, state, "
-                        "generation, last_used, snap_used, key) VALUES(?, ?, ?, ?, ?, 'ready', ?, ?, ?, ?)",
-                        (*fields, key))
+                        "generation, last_used, snap_used, key) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (*fields[:5], NODE.next("absent", "published"), *fields[5:], key))
         return int(cur.lastrowid)
 
     def publish_file(self, c: sqlite3.Connection, tid: int, name: str, nid: int) -> None:
         """``tid``'s ``writing`` files named ``name`` become node ``nid``'s live files."""
-        c.execute("UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing' AND name=?",
-                  (nid, tid, name))
+        c.execute("UPDATE files SET status=?, node=?, txn=NULL WHERE txn=? AND status=? AND name=?",
+                  (FILE.next("writing", "published"), nid, tid, "writing", name))
 
     def delete_node(self, c: sqlite3.Connection, nid: int) -> None:
         c.execute("DELETE FROM nodes WHERE id=?", (nid,))

@@ -25,74 +25,35 @@ Recovery and abort come from the table: ``recover(c, row)`` / ``abort(c, txn)``
 give a ``Step`` (the event, the direction, and either the event to fire now or
 the state's outputs to re-run).
 
-Phase-2 wiring (each call site today -> its driver call; ``drv`` = ``eng.driver``,
-built in ``lifecycle.start`` as ``Driver(handlers=journal.handlers(eng),
-ranks=eng.layout.ranks, durable=...)`` where ``durable(r, name)`` asks rank ``r``
-whether ``name`` is durable, None when the rank cannot tell):
-
-- ``_journal_begin(c, "store", payload)`` + its ``INSERT INTO files ... 'writing'``
-  (``store.store``) -> ``txn = drv.begin(c, "store", payload, rows=lambda tid:
-  <insert the writing rows with txn=tid>)``; same for ``replace._intent`` with
-  ``"compact"``; ``_evict_nodes``: ``txn = drv.begin(c, "evict", {"nodes": ids},
-  rows=<collect files, mark garbage, delete nodes>)``, then after the commit
-  ``drv.run_outputs(txn, txn.outputs)`` (runs ``reclaim``) instead of
-  ``_finish_retire(tid, "evict", rows)``.
-- ``_publish_store``: ``self._advance(c, tid, "store", "INTENT", "durable")`` and the
-  ``retired`` advance -> ``outs = drv.fire(c, txn, "durable")``; ``if not old: outs =
-  drv.fire(c, txn, "retired")``; after the commit (and the index update)
-  ``drv.run_outputs(txn, outs)`` instead of ``_finish_retire(tid, "store", old)``.
-- ``replace._swap``: ``eng._advance(c, tid, KIND, "INTENT", "durable")`` -> ``outs =
-  drv.fire(c, txn, "durable")``; ``eng._finish_retire(tid, KIND, old_files)`` in
-  ``replace.run`` -> ``drv.run_outputs(txn, outs)``.
-- ``_rollback(tid, kind, "INTENT", "failed")`` (``store.store`` twice,
-  ``replace.run``) -> ``journal.rollback(eng, txn, "failed")``; ``replace.run``'s
-  ``_rollback(tid, KIND, "INTENT", "stale")`` -> ``journal.rollback(eng, txn,
-  "stale")``; where ``journal.rollback`` is: ``with catalog.txn(...) as c: <files of
-  txn -> FILE.next(status, 'abandoned')>; outs = drv.fire(c, txn, event)``, then
-  ``drv.run_outputs(txn, outs)`` (runs ``clean_up``).
-- handlers (``journal.handlers(eng)``): ``{"store": {"retire_old": retire, "clean_up":
-  clean_up}, "compact": {same}, "evict": {"reclaim": reclaim}}``. ``retire`` /
-  ``reclaim`` are today's ``_finish_retire`` body (owned rows queried with ``txn=tid``;
-  its ``_advance`` -> ``drv.fire(c, txn, "retired" / "retire_failed")``, evict:
-  ``"reclaimed" / "reclaim_failed"``); ``clean_up`` is the second half of today's
-  ``_rollback`` (its ``_advance`` -> ``drv.fire(c, txn, "cleaned" / "cleanup_failed")``).
-- ``recovery.recover``'s loop and ``pipeline.fail_txn``: ``step = drv.recover(c, row)``
-  (``fail_txn``: ``step = drv.abort(c, txn)``, None when the row is gone); ``if
-  step.fire``: ``journal.rollback(eng, txn, step.fire)`` (INTENT), else
-  ``drv.run_outputs(txn, step.outputs)``; ``step.direction`` replaces
-  ``recovery_direction`` (``fail_txn`` reloads the index when ``forward``).
-  ``recovery._room_first`` and ``audit._journal`` keep ``MACHINES`` /
-  ``recovery_direction`` / ``RECOVERY_EVENT`` (derived from the tables now).
-- durability answers: ``durable(r, name)`` = ``eng.ranks[r].durable(name)``, a rank
-  capability (``tiers``): ``LocalRank`` answers from its file system's
-  ``is_durable(path)``; ``fuzz.faultfs.FaultFS.is_durable(path)`` is ``fid :=
-  _durable.get(path)`` being not None, equal to ``_live.get(path)``, with
-  ``_files[fid].synced`` not None; ``OsFS`` records what ``fsync`` + ``rename_new`` +
-  ``fsync_dir`` completed (as ``tests/test_driver.py``'s ``Durability`` hook does);
-  a rank that cannot tell (a rank process) answers None, taken as durable.
-- the debug flag: ``tests/conftest.py`` sets ``os.environ.setdefault(DEBUG_ENV,
-  "1")`` at import (before any engine is built; rank processes inherit it), and the
-  fuzzer (``fuzz/cmd_fuzz.py`` / ``fuzz/campaign.py`` entry, ``fuzz/stateful.py``)
-  does the same before building engines; an ``InvariantViolation`` is an Exception,
-  so ``fuzz/driver.py`` reports it as a violation of the step that fired.
-- ``recover`` / ``abort`` read the journal through ``c``; outside a write
-  transaction ``c`` is ``catalog.conn``.
-- SQL status literals: ``'writing'`` -> ``FILE.next('absent', 'reserved')``, ``'live'``
-  -> ``FILE.next('writing', 'published')``, garbage on retire / abandon ->
-  ``FILE.next('live', 'retired')`` / ``FILE.next('writing', 'abandoned')``; node
-  ``'ready'`` -> ``NODE.next(state, 'published')``, ``'damaged'`` ->
-  ``NODE.next('ready', 'invalidated')`` (``statemachine.rows``).
+The engine's wiring: ``eng.driver`` is built at open (``lifecycle.init_state`` ->
+``journal.build``) with the handlers of ``journal.handlers`` (``retire_old``,
+``clean_up``, ``reclaim``: unlink the owned files, settle their rows, fire the
+ending event) and ``durable(r, name)`` = the rank tier's ``durable(name)`` when it
+declares ``Capability.REPORTS_DURABILITY`` (``LocalRank``: the fault file system's
+``is_durable``, else what its own fsync, rename and directory fsync completed), else
+None (taken as durable). Call sites: ``store.intent`` / ``replace._intent`` /
+``evict.evict_nodes`` begin (their rows written by ``rows(tid)``); ``store.publish`` /
+``replace._swap`` fire ``durable`` (a store with nothing to retire also ``retired``)
+and run the outputs after the commit; ``journal.rollback`` fires ``failed`` /
+``stale`` / ``recover`` (its new rows abandoned in the same commit);
+``recovery.recover`` and ``pipeline.fail_txn`` end a transaction by
+``recover`` / ``abort``'s step (``journal.end``). Repair's and a volatile backing's
+journal deletes go through ``Journal``. The flag: ``tests/conftest.py`` and the fuzz
+``Driver`` set ``PREFIXSTORE_DEBUG_INVARIANTS=1`` unless the environment says
+otherwise; ``fuzz/driver.py`` reports an ``InvariantViolation`` as an ``invariant``
+violation of the op that raised it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
 
+from prefixstore.base.debug import DEBUG_ENV as DEBUG_ENV  # re-exported: the flag's name
+from prefixstore.base.debug import debug_from_env
 from prefixstore.base.errors import CatalogCorruptError, IllegalTransitionError
 from prefixstore.statemachine.machine import Machine, Step
 from prefixstore.statemachine.rows import FileRow, NodeRow
@@ -104,8 +65,6 @@ from prefixstore.statemachine.transactions import (
     violations,
 )
 
-DEBUG_ENV = "PREFIXSTORE_DEBUG_INVARIANTS"
-
 Handler = Callable[["Txn"], None]
 Durable = Callable[[int, str], "bool | None"]
 
@@ -116,10 +75,6 @@ class DriverDefinitionError(Exception):
 
 class InvariantViolation(AssertionError):
     """A transaction reached a state whose invariants do not hold (debug check)."""
-
-
-def debug_from_env() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 @attrs.frozen
@@ -151,6 +106,10 @@ class Journal:
 
     def delete(self, c: Any, tid: int) -> None:
         c.execute("DELETE FROM journal WHERE id=?", (tid,))
+
+    def delete_all(self, c: Any) -> None:
+        """Forget every transaction (a volatile cache's rows dropped at open)."""
+        c.execute("DELETE FROM journal")
 
     def files(self, c: Any, tid: int, names: Iterable[str], nodes: Iterable[int], ranks: int) -> list[FileRow]:
         """File rows owned by ``tid``, of ``names`` (on ranks below ``ranks``) or naming

@@ -22,11 +22,12 @@ def evict_nodes(eng: Engine, nodes: list[Node]) -> None:
     ids = [n.id for n in nodes]
     if eng.disk.tight():
         journal.unlink_rows(eng, eng.catalog.files_of(ids))
-    with eng.catalog.txn("evict.remove") as c:
-        tid = journal.begin(eng, c, "evict", {"nodes": ids})
-        rows = []
+    def remove(tid: int) -> None:
         for n in nodes:
-            rows += eng.catalog.evict_node(c, tid, n.id)
+            eng.catalog.evict_node(c, tid, n.id)
+
+    with eng.catalog.txn("evict.remove") as c:
+        txn = journal.begin(eng, c, "evict", {"nodes": ids}, rows=remove)
     try:  # the removal is published: an unexpected error must not strand the txn
         for n in nodes:
             eng.index.remove(n.id)
@@ -34,7 +35,7 @@ def evict_nodes(eng: Engine, nodes: list[Node]) -> None:
         parent = eng.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
         if parent is not None:
             eng.heap.offer(parent)
-        journal.finish_retire(eng, tid, "evict", rows)
+        journal.run(eng, txn, txn.outputs)
     except BaseException as exc:
-        pipeline.fail_txn(eng, tid, exc)
+        pipeline.fail_txn(eng, txn, exc)
         raise

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from prefixstore.base.log import log
 from prefixstore.engine.index import Node
+from prefixstore.statemachine.rows import NODE
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -18,7 +19,7 @@ def invalidate(eng: Engine, node: Node, why: str) -> None:
     if eng.read_only is None:  # read-only: damaged in memory, found again by the next open
         with eng.catalog.txn("invalidate") as c:
             eng.catalog.mark_damaged(c, node.id)
-    node.state = "damaged"
+    node.state = NODE.next(node.state, "invalidated")
     eng.heap.offer(node)
     eng.counters.inc("faults", "damaged_node")
     log.warning("node_damaged", node=node.id, key=node.key.hex()[:12], why=why)

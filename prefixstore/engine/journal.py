@@ -1,62 +1,108 @@
-"""The journal: begin a transaction, advance it along its table, end it forward
-(retired files unlinked) or back (its new files unlinked)."""
+"""The journal's side of the engine: the driver it is built with and the output
+handlers of every transaction kind.
+
+No state is written here by hand: ``begin`` / ``fire`` go through the engine's
+``Driver`` (``engine/driver.py``), which reads the current state from the journal
+row and takes the next state and its outputs from the transaction's table. The
+handlers are the tables' outputs: ``retire_old`` / ``reclaim`` unlink the files a
+published transaction owns (the retired generation, the evicted nodes' files) and
+``clean_up`` unlinks the files of one that rolled back; each then fires the event
+that ends its state (or its failure sibling when a file stays).
+"""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from prefixstore.engine import lifecycle
-from prefixstore.statemachine.transactions import MACHINES
+from prefixstore.engine.driver import Driver, Handler, Txn
+from prefixstore.gpu.tier import Capability, has
+from prefixstore.statemachine.machine import Step
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
 
 
-def begin(eng: Engine, c, kind: str, payload: dict[str, Any]) -> int:
-    """Record a new transaction of ``kind`` in its initial state; its id."""
-    state = MACHINES[kind].initial
-    cur = c.execute(
-        "INSERT INTO journal(kind, state, payload) VALUES(?, ?, ?)", (kind, state, json.dumps(payload))
-    )
-    return int(cur.lastrowid)
+def build(eng: Engine) -> Driver:
+    """The engine's driver (at open): its handlers, checked against the tables now."""
+    return Driver(handlers=handlers(eng), ranks=eng.layout.ranks, durable=lambda r, name: durable(eng, r, name))
 
 
-def advance(eng: Engine, c, tid: int, kind: str, state: str, event: str) -> str:
-    """Move transaction ``tid`` along its table inside the open catalog txn ``c``."""
-    nxt = MACHINES[kind].next(state, event)
-    if MACHINES[kind].is_final(nxt):
-        c.execute("DELETE FROM journal WHERE id=?", (tid,))
+def handlers(eng: Engine) -> dict[str, Mapping[str, Handler]]:
+    """The output handlers per transaction kind."""
+    def retire(txn: Txn) -> None:
+        unlink_owned(eng, txn, "retired", "retire_failed", barrier=True)
+
+    def clean_up(txn: Txn) -> None:
+        unlink_owned(eng, txn, "cleaned", "cleanup_failed", barrier=False)
+
+    def reclaim(txn: Txn) -> None:
+        unlink_owned(eng, txn, "reclaimed", "reclaim_failed", barrier=True)
+
+    replacing = {"retire_old": retire, "clean_up": clean_up}
+    return {"store": replacing, "compact": replacing, "evict": {"reclaim": reclaim}}
+
+
+def durable(eng: Engine, rank: int, name: str) -> bool | None:
+    """Whether rank ``rank`` holds ``name`` durably; None when its tier cannot tell."""
+    tier = eng.ranks[rank]
+    return tier.durable(name) if has(tier, Capability.REPORTS_DURABILITY) else None
+
+
+def begin(eng: Engine, c: Any, kind: str, payload: dict[str, Any], rows=None) -> Txn:
+    """Record a new ``kind`` transaction in its table's initial state, inside ``c``;
+    ``rows(tid)`` writes the rows it owns from the start, in the same commit."""
+    return eng.driver.begin(c, kind, payload, rows)
+
+
+def fire(eng: Engine, c: Any, txn: Txn, event: str) -> tuple[str, ...]:
+    """Feed ``event`` to ``txn`` inside ``c`` (the commit's last statement); its outputs."""
+    return eng.driver.fire(c, txn, event)
+
+
+def run(eng: Engine, txn: Txn, outputs: tuple[str, ...]) -> None:
+    """Run ``outputs`` of ``txn`` (after the commit that fired them)."""
+    eng.driver.run_outputs(txn, outputs)
+
+
+def unlink_owned(eng: Engine, txn: Txn, ok: str, failed: str, *, barrier: bool) -> None:
+    """Unlink the files ``txn`` owns, drop their rows (one left stays as loose
+    garbage) and fire ``ok`` (``failed`` when one stayed); the old generation of a
+    published transaction is unlinked only after its commit is durable (``barrier``)."""
+    rows = eng.catalog.files_of_txn(txn.id)
+    if barrier:
+        eng.catalog.barrier()
+    left = unlink_rows(eng, rows)
+    with eng.catalog.txn(f"{txn.kind}.{ok}") as c:
+        eng.catalog.settle_files(c, rows, left)
+        outs = eng.driver.fire(c, txn, failed if left else ok)
+    eng._charged -= unlinked_bytes(rows, left)
+    eng.driver.run_outputs(txn, outs)
+
+
+def rollback(eng: Engine, txn: Txn, event: str) -> None:
+    """End a transaction that had not published: ``event`` takes it from INTENT to
+    ROLLING_BACK (its new rows abandoned in the same commit), then ``clean_up`` runs."""
+    with eng.catalog.txn(f"{txn.kind}.rollback") as c:
+        eng.catalog.abandon_txn_files(c, txn.id)
+        outs = eng.driver.fire(c, txn, event)
+    eng.driver.run_outputs(txn, outs)
+
+
+def end(eng: Engine, txn: Txn, step: Step) -> None:
+    """End ``txn`` by a recovery or abort ``step``: fire its event (a rollback from
+    INTENT), or re-run its state's outputs."""
+    if step.fire is not None:
+        rollback(eng, txn, step.fire)
     else:
-        c.execute("UPDATE journal SET state=? WHERE id=?", (nxt, tid))
-    return nxt
+        eng.driver.run_outputs(txn, step.outputs)
 
 
-def finish_retire(eng: Engine, tid: int, kind: str, rows) -> None:
-    """Unlink a published transaction's retired files, then end it."""
-    eng.catalog.barrier()
-    left = unlink_rows(eng, rows)
-    with eng.catalog.txn(f"{kind}.retired") as c:
-        eng.catalog.settle_files(c, rows, left)
-        if kind == "evict":
-            advance(eng, c, tid, kind, "REMOVED", "reclaim_failed" if left else "reclaimed")
-        else:
-            advance(eng, c, tid, kind, "PUBLISHED", "retire_failed" if left else "retired")
-    eng._charged -= unlinked_bytes(rows, left)
-
-
-def rollback(eng: Engine, tid: int, kind: str, state: str, event: str) -> None:
-    """Drive a transaction that had not published back to its previous record."""
-    if state == "INTENT":
-        with eng.catalog.txn(f"{kind}.rollback") as c:
-            eng.catalog.garbage_txn_files(c, tid)
-            state = advance(eng, c, tid, kind, state, event)
-    rows = eng.catalog.txn_files(tid)
-    left = unlink_rows(eng, rows)
-    with eng.catalog.txn(f"{kind}.cleaned") as c:
-        eng.catalog.settle_files(c, rows, left)
-        advance(eng, c, tid, kind, state, "cleanup_failed" if left else "cleaned")
-    eng._charged -= unlinked_bytes(rows, left)
+def drop_rows(eng: Engine, c: Any, tids) -> None:
+    """Delete the journal rows ``tids`` inside ``c`` (repair: rows no table can read)."""
+    for tid in tids:
+        eng.driver.journal.delete(c, tid)
 
 
 def unlink_rows(eng: Engine, rows) -> set[tuple[int, str]]:
@@ -94,3 +140,4 @@ def reclaim_rows(eng: Engine, tid: int | None, rows) -> None:
 def unlinked_bytes(rows, left: set[tuple[int, str]]) -> int:
     """The bytes of ``rows`` whose files are gone (not in ``left``)."""
     return sum(size for r, name, size in rows if (r, name) not in left)
+

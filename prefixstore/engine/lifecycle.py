@@ -30,6 +30,7 @@ from prefixstore.engine import (
     calibration,
     compaction,
     dirlock,
+    journal,
     loading,
     pipeline,
     readonly,
@@ -172,6 +173,7 @@ def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     eng.compactor = None  # the background compaction worker, when enabled
     eng.index = Index()
     eng.heap = pol.VictimHeap(o.policy, layout.has_snapshot)
+    eng.driver = journal.build(eng)  # an output with no handler fails here, at open
     stats.watch(eng)
 
 

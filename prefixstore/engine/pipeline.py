@@ -42,12 +42,12 @@ import torch
 
 from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
 from prefixstore.engine import journal, lifecycle, loading, replace, retry, spans, store, validate
+from prefixstore.engine.driver import Txn
 from prefixstore.engine.results import DUPLICATE, QUEUED, REFUSED, StoreResult
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Buffer, Copy, Staged
 from prefixstore.gpu.tier import Capability, has
 from prefixstore.gpu.workers import Worker
-from prefixstore.statemachine.transactions import recovery_direction
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -176,22 +176,18 @@ def write_shard(eng: Engine, r: int, name: str, d: Any) -> None:
         raise OSError(errno.EIO, f"rank {r} write failed: {type(exc).__name__}: {exc}") from exc
 
 
-def fail_txn(eng: Engine, tid: int, exc: BaseException) -> None:
-    """End transaction ``tid`` after an unexpected error in its flow, as recovery would:
+def fail_txn(eng: Engine, txn: Txn, exc: BaseException) -> None:
+    """End ``txn`` after an unexpected error in its flow, by its table's abort step:
     forward if it had published, back otherwise. A simulated crash is left to recovery."""
     if isinstance(exc, SimulatedCrash) or eng._closed:
         return
     with eng._lock:
-        row = eng.catalog.query("SELECT kind, state FROM journal WHERE id=?", (tid,))
-        if not row:
+        step = eng.driver.abort(eng.catalog.conn, txn)
+        if step is None:
             return
-        kind, state = row[0]
-        if recovery_direction(kind, state) == "forward":
-            rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
-            journal.finish_retire(eng, tid, kind, rows)
+        journal.end(eng, txn, step)
+        if step.direction == "forward":
             loading.load(eng, keep=True)  # the publish committed; make the index agree with it
-        else:
-            journal.rollback(eng, tid, kind, state, "failed")
     eng.counters.inc("faults", "txn_error")
 
 

@@ -54,7 +54,7 @@ from prefixstore.engine.audit import durable_shards, read_catalog, verify_bytes
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
 from prefixstore.gpu.tier import Capability, has
-from prefixstore.statemachine.transactions import MACHINES, recovery_direction
+from prefixstore.statemachine.transactions import MACHINES
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -93,16 +93,10 @@ def recover(eng: Engine) -> RecoveryReport:
     eng._clock = 0
     if eng.disk.tight():
         _room_first(eng)
-    for tid, kind, state, _payload in eng.catalog.journal():
-        if kind not in MACHINES or state not in MACHINES[kind].states:
-            raise CatalogCorruptError(f"journal row {tid}: unknown transaction {kind}/{state}")
-        rows = eng.catalog.files_of_txn(tid)
-        if recovery_direction(kind, state) == "forward":
-            journal.finish_retire(eng, tid, kind, rows)
-            rep.rolled_forward.append(tid)
-        else:
-            journal.rollback(eng, tid, kind, state, "recover")
-            rep.rolled_back.append(tid)
+    for row in eng.catalog.journal():
+        txn, step = eng.driver.recover(eng.catalog.conn, row)
+        journal.end(eng, txn, step)
+        (rep.rolled_forward if step.direction == "forward" else rep.rolled_back).append(txn.id)
     # 'writing' rows whose transaction is gone cannot exist; treat any as garbage.
     with eng.catalog.txn("recover.stray") as c:
         eng.catalog.garbage_stray_writing(c)
@@ -119,7 +113,7 @@ def _room_first(eng: Engine) -> None:
     """Unlink, before any commit, the files recovery will unlink anyway: garbage, and
     the files of transactions it rolls back (never a live file)."""
     back = [tid for tid, kind, state, _ in eng.catalog.journal()
-            if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"]
+            if kind in MACHINES and state in MACHINES[kind].states and MACHINES[kind].direction(state) == "back"]
     rows = eng.catalog.garbage_files()
     for tid in back:
         rows += eng.catalog.unpublished_files_of_txn(tid)
@@ -144,7 +138,7 @@ def room_before_open(root: str, ranks: int) -> list[str]:
     except (OSError, PrefixStoreError):
         return []  # unreadable here: the open that follows reports it
     back = {tid for tid, kind, state, _ in rows.journal
-            if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"}
+            if kind in MACHINES and state in MACHINES[kind].states and MACHINES[kind].direction(state) == "back"}
     current = _current_names((r[structure.KEY], r[structure.GEN]) for r in rows.nodes.values())
     removed = []
     for rank, name, _node, _gen, _size, _ck, status, txn in rows.files:

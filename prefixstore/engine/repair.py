@@ -56,6 +56,7 @@ from prefixstore.engine.audit import (
 )
 from prefixstore.engine.cachedirs import check_own_dirs, missing_rank_dirs
 from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.driver import Journal
 from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES
@@ -273,7 +274,7 @@ def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None)
                 cat.mark_nodes_damaged(c, [nid])
             for tid in fix.drop_journal:
                 cat.release_txn_files(c, tid)
-                c.execute("DELETE FROM journal WHERE id=?", (tid,))
+                Journal().delete(c, tid)
             if fix.backing is not None:
                 cat.set_meta(c, "backing", fix.backing)
     finally:

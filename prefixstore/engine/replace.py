@@ -42,9 +42,11 @@ from prefixstore.base.keys import DIGEST_SIZE, ROOT
 from prefixstore.base.log import log
 from prefixstore.engine import health, journal, pipeline, restore, store
 from prefixstore.engine import space as engine_space
+from prefixstore.engine.driver import Txn
 from prefixstore.engine.index import Node
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
+from prefixstore.statemachine.rows import NODE
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -204,11 +206,11 @@ def run(
         return _write_and_swap(eng, job, rows, attempt, locked=locked, space=space, protect=protect,
                                pin_wait_s=pin_wait_s, held=held, wait_pinned=wait_pinned)
     except BaseException as exc:
-        if attempt.tid is not None:
+        if attempt.txn is not None:
             # End the transaction as recovery would (a simulated crash is left to it):
             # forward once the swap committed (its old files must not stay charged to
             # it), back before.
-            pipeline.fail_txn(eng, attempt.tid, exc)
+            pipeline.fail_txn(eng, attempt.txn, exc)
         if not attempt.published and not isinstance(exc, SimulatedCrash):
             eng.counters.inc("replaces", f"{job.use}_aborted")
         raise
@@ -223,7 +225,7 @@ class _Attempt:
     swap committed."""
 
     fenced: set[int]
-    tid: int | None = None
+    txn: Txn | None = None
     published: bool = False
 
 
@@ -257,13 +259,13 @@ def _write_and_swap(
     with eng._lock:
         if not _room(eng, needed, space, protect | job.old_ids):
             return _abort(eng, job, "no_space", "refused")
-        attempt.tid = tid = _intent(eng, job)
+        attempt.txn = txn = _intent(eng, job)
         eng._charged += needed
     for r in job.new:
         errors = store.write_all(eng, r.name, r.blobs)
         if errors:
             with eng._lock:
-                journal.rollback(eng, tid, KIND, "INTENT", "failed")
+                journal.rollback(eng, txn, "failed")
             msg = "; ".join(f"rank {rk}: {e}" for rk, e in errors)
             return _abort(eng, job, msg, "failed")
     deadline = time.monotonic() + (0 if locked else pin_wait_s)
@@ -273,7 +275,7 @@ def _write_and_swap(
             why = _check(eng, job, fences=1, pins=eng._request_pins if wait_pinned else None, held=held)
             pinned = any(eng._pins[n.id] for n in job.old)
             if why or (pinned and time.monotonic() >= deadline):
-                journal.rollback(eng, tid, KIND, "INTENT", "stale")
+                journal.rollback(eng, txn, "stale")
                 return _abort(eng, job, why or "pinned", "skipped")
             if not pinned:
                 return _publish(eng, job, attempt, needed)
@@ -282,12 +284,12 @@ def _write_and_swap(
 
 def _publish(eng: Engine, job: Job, attempt: _Attempt, needed: int) -> Outcome:
     """Swap the rows, release the fences and retire the old files. Lock held."""
-    old_files = _swap(eng, job, attempt.tid)
+    outs = _swap(eng, job, attempt.txn)
     attempt.published = True
     # a deleted row's fence goes with its index entry; the kept rows'
     # fences end with the transaction, in this same lock section
     _unfence(eng, job, attempt.fenced, {n.id for n in job.dropped})
-    journal.finish_retire(eng, attempt.tid, KIND, old_files)
+    journal.run(eng, attempt.txn, outs)
     _unfence(eng, job, attempt.fenced, attempt.fenced)
     eng.counters.inc("replaces", job.use)
     if job.state == "damaged":
@@ -393,7 +395,7 @@ def _room(eng: Engine, needed: int, space: str, protect: set[int]) -> bool:
     return eng._charged + needed <= limit and not eng.disk.shortfall(needed)
 
 
-def _intent(eng: Engine, job: Job) -> int:
+def _intent(eng: Engine, job: Job) -> Txn:
     payload = {
         "use": job.use,
         "old": [n.id for n in job.old],
@@ -401,20 +403,19 @@ def _intent(eng: Engine, job: Job) -> int:
         "new": [{"key": r.key.hex(), "start": r.start, "end": r.end, "generation": r.gen,
                  "name": r.name, "keep": r.keep} for r in job.new],
     }
+    files = [(rk, r.name, r.gen, len(b), shards.checksum(b)) for r in job.new for rk, b in enumerate(r.blobs)]
     with eng.catalog.txn("compact.intent") as c:
-        tid = journal.begin(eng, c, KIND, payload)
-        eng.catalog.insert_writing_files(
-            c, tid, [(rk, r.name, r.gen, len(b), shards.checksum(b)) for r in job.new for rk, b in enumerate(r.blobs)]
-        )
-    return tid
+        return journal.begin(eng, c, KIND, payload, rows=lambda tid: eng.catalog.insert_writing_files(c, tid, files))
 
 
-def _swap(eng: Engine, job: Job, tid: int) -> list[tuple[int, str, int]]:
-    """The single commit that replaces the rows, then the in-memory index. Lock held."""
+def _swap(eng: Engine, job: Job, txn: Txn) -> tuple[str, ...]:
+    """The single commit that replaces the rows, then the in-memory index; the
+    outputs of the publish (run after it). Lock held."""
     cat = eng.catalog
+    tid = txn.id
     ids: list[int] = []
     with cat.txn("compact.publish") as c:
-        old_files = cat.retire_node_files(c, [n.id for n in job.old], tid)
+        cat.retire_node_files(c, [n.id for n in job.old], tid)
         parent = job.parent
         for r in job.new:
             fields = (parent, r.start, r.end, r.digests, int(r.has_snapshot), r.gen, r.last_used, r.snap_used)
@@ -428,9 +429,9 @@ def _swap(eng: Engine, job: Job, tid: int) -> list[tuple[int, str, int]]:
             parent = nid
         for n in job.dropped:
             cat.delete_node(c, n.id)
-        journal.advance(eng, c, tid, KIND, "INTENT", "durable")
+        outs = journal.fire(eng, c, txn, "durable")
     _apply_index(eng, job, ids)
-    return old_files
+    return outs
 
 
 def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
@@ -450,7 +451,8 @@ def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
     for r, nid in zip(job.new, ids, strict=True):
         nbytes = sum(len(b) for b in r.blobs)
         fields = dict(parent=prev.id if prev is not None else None, start=r.start, end=r.end,
-                      digests=r.digests, has_snapshot=r.has_snapshot, state="ready", generation=r.gen,
+                      digests=r.digests, has_snapshot=r.has_snapshot, state=NODE.next("absent", "published"),
+                      generation=r.gen,
                       last_used=r.last_used, snap_used=r.snap_used, nbytes=nbytes)
         node = idx.nodes.get(nid) if r.keep is not None else None
         if node is None:

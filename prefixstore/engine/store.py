@@ -25,6 +25,7 @@ from prefixstore.engine import (
     spans,
     tiering,
 )
+from prefixstore.engine.driver import Txn
 from prefixstore.engine.index import Node
 from prefixstore.engine.results import (
     DUPLICATE,
@@ -37,6 +38,7 @@ from prefixstore.engine.results import (
 )
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
+from prefixstore.statemachine.rows import NODE
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -65,6 +67,7 @@ class InFlight:
     owned: list[Any]  # the staged buffers this store releases (the caller's are its own)
     protect: set[int]  # the parent and refilled row, fenced while the store is in flight
     needed: int
+    txn: Txn | None = None  # the journaled transaction, once its intent committed
 
     @property
     def keys_span(self) -> slice:
@@ -113,7 +116,7 @@ def store(
     try:
         return write_and_publish(eng, prefix, t)
     except BaseException as exc:  # not a failed write (those roll back): end the txn
-        pipeline.fail_txn(eng, t.tid, exc)
+        pipeline.fail_txn(eng, t.txn, exc)
         raise
     finally:
         pipeline.release(t.owned)
@@ -182,7 +185,8 @@ def begin(eng: Engine, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
             res = StoreResult(REFUSED, n, "no_space", t.needed)
             count_skip(eng, res)
             return res
-        t.tid = intent(eng, t)
+        t.txn = intent(eng, t)
+        t.tid = t.txn.id
     except BaseException:
         pipeline.release(t.owned)
         raise
@@ -192,8 +196,8 @@ def begin(eng: Engine, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
     return t
 
 
-def intent(eng: Engine, t: InFlight) -> int:
-    """Commit the store's intent and its 'writing' file rows; the transaction's id."""
+def intent(eng: Engine, t: InFlight) -> Txn:
+    """Commit the store's intent and its reserved (writing) file rows; the transaction."""
     p = t.plan
     payload = {
         "key": t.key.hex(), "generation": t.gen, "name": t.name, "start": p.start, "end": t.end,
@@ -201,9 +205,10 @@ def intent(eng: Engine, t: InFlight) -> int:
         "node": p.existing.id if p.existing else None,
     }
     with eng.catalog.txn("store.intent") as c:
-        tid = journal.begin(eng, c, "store", payload)
-        eng.catalog.add_writing(c, tid, t.name, t.gen, [(d.size, d.checksum()) for d in t.datas])
-    return tid
+        sized = [(d.size, d.checksum()) for d in t.datas]
+        txn = journal.begin(eng, c, "store", payload,
+                            rows=lambda tid: eng.catalog.add_writing(c, tid, t.name, t.gen, sized))
+    return txn
 
 
 def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
@@ -213,7 +218,7 @@ def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     errors = write_all(eng, t.name, t.datas)
     if errors:
         with eng._lock:
-            journal.rollback(eng, t.tid, "store", "INTENT", "failed")
+            journal.rollback(eng, t.txn, "failed")
         check_prior(eng, t.plan, {r for r, _ in errors})
         eng.counters.inc("stores", FAILED)
         return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), t.needed)
@@ -227,7 +232,7 @@ def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
             if existing is None or not eng._pins[existing.id]:
                 return published(eng, prefix, t)
             if time.monotonic() >= deadline or eng._request_pins[existing.id]:
-                journal.rollback(eng, t.tid, "store", "INTENT", "failed")
+                journal.rollback(eng, t.txn, "failed")
                 res = StoreResult(SKIPPED, n, "pinned", t.needed)
                 count_skip(eng, res)
                 return res
@@ -239,7 +244,7 @@ def published(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     p, n = t.plan, t.end
     digests = b"".join(prefix.digests[p.start:n])
     was_damaged = p.existing is not None and p.existing.state == "damaged"
-    node = publish(eng, t.tid, p, t.key, digests, p.start, n, t.gen, t.needed)
+    node = publish(eng, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed)
     remote.offer(eng, t)
     status = REFILLED if p.existing is not None else STORED
     if was_damaged:
@@ -281,11 +286,12 @@ def write_all(eng: Engine, name: str, datas: list[Any]) -> list[tuple[int, OSErr
     return errors
 
 
-def publish(eng: Engine, tid: int, plan: Plan, key: bytes, digests: bytes, start: int, end: int,
+def publish(eng: Engine, txn: Txn, plan: Plan, key: bytes, digests: bytes, start: int, end: int,
             gen: int, needed: int) -> Node:
     """Commit the store's publish, apply it to the index, then retire a refill's old files."""
     now = recency.tick(eng)
     has_snap = eng.layout.has_snapshot
+    tid = txn.id
     with eng.catalog.txn("store.publish") as c:
         old = []
         if plan.existing is not None:
@@ -296,13 +302,12 @@ def publish(eng: Engine, tid: int, plan: Plan, key: bytes, digests: bytes, start
             nid = eng.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
                                           digests, has_snap, gen, now)
         eng.catalog.publish_files(c, tid, nid)
-        state = journal.advance(eng, c, tid, "store", "INTENT", "durable")
-        if not old:
-            journal.advance(eng, c, tid, "store", state, "retired")
         recency.flush(eng, c)
+        outs = journal.fire(eng, c, txn, "durable")
+        if not old:  # nothing to retire: done in the same commit
+            outs = journal.fire(eng, c, txn, "retired")
     node = apply_publish(eng, plan, nid, key, digests, start, end, gen, needed, now)
-    if old:
-        journal.finish_retire(eng, tid, "store", old)
+    journal.run(eng, txn, outs)
     return node
 
 
@@ -312,12 +317,12 @@ def apply_publish(eng: Engine, plan: Plan, nid: int, key: bytes, digests: bytes,
     has_snap = eng.layout.has_snapshot
     if plan.existing is not None:
         node = plan.existing
-        node.state, node.generation, node.has_snapshot = "ready", gen, has_snap
+        node.state, node.generation, node.has_snapshot = NODE.next(node.state, "published"), gen, has_snap
         node.last_used = node.snap_used = now
         node.nbytes = needed
     else:
         node = Node(id=nid, key=key, parent=plan.parent.id if plan.parent else None, start=start,
-                    end=end, digests=digests, has_snapshot=has_snap, state="ready",
+                    end=end, digests=digests, has_snapshot=has_snap, state=NODE.next("absent", "published"),
                     generation=gen, last_used=now, snap_used=now, nbytes=needed)
         eng.index.add(node)
         if plan.parent is not None:

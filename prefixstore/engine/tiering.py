@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from prefixstore.base.errors import InvalidInputError
+from prefixstore.engine.driver import Journal
 from prefixstore.gpu import tiers, verify
 from prefixstore.gpu.tier import Backing, Capability, Tier, TierOptions, has
 
@@ -64,7 +65,7 @@ def drop_volatile_rows(eng: Engine) -> int:
         return 0
     with cat.txn("backing.drop_volatile") as c:
         c.execute("DELETE FROM files")
-        c.execute("DELETE FROM journal")
+        Journal().delete_all(c)
         c.execute("UPDATE nodes SET parent=NULL")
         c.execute("DELETE FROM nodes")
     return int(n)

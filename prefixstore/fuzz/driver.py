@@ -27,6 +27,9 @@ Checks (``Violation.kind`` in brackets):
   compacting one removed a node [removal]; pinned nodes keep their row and generation
   [pin]; charged bytes <= capacity [capacity]; no public call raised anything but a
   typed error it may raise [exception].
+- on every transition of a journaled transaction: the engine driver's per-state
+  invariants hold (``PREFIXSTORE_DEBUG_INVARIANTS``, on unless the environment turns
+  it off) [invariant].
 - on every restore: the bytes are exactly the universe's (stored) bytes [bytes]; a
   checkpoint that must be restorable (acknowledged, ready, undamaged path, no fault
   armed) is restored at its full depth [miss].
@@ -50,6 +53,7 @@ import attrs
 from prefixstore.base.errors import InvalidInputError, PinnedError, SimulatedCrash
 from prefixstore.engine import lifecycle
 from prefixstore.engine.api import Engine
+from prefixstore.engine.driver import DEBUG_ENV, InvariantViolation
 from prefixstore.engine.results import Match
 from prefixstore.fuzz.faultfs import OPS, ChainHook, CrashAt, FaultFS, FaultPlan, FaultRule
 from prefixstore.fuzz.model import CatalogObserver, NodeRow, Universe, fuzz_layout
@@ -133,6 +137,7 @@ class Driver:
     """
 
     def __init__(self, cfg: RunConfig, root: str, plant: Any = None) -> None:
+        os.environ.setdefault(DEBUG_ENV, "1")  # the engines it opens check their invariants
         self.cfg = cfg
         self.root = root
         self.plant = plant
@@ -260,6 +265,8 @@ class Driver:
             crashed = True
         except Violation:
             raise
+        except InvariantViolation as exc:
+            raise Violation("invariant", f"{kind}: {exc}") from exc
         except Exception as exc:
             raise Violation("exception", f"{kind} raised {type(exc).__name__}: {exc}") from exc
         finally:

@@ -129,15 +129,37 @@ class _DoubleCountRetire(Engine):
 
 
 def _double_count() -> contextlib.AbstractContextManager[None]:
-    orig = journal.finish_retire
+    orig = journal.unlink_owned
 
-    def finish_retire(eng: Engine, tid: int, kind: str, rows) -> None:
+    def unlink_owned(eng: Engine, txn, ok: str, failed: str, *, barrier: bool) -> None:
         before = eng._charged
-        orig(eng, tid, kind, rows)
-        if isinstance(eng, _DoubleCountRetire) and kind in ("replace", "compact"):
+        orig(eng, txn, ok, failed, barrier=barrier)
+        if isinstance(eng, _DoubleCountRetire) and txn.kind == "compact" and ok == "retired":
             eng._charged -= before - eng._charged  # the retired generation, once more
 
-    return _patched(journal, "finish_retire", finish_retire)
+    return _patched(journal, "unlink_owned", unlink_owned)
+
+
+# -- skip a table output: retire_old ------------------------------------------------------
+
+
+class _SkipRetire(Engine):
+    """Its published transactions end without running ``retire_old``'s unlinks
+    (``_skip_retire``): DONE is reached with the old generation still owned."""
+
+
+def _skip_retire() -> contextlib.AbstractContextManager[None]:
+    orig = journal.unlink_owned
+
+    def unlink_owned(eng: Engine, txn, ok: str, failed: str, *, barrier: bool) -> None:
+        if not (isinstance(eng, _SkipRetire) and ok == "retired"):
+            return orig(eng, txn, ok, failed, barrier=barrier)
+        with eng.catalog.txn(f"{txn.kind}.{ok}") as c:
+            outs = eng.driver.fire(c, txn, ok)  # no unlink, no settled rows
+        eng.driver.run_outputs(txn, outs)
+        return None
+
+    return _patched(journal, "unlink_owned", unlink_owned)
 
 
 # -- evict a pinned node ---------------------------------------------------------------------
@@ -282,6 +304,15 @@ PLANTS: dict[str, Plant] = {
             "audit: the engine's charged bytes disagree with the catalog (invariant 3)",
             engine_cls=_DoubleCountRetire,
             patch=_double_count,
+            config=_SNAP_RETIRE,
+        ),
+        Plant(
+            "skip-retire-output",
+            "a published refill or compact-replace ends (DONE) without its retire_old output's unlinks",
+            "the driver's invariant check at DONE (it still owns rows); without it, files and rows "
+            "of a finished transaction linger",
+            engine_cls=_SkipRetire,
+            patch=_skip_retire,
             config=_SNAP_RETIRE,
         ),
         Plant(

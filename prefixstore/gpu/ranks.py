@@ -87,13 +87,19 @@ class LocalRank:
     def read_shard(self, name: str) -> bytes:
         return self.fs.read(self.path(name))
 
+    def durable(self, name: str) -> bool | None:
+        """Whether ``name`` would survive a power loss now, from what the file system
+        knows (the fault file system) or what this process's writes completed; None
+        for a file this process did not write."""
+        return self.fs.is_durable(self.path(name))
+
     def read_shard_into(self, name: str, out: memoryview) -> int:
         """Read ``name`` into ``out``; returns the file's size."""
         return self.fs.read_into(self.path(name), out)
 
     @property
     def capabilities(self) -> Capability:
-        caps = Capability.READS_INTO | Capability.LOCAL_FILES
+        caps = Capability.READS_INTO | Capability.LOCAL_FILES | Capability.REPORTS_DURABILITY
         return caps | Capability.COPIES_ON_READ if self.fs.copies_on_read else caps
 
     def remove(self, name: str) -> bool:

@@ -18,6 +18,9 @@ never looks for a method by name:
                     dropped at the next open, and audits read them through the tier
 ``LOCAL_FILES``     ``directory`` is a local rank directory this process reads;
                     ``is_file(entry)`` says whether an entry is a regular file
+``REPORTS_DURABILITY`` ``durable(name) -> bool | None``: whether the shard would
+                    survive a power loss now (None: the tier cannot tell); a tier
+                    that does not declare it is taken as durable
 =================  ============================================================
 
 ``available`` is False while the tier cannot serve (a rank process down): a store then
@@ -51,6 +54,7 @@ class Capability(enum.Flag):
     COPIES_ON_READ = enum.auto()
     VOLATILE = enum.auto()
     LOCAL_FILES = enum.auto()
+    REPORTS_DURABILITY = enum.auto()
 
 
 @runtime_checkable

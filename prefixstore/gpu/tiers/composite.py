@@ -17,7 +17,7 @@ from prefixstore.gpu.tiers.disk import as_tier
 from prefixstore.gpu.tiers.ram import RamTier
 
 _OWN = Capability.ADOPTS_BUFFERS | Capability.RESIDENT_VIEWS | Capability.PROMOTES | Capability.READS_INTO
-_FROM_DISK = Capability.COPIES_ON_READ | Capability.LOCAL_FILES
+_FROM_DISK = Capability.COPIES_ON_READ | Capability.LOCAL_FILES | Capability.REPORTS_DURABILITY
 
 
 class CompositeRank:
@@ -63,6 +63,9 @@ class CompositeRank:
             self.tier.counters["promotions"] += 1
         else:
             buf.release()
+
+    def durable(self, name: str) -> bool | None:
+        return self.disk.durable(name)  # type: ignore[attr-defined]
 
     def read_shard(self, name: str) -> bytes:
         return self.disk.read_shard(name)
