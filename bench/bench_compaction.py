@@ -24,7 +24,8 @@ import time
 import torch
 
 from prefixstore import Layout, Prefix, TensorSpec
-from prefixstore.engine.core import Engine
+from prefixstore.engine import replace
+from prefixstore.engine.api import Engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -77,7 +78,7 @@ def run(checkpoints: int, ranks: int, repeat: int, bt: int) -> dict:
         with eng._lock:  # what eviction does to a long conversation's interior snapshots
             for node in list(eng.index):
                 if node.children:
-                    assert eng._retire_snapshot(node)
+                    assert replace.retire_snapshot(eng, node)
         before = {"rows": len(eng.index), "files": shard_files(d)}
         before["files_read"], before["restore_s"], want = deepest_restore(eng, full, repeat)
         t0 = time.perf_counter()

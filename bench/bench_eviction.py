@@ -6,7 +6,7 @@ Two measurements, each reported as the median per-victim time and its ratio to t
 Sizes are measured round-robin (a batch of victims from each in turn, 20 rounds) so a
 change in the machine's load hits them all alike.
 
-- **selection** (1k, 10k, 100k, 1M nodes): the engine's own ``Engine._free`` loop:
+- **selection** (1k, 10k, 100k, 1M nodes): the engine's own ``space.free`` loop:
   victim selection from the policy heap (``pop_valid``, lazily invalidated), the pin /
   fence / room checks, the counters, and the in-memory bookkeeping of each victim
   (index removal and re-offering its parent for a leaf; dropping the snapshot and
@@ -42,10 +42,11 @@ import time
 
 import torch
 
-from prefixstore.engine.core import Engine
+from prefixstore.base.keys import DIGEST_SIZE, ROOT, chain
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine import evict, replace, space
+from prefixstore.engine.api import Engine
 from prefixstore.engine.index import Index, Node
-from prefixstore.engine.keys import DIGEST_SIZE, ROOT, chain
-from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine import policy as pol
 
@@ -97,8 +98,9 @@ class SelectionRun:
         eng.heap.rebuild(eng.index)
         eng._charged = sum(x.nbytes for x in eng.index)
         self.build_s = time.perf_counter() - t0
-        eng._evict_nodes = self._evict_nodes
-        eng._retire_snapshot = self._retire
+        self._saved = evict.evict_nodes, replace.retire_snapshot  # restored by close()
+        evict.evict_nodes = lambda e, nodes: self._evict_nodes(nodes) if e is eng else self._saved[0](e, nodes)
+        replace.retire_snapshot = lambda e, node: self._retire(node) if e is eng else self._saved[1](e, node)
         eng._garbage_hint = False
         self.samples: list[float] = []
         self.scan_baseline_us = self.scan_us(3 if n >= 1_000_000 else 10)
@@ -129,7 +131,7 @@ class SelectionRun:
         before = self.victims()
         with self.eng._lock:
             t = time.perf_counter()
-            self.eng._free(batch * self.snap - 1)
+            space.free(self.eng, batch * self.snap - 1)
             dt = time.perf_counter() - t
         self.samples.append(dt / max(1, self.victims() - before))
 
@@ -153,6 +155,7 @@ class SelectionRun:
                "per_victim_us": round(statistics.median(self.samples) * 1e6, 2),
                "scan_baseline_us": round(self.scan_baseline_us, 1)}
         self.eng.close()
+        evict.evict_nodes, replace.retire_snapshot = self._saved
         self.root.cleanup()
         return out
 
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['scan_baseline_us']:,.0f} | {tcol} |")
     lines += [
         "",
-        "Selection: `Engine._free` with each victim's transaction replaced by its in-memory",
+        "Selection: `space.free` with each victim's transaction replaced by its in-memory",
         "effects (index built without files); it grows with the heap's depth (log n), not",
         "with n, which the full-scan baseline (one victim chosen by scanning every node) does.",
         "Transaction: `Engine.evict` on a real SQLite catalog (commits with fsync; shard files",

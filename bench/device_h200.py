@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from prefixstore import Layout, Prefix, TensorSpec  # noqa: E402
-from prefixstore.engine.core import Engine  # noqa: E402
+from prefixstore.engine.api import Engine  # noqa: E402
 from prefixstore.gpu.executor import CpuExecutor, CudaExecutor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

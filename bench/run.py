@@ -47,8 +47,8 @@ from typing import Any
 import torch
 
 from prefixstore import Layout, Prefix, TensorSpec
+from prefixstore.engine.api import Engine
 from prefixstore.engine.catalog import Catalog
-from prefixstore.engine.core import Engine
 from prefixstore.engine.index import Index, Node
 
 HERE = Path(__file__).resolve().parent

@@ -27,7 +27,7 @@ import time
 import torch
 
 from prefixstore import Layout, Prefix, TensorSpec
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.gpu.distributed import RankGroup
 
 

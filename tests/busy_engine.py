@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import make_layout, seg_tensors, snap_tensors, tokens_for  # noqa: E402
 
-from prefixstore.engine.core import Engine  # noqa: E402
-from prefixstore.engine.keys import Prefix  # noqa: E402
+from prefixstore.base.keys import Prefix  # noqa: E402
+from prefixstore.engine.api import Engine  # noqa: E402
 
 CAPACITY = 48 << 10
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
+from prefixstore.engine.driver import DEBUG_ENV
 from prefixstore.engine.index import Node
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.gpu.fileio import FaultHook
 
 settings.register_profile("dev", max_examples=30, deadline=None,
@@ -26,6 +27,9 @@ settings.register_profile("ci", max_examples=60, deadline=None,
 settings.register_profile("campaign", max_examples=5000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE", "dev"))
+# The driver's per-state invariant checks are on for the whole suite (and in the rank
+# processes and CLI subprocesses it starts, which inherit the environment).
+os.environ.setdefault(DEBUG_ENV, "1")
 
 BT = 4  # tokens per block in tests
 

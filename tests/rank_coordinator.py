@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import make_layout, store_tokens, tokens_for  # noqa: E402
 
-from prefixstore.engine.core import Engine  # noqa: E402
+from prefixstore.engine.api import Engine  # noqa: E402
 from prefixstore.gpu.distributed import RankGroup  # noqa: E402
 from prefixstore.gpu.fileio import FaultHook  # noqa: E402
 

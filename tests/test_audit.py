@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import Gate, assert_restores, make_layout, store_tokens, tokens_for
 
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.cli import main as cli_main
+from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir, engine_running
-from prefixstore.engine.cli import main as cli_main
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
-from prefixstore.engine.keys import Prefix
 from prefixstore.engine.repair import repair
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt, flip_bit
 
@@ -95,9 +95,9 @@ def _die_mid_store(root: str, ranks: int = 2) -> None:
 
 
 def test_the_auditor_probes_the_engines_own_lock_file():
-    from prefixstore.engine import audit, core
+    from prefixstore.engine import api, audit
 
-    assert audit.LOCK_NAME == core.LOCK_NAME
+    assert audit.LOCK_NAME == api.LOCK_NAME
 
 
 def test_audit_of_a_closed_cache_changes_no_byte_and_creates_no_file(tmp_path, capsys):

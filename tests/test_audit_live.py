@@ -12,8 +12,8 @@ import time
 
 from conftest import make_layout, store_tokens, tokens_for
 
+from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir
-from prefixstore.engine.core import Engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -38,7 +38,7 @@ def test_100_audits_beside_32_busy_threads_report_nothing_false(tmp_path):
             in_flight += sum(1 for j in rep.journal if j.get("in_flight"))
             explained += sum("explained by the running engine" in n for n in rep.notes)
             time.sleep(0.03)  # let the workload move between audits
-        cli = subprocess.run([sys.executable, "-m", "prefixstore.engine.cli", "audit", root, "--json"],
+        cli = subprocess.run([sys.executable, "-m", "prefixstore.cli", "audit", root, "--json"],
                              capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
     finally:
         busy.stdin.close()

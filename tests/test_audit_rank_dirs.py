@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import assert_restores, make_layout, store_tokens, tokens_for
 
-from prefixstore.engine.cli import main as cli_main
-from prefixstore.engine.core import Engine
+from prefixstore.cli import main as cli_main
+from prefixstore.engine.api import Engine
 from prefixstore.gpu.ranks import LocalRank
 
 CAP = 16 << 20

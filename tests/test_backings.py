@@ -17,9 +17,10 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
+from prefixstore.engine import lifecycle
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt
 
 CAP = 16 << 20
@@ -75,7 +76,7 @@ def test_memory_crash_then_reopen_is_clean_including_a_crash_in_the_drop(tmp_pat
     def crashed_cache(root):
         eng = Engine.open(root, L, CAP, backing="memory", synchronous="NORMAL")
         fill(eng, seeds=range(2))
-        eng._abandon()  # process death: RAM gone, catalog left as it was
+        lifecycle.abandon(eng)  # process death: RAM gone, catalog left as it was
 
     counter = CountingHook()
     crashed_cache(str(tmp_path / "count"))

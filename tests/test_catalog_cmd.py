@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import Gate, make_layout, store_tokens, tokens_for
 
+from prefixstore.base.errors import InvalidArgumentError
+from prefixstore.cli import main as cli_main
+from prefixstore.engine.api import Engine
 from prefixstore.engine.catalog_reader import read_listing
-from prefixstore.engine.cli import main as cli_main
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import InvalidArgumentError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAP = 16 << 20
@@ -30,7 +30,7 @@ A, B = tokens_for(31, 6), tokens_for(32, 3)
 def run_catalog(*argv: str) -> subprocess.CompletedProcess:
     """The command in its own process, as a person runs it."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "prefixstore.engine.cli", "catalog", *argv], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "prefixstore.cli", "catalog", *argv], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -17,10 +17,10 @@ import time
 import pytest
 from conftest import make_layout
 
-from prefixstore.engine.cli import main
+from prefixstore.base.errors import LayoutMismatchError
+from prefixstore.cli import main
+from prefixstore.engine.api import Engine
 from prefixstore.engine.cmd_demo import demo_layout
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import LayoutMismatchError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _cli(*argv: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     kw.setdefault("stdout", subprocess.PIPE)
-    return subprocess.run([sys.executable, "-m", "prefixstore.engine.cli", *argv], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "prefixstore.cli", *argv], cwd=REPO, env=env,
                           stderr=subprocess.PIPE, text=True, timeout=timeout, **kw)
 
 
@@ -122,7 +122,7 @@ def test_interrupted_fuzz_prints_its_summary(tmp_path):
     work.mkdir()
     env = {**os.environ, "PYTHONPATH": REPO}
     p = subprocess.Popen(
-        [sys.executable, "-m", "prefixstore.engine.cli", "fuzz", "--steps", "1000000", "--json", "--quiet",
+        [sys.executable, "-m", "prefixstore.cli", "fuzz", "--steps", "1000000", "--json", "--quiet",
          "--workdir", str(work), "--out", str(tmp_path / "out")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored as in a background job

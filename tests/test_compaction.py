@@ -21,10 +21,11 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import Prefix
+from prefixstore.engine import replace
+from prefixstore.engine.api import Engine
 from prefixstore.engine.index import Index, Node
-from prefixstore.engine.keys import Prefix
 from prefixstore.fuzz.faultfs import FaultFS, FaultPlan
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.statemachine.compaction import CompactionPolicy, RunStats, chunks, merge_verdict
@@ -44,7 +45,7 @@ def chain(eng: Engine, ends=(3, 6, 9, 12), retire=(3, 6, 9)) -> None:
         assert store_tokens(eng, CONV[: b * BT]).ok
     with eng._lock:
         for b in retire:
-            assert eng._retire_snapshot(node_at(eng, CONV[: b * BT]))
+            assert replace.retire_snapshot(eng, node_at(eng, CONV[: b * BT]))
 
 
 def spans(eng: Engine) -> list[tuple[int, int, bool]]:

@@ -6,7 +6,7 @@ import threading
 
 from conftest import assert_restores, make_layout, store_tokens, tokens_for
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 
 
 def test_32_threads_store_lookup_restore(cache_dir):

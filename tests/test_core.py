@@ -18,10 +18,11 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import ROOT, Prefix, chain
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base import errors as E
+from prefixstore.base.keys import ROOT, Prefix, chain
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine import replace
+from prefixstore.engine.api import Engine
 
 CAP = 16 << 20
 
@@ -103,7 +104,7 @@ def test_snapshot_layout_only_matches_nodes_with_their_snapshot(cache_dir, layou
         node = eng.index.by_key[Prefix.from_tokens(toks[:8], 4).keys[-1]]
         with eng._lock:
             assert eng.index.nodes[node].children
-            eng._retire_snapshot(eng.index.nodes[node])
+            replace.retire_snapshot(eng, eng.index.nodes[node])
         assert not eng.index.nodes[node].has_snapshot
         probe = toks[:16] + tokens_for(6, 2)
         m = eng.lookup(Prefix.from_tokens(probe, 4))

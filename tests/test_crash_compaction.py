@@ -28,10 +28,10 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine import replace
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
-from prefixstore.engine.keys import ROOT, Prefix
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import ROOT, Prefix
+from prefixstore.engine import health, journal, lifecycle, replace
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS
 from prefixstore.statemachine.compaction import CompactionPolicy
 
@@ -60,7 +60,7 @@ def rows(eng: Engine, among: frozenset | None = None) -> frozenset:
 def _retire(eng: Engine, *ends: int) -> None:
     with eng._lock:
         for b in ends:
-            assert eng._retire_snapshot(node_at(eng, CONV[: b * BT]))
+            assert replace.retire_snapshot(eng, node_at(eng, CONV[: b * BT]))
 
 
 def _acked(use: str) -> list[tuple[list[int], int | None]]:
@@ -92,7 +92,7 @@ def _prepare(root: str, ranks: int, use: str) -> None:
             node = node_at(eng, CONV[: 3 * BT])
             os.unlink(os.path.join(root, "rank0", f"{node.key.hex()}-g{node.generation}.st"))
             with eng._lock:
-                eng._invalidate(node, "test damage")
+                health.invalidate(eng, node, "test damage")
 
 
 def _scenario(root: str, ranks: int, hook, use: str, template: str | None = None):
@@ -128,8 +128,8 @@ def _scenario(root: str, ranks: int, hook, use: str, template: str | None = None
         elif use == "refill":
             result = store_tokens(eng, CONV[: 6 * BT] + tokens_for(42, 2))  # covers the damaged row
         else:
-            with eng._guard(), eng._lock:
-                result = eng._retire_snapshot(node_at(eng, CONV[: 6 * BT]))
+            with lifecycle.guard(eng), eng._lock:
+                result = replace.retire_snapshot(eng, node_at(eng, CONV[: 6 * BT]))
     except SimulatedCrash:
         pass
     gate.disarm()
@@ -221,8 +221,8 @@ def test_a_planted_non_atomic_swap_is_caught(tmp_path, monkeypatch):
     real = replace._swap
 
     def unlink_first(eng, job, tid):
-        rows = [(r, name, size) for n in job.old for r, (name, size, _) in replace._live_rows(eng, n.id).items()]
-        eng._unlink_rows(rows)  # BUG: the old generation goes before the swap is committed
+        rows = [(r, name, size) for n in job.old for r, (name, size, _) in eng.catalog.live_file_rows(n.id).items()]
+        journal.unlink_rows(eng, rows)  # BUG: the old generation goes before the swap is committed
         return real(eng, job, tid)
 
     monkeypatch.setattr(replace, "_swap", unlink_first)

@@ -17,9 +17,9 @@ import contextlib
 import pytest
 from conftest import Gate, assert_restores, key_at, make_layout, node_at, store_tokens, tokens_for
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
-from prefixstore.engine.keys import Prefix
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt
 
 CAP = 16 << 20

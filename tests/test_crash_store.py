@@ -23,9 +23,9 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
-from prefixstore.engine.keys import Prefix
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt
 
 CAP = 16 << 20

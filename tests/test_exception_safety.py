@@ -16,7 +16,7 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 
 CAP = 16 << 20
 

@@ -26,10 +26,10 @@ from conftest import (
 )
 from safetensors.torch import load as st_load
 
-from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS
 from prefixstore.gpu import shards
 from prefixstore.gpu.executor import Copy, CpuExecutor, ForegroundGate, StagingPool, size_class

@@ -25,9 +25,9 @@ import tempfile
 import pytest
 from conftest import BT, assert_restores, key_at, make_layout, store_tokens, tokens_for
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import SimulatedCrash
-from prefixstore.engine.keys import Prefix
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.driver import compaction_policy
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS, FaultPlan, FaultRule, Injected
 from prefixstore.gpu.fileio import FaultHook

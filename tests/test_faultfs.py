@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixstore.engine.errors import SimulatedCrash
+from prefixstore.base.errors import SimulatedCrash
 from prefixstore.fuzz.faultfs import (
     ChainHook,
     CountingHook,

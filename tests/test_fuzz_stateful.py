@@ -14,8 +14,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from prefixstore.engine.cli import main
-from prefixstore.engine.core import Engine
+from prefixstore.cli import main
+from prefixstore.engine import replace
 from prefixstore.fuzz import plants
 from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
 from prefixstore.fuzz.driver import Driver, RunConfig, Violation
@@ -157,7 +157,7 @@ def test_pinned_regression_replays_clean(path):
 def test_generation_regression_still_catches_the_bug(monkeypatch):
     """The pinned IntegrityError reproducer fails again if generations are reused."""
     cfg, ops, _, _ = load_reproducer(os.path.join(HERE, "fuzz_regressions", "restore-after-failed-unlink.json"))
-    monkeypatch.setattr(Engine, "_next_generation", lambda self, key, floor: floor + 1)
+    monkeypatch.setattr(replace, "next_generation", lambda eng, key, floor: floor + 1)
     v, _ = replay_in_tmp(ops, cfg)
     assert v is not None and v.kind == "exception" and "IntegrityError" in v.detail
 

@@ -26,8 +26,8 @@ from transformers import (  # noqa: E402
 
 from prefixstore.adapters import hf  # noqa: E402
 from prefixstore.adapters.hf_tiny import SLIDING_WINDOW, tiny_config, tiny_model  # noqa: E402
-from prefixstore.engine.errors import InvalidInputError, LayoutError, RankError  # noqa: E402
-from prefixstore.engine.keys import Prefix  # noqa: E402
+from prefixstore.base.errors import InvalidInputError, LayoutError, RankError  # noqa: E402
+from prefixstore.base.keys import Prefix  # noqa: E402
 
 BT = 16  # block_tokens
 PROMPT = 96  # tokens of the request

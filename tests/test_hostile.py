@@ -29,10 +29,10 @@ import pytest
 import torch
 from conftest import make_layout, seg_tensors, snap_tensors, store_tokens, tokens_for
 
-from prefixstore.engine import errors as E
-from prefixstore.engine.cli import main as cli_main
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
+from prefixstore.cli import main as cli_main
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import flip_bit, swap_contents
 
 CAP = 16 << 20

@@ -32,8 +32,8 @@ from test_hostile import (
     tree_hash,
 )
 
-from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
+from prefixstore.base import errors as E
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CrashAt
 
 VICTIM = "A4"  # whose rank-1 row is edited

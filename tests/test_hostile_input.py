@@ -23,9 +23,9 @@ import pytest
 import torch
 from conftest import BT, make_layout, seg_tensors, snap_tensors, store_tokens, tokens_for
 
-from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
 
 CAP = 16 << 20
 L = make_layout(ranks=2)

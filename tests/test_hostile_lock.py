@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import make_layout, store_tokens, tokens_for
 
-from prefixstore.engine import errors as E
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import LOCK_NAME, Engine
 from prefixstore.engine.audit import engine_running
-from prefixstore.engine.core import LOCK_NAME, Engine
-from prefixstore.engine.keys import Prefix
 from prefixstore.engine.repair import repair
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,9 +29,9 @@ A = tokens_for(1, 3)
 
 OPENER = """
 import sys
-from prefixstore.engine import errors as E
-from prefixstore.engine.core import Engine
-from prefixstore.engine.layout import Layout
+from prefixstore.base import errors as E
+from prefixstore.engine.api import Engine
+from prefixstore.base.layout import Layout
 root, layout, capacity = sys.argv[1], Layout.from_json(sys.argv[2]), int(sys.argv[3])
 for _ in sys.stdin:  # one open per line read
     try:

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 from conftest import assert_restores, make_layout, store_tokens, tokens_for
 
-from prefixstore.engine import errors as E
-from prefixstore.engine.cli import main as cli_main
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
+from prefixstore.cli import main as cli_main
+from prefixstore.engine.api import Engine
 from prefixstore.gpu.fileio import OsFS
 from prefixstore.gpu.ranks import LocalRank
 

@@ -58,7 +58,7 @@ skip = {"prefixstore.fuzz.stateful", "prefixstore.adapters.hf"}
 for m in pkgutil.walk_packages(prefixstore.__path__, "prefixstore."):
     if m.name not in skip:
         importlib.import_module(m.name)
-from prefixstore.engine.cli import main
+from prefixstore.cli import main
 rc = main(["demo", sys.argv[1]]) or main(["audit", sys.argv[1]]) or main(["fuzz", "--steps", "40", "--quiet"])
 assert not {"pytest", "hypothesis"} & set(sys.modules), "imported"
 print("RC", rc)
@@ -74,7 +74,7 @@ def test_stateful_machines_without_hypothesis_name_the_extra():
 
 
 def test_replay_plots_without_matplotlib_names_the_extra(tmp_path):
-    code = "import sys; from prefixstore.engine.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from prefixstore.cli import main; sys.exit(main(sys.argv[1:]))"
     trace = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
     p = _without("matplotlib", code, "replay", trace, "--limit", "5", "--plots", str(tmp_path / "p"))
     assert p.returncode == 2, p.stderr
@@ -88,3 +88,28 @@ def test_chat_example_without_transformers_names_the_extra():
     assert p.returncode == 1
     assert p.stderr.strip().splitlines() == [
         "examples/chat.py needs transformers: pip install 'prefixstore[transformers]'"]
+
+
+def test_the_command_line_is_the_top_level_cli_module():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts == {"prefixstore": "prefixstore.cli:main"}
+    env = {**os.environ, "PYTHONPATH": REPO}
+    p = subprocess.run([sys.executable, "-m", "prefixstore.cli", "--help"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for command in ("demo", "audit", "catalog", "rank-server", "replay", "fuzz", "soak", "fiu"):
+        assert command in p.stdout, command
+
+
+def test_import_linter_is_a_test_extra_and_ci_runs_the_layers_contract():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    for extra in ("test", "dev"):
+        assert any(d.startswith("import-linter") for d in project["project"]["optional-dependencies"][extra])
+    contract, = project["tool"]["importlinter"]["contracts"]
+    assert contract["type"] == "layers" and contract["layers"][0] == "prefixstore.cli"
+    assert contract["layers"][-1] == "prefixstore.base"
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        lines = [ln.strip() for ln in f]
+    assert "lint-imports" in lines and lines.index("lint-imports") < lines.index("$PY -m pytest -q")

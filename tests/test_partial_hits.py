@@ -18,8 +18,8 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
 
 CAP = 16 << 20
 

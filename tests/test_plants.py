@@ -10,22 +10,29 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import make_layout, node_at, store_tokens, tokens_for
 
-from prefixstore.engine.cli import main
+from prefixstore.cli import main
+from prefixstore.engine import health
+from prefixstore.engine.api import Engine
+from prefixstore.engine.driver import DEBUG_ENV, InvariantViolation
+from prefixstore.engine.results import REFILLED, STORED
 from prefixstore.fuzz import plants
 from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
+from prefixstore.fuzz.faultfs import FaultFS
 
 BUDGET = 6000  # ops; from seed 0 the slowest plant (rename-over-live) is found after ~2600
 
 CAUGHT_BY = {
-    "publish-early": {"damaged", "miss", "audit:1"},
-    "skip-dir-fsync": {"damaged", "miss", "audit:1"},
+    "publish-early": {"invariant", "damaged", "miss", "audit:1"},  # invariant: PUBLISHED 2, not durable
+    "skip-dir-fsync": {"invariant", "damaged", "miss", "audit:1"},
     "double-count-retire": {"audit:3", "capacity"},
     "evict-pinned": {"pin", "audit:6"},
     "rename-over-live": {"audit:1", "audit:2", "damaged", "miss"},  # 2: a cached row no longer the catalog's
     "skip-orphan-cleanup": {"audit:3"},
     "skip-restore-checksum": {"bytes"},
     "skip-barrier": {"damaged", "miss", "audit:1"},
+    "skip-retire-output": {"invariant"},  # with the checks off: not found (no audit check sees it)
 }
 
 
@@ -42,7 +49,9 @@ def test_plant_is_found_within_budget(name):
     assert v["kind"] in CAUGHT_BY[name], v
 
 
-def test_found_failure_shrinks_and_replays(tmp_path, capsys):
+def test_found_failure_shrinks_and_replays(tmp_path, capsys, monkeypatch):
+    # Without the driver's invariant checks the plant shows only after a power loss.
+    monkeypatch.setenv(DEBUG_ENV, "0")
     out = tmp_path / "repro"
     rc = main(["fuzz", "--plant", "skip-dir-fsync", "--steps", str(BUDGET), "--stop-after", "1",
                "--shrink-seconds", "20", "--out", str(out), "--json", "--quiet"])
@@ -60,3 +69,87 @@ def test_found_failure_shrinks_and_replays(tmp_path, capsys):
     # The same ops against the real engine: clean.
     clean, n = replay_in_tmp(ops, cfg, None)
     assert clean is None and n == len(ops)
+
+
+def test_invariant_check_finds_skip_dir_fsync_in_one_store(tmp_path, capsys):
+    out = tmp_path / "repro"
+    rc = main(["fuzz", "--plant", "skip-dir-fsync", "--steps", str(BUDGET), "--stop-after", "1",
+               "--shrink-seconds", "20", "--out", str(out), "--json", "--quiet"])
+    assert rc == 1
+    (v,) = json.loads(capsys.readouterr().out)["violations"]
+    assert v["kind"] == "invariant" and "not durable on rank" in v["detail"], v
+    _cfg, ops, _plant, _doc = load_reproducer(v["reproducer"])
+    assert not any(op["op"] == "power" or op.get("crash", {}).get("power") for op in ops), ops
+
+
+def _planted_engine(root: str, fs: FaultFS | None) -> Engine:
+    layout = make_layout(ranks=2)
+    Engine.open(root, layout, 1 << 24, fs=fs).close()  # the cache exists; its ranks are planted
+    ranks = plants.get("skip-dir-fsync").make_ranks(layout, root, fs, None)
+    return Engine.open(root, layout, 1 << 24, fs=fs, ranks=ranks)
+
+
+@pytest.mark.parametrize("fault_fs", [True, False], ids=["faultfs", "osfs"])
+def test_publish_without_dir_fsync_is_refused_by_the_invariant_check(tmp_path, monkeypatch, fault_fs):
+    """With the checks on, the store whose rename is not durable fails at its publish
+    (PUBLISHED invariant 2), before the publish commits: nothing is published and the
+    journal is empty. Durability is the fault file system's answer, or (real file
+    system) what the rank's own fsync, rename and directory fsync completed."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    root = str(tmp_path / "c")
+    tokens = tokens_for(1, 2)
+    eng = _planted_engine(root, FaultFS() if fault_fs else None)
+    try:
+        with pytest.raises(InvariantViolation, match=r"store PUBLISHED 2: .* not durable on rank0"):
+            store_tokens(eng, tokens)
+        assert node_at(eng, tokens) is None
+        assert eng.catalog.journal() == []
+        assert eng.catalog.query("SELECT count(*) FROM files")[0][0] == 0
+        assert eng.audit().ok
+    finally:
+        eng.close()
+
+
+def test_publish_without_dir_fsync_with_checks_off_shows_only_after_power_loss(tmp_path, monkeypatch):
+    """The same plant with the checks off: the store is acknowledged and the audit is
+    clean; only a power loss (the fuzzer's later check) shows the node damaged."""
+    monkeypatch.setenv(DEBUG_ENV, "0")
+    root = str(tmp_path / "c")
+    tokens = tokens_for(1, 2)
+    fs = FaultFS()
+    eng = _planted_engine(root, fs)
+    try:
+        assert store_tokens(eng, tokens).status == STORED
+        assert node_at(eng, tokens).state == "ready"
+        assert eng.audit().ok
+    finally:
+        eng.close()
+    fs.crash("drop")
+    eng = Engine.open(root, make_layout(ranks=2), 1 << 24, fs=fs)
+    try:
+        assert node_at(eng, tokens).state == "damaged"
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("checks", ["1", "0"])
+def test_refill_ending_without_its_retire_output(tmp_path, monkeypatch, checks):
+    """A refill whose ``retire_old`` output is skipped reaches DONE still owning the
+    old generation: the invariant check raises at that transition (DONE 2); with the
+    checks off the store is acknowledged and the engine's audit is clean."""
+    monkeypatch.setenv(DEBUG_ENV, checks)
+    plant = plants.get("skip-retire-output")
+    tokens = tokens_for(2, 2)
+    with plant.active():
+        eng = plant.engine_cls.open(str(tmp_path / "c"), make_layout(ranks=2), 1 << 24)
+        try:
+            assert store_tokens(eng, tokens).status == STORED
+            health.invalidate(eng, node_at(eng, tokens), "test")
+            if checks == "1":
+                with pytest.raises(InvariantViolation, match=r"store DONE 2: still owns rank0/"):
+                    store_tokens(eng, tokens)
+            else:
+                assert store_tokens(eng, tokens).status == REFILLED
+                assert eng.audit().ok
+        finally:
+            eng.close()

@@ -8,7 +8,7 @@ import random
 import attrs
 import pytest
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.replay import sim
 from prefixstore.replay.sim import PrefixStorePolicy, TreePolicy, compile_trace, simulate
 from prefixstore.statemachine import policy as pol

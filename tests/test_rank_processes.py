@@ -29,9 +29,9 @@ import time
 import pytest
 from conftest import BT, assert_restores, make_layout, node_at, store_tokens, tokens_for
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import RankUnavailableError
-from prefixstore.engine.keys import Prefix
+from prefixstore.base.errors import RankUnavailableError
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import FaultFS, FaultPlan
 from prefixstore.gpu.distributed import RankGroup, RemoteRank
 from prefixstore.gpu.fileio import FaultHook
@@ -301,7 +301,7 @@ def test_stalled_rank_times_out_then_comes_back(tmp_path):
 
 def spawn_rank(rank: int, directory: str, init_method: str, log_path: str, *extra: str,
                cli: bool = False) -> subprocess.Popen:
-    cmd = ([sys.executable, "-m", "prefixstore.engine.cli", "rank-server"] if cli
+    cmd = ([sys.executable, "-m", "prefixstore.cli", "rank-server"] if cli
            else [sys.executable, "-m", "prefixstore.gpu.distributed"])
     cmd += ["--rank", str(rank), "--dir", directory, "--init-method", init_method,
             "--gloo-host", "127.0.0.1", "--connect-timeout", "30", *extra]

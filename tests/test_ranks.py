@@ -40,8 +40,10 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
+from prefixstore.base.keys import Prefix
+from prefixstore.engine import health, replace
+from prefixstore.engine.api import Engine
+from prefixstore.engine.driver import Driver
 from prefixstore.fuzz.faultfs import ChainHook, CountingHook, CrashAt, FaultFS, FaultPlan, flip_bit
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
@@ -88,14 +90,15 @@ class Recorder(FaultHook):
 def transitions(monkeypatch) -> list[tuple[str, str, str, str]]:
     """Every state-machine step the engine commits: (kind, state, event, next)."""
     seen: list[tuple[str, str, str, str]] = []
-    orig = Engine._advance
+    orig = Driver.fire
 
-    def advance(self, c, tid, kind, state, event):
-        nxt = orig(self, c, tid, kind, state, event)
-        seen.append((kind, state, event, nxt))
-        return nxt
+    def fire(self, c, txn, event):
+        state = self.journal.state(c, txn.id)[1]
+        outs = orig(self, c, txn, event)
+        seen.append((txn.kind, state, event, self.machines[txn.kind].next(state, event)))
+        return outs
 
-    monkeypatch.setattr(Engine, "_advance", advance)
+    monkeypatch.setattr(Driver, "fire", fire)
     return seen
 
 
@@ -196,7 +199,7 @@ def test_partial_failure_rolls_back_to_previous_generation(tmp_path, transitions
     store_tokens(eng, a)
     p = node_at(eng, a[:8])
     with eng._lock:
-        assert eng._retire_snapshot(p)
+        assert replace.retire_snapshot(eng, p)
     assert not p.has_snapshot
     gen = p.generation
     before, files_before = catalog_state(eng), disk(eng)
@@ -471,7 +474,7 @@ def test_gpu_resident_prefix_is_bypassed(tmp_path, ranks, bad):
     assert eng.stats()["counters"]["lookups.gpu_resident"] == 1
     # and when the parent is damaged, the GPU-resident part still lets the child serve
     with eng._lock:
-        eng._invalidate(p, "test")
+        health.invalidate(eng, p, "test")
     assert eng.lookup(full).outcome == "damaged"
     assert eng.restore(eng.lookup(full, gpu_blocks=2)) is not None
     assert_clean(eng)

@@ -4,7 +4,7 @@ A new finding lands as an ``xfail(strict=True)`` test, its root cause in the
 ``reason``: it fails while the bug is there (the suite stays green) and turns the
 suite red (XPASS) once the bug is fixed, so whoever fixes it removes the marker. The
 contract is ``shared/DESIGN.md`` (invariants 1-8 in section 4, the failure model in
-section 5) and the documented API (README, docstrings, ``engine/errors.py``).
+section 5) and the documented API (README, docstrings, ``base/errors.py``).
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from conftest import (
     tokens_for,
 )
 
-from prefixstore.engine import replace
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     CatalogIOError,
     EngineClosedError,
     InvalidInputError,
     SimulatedCrash,
 )
-from prefixstore.engine.keys import Prefix
+from prefixstore.base.keys import Prefix
+from prefixstore.engine import replace
+from prefixstore.engine.api import Engine
 from prefixstore.gpu import shards
 from prefixstore.gpu.fileio import FaultHook
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from conftest import FailUnlinks, assert_restores, make_layout, store_tokens, tokens_for
 
-from prefixstore.engine import errors as E
+from prefixstore.base import errors as E
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
 
 CAP = 16 << 20
 CONVS = [tokens_for(100 + i, 6) for i in range(6)]

@@ -16,9 +16,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from prefixstore.engine.cli import main
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.cli import main
+from prefixstore.engine.api import Engine
 from prefixstore.replay.engine_replay import ReplayConfig, checkpoint_positions, replay
 from prefixstore.replay.sim import PrefixStorePolicy, compile_trace, simulate
 from prefixstore.replay.trace import load_trace

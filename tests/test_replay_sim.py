@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.replay.optimal import belady, belady_hits, exact_optimum, next_uses
 from prefixstore.replay.sim import (
     POLICIES,

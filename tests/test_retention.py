@@ -27,10 +27,10 @@ from prometheus_client import generate_latest
 # Imported here, not first inside a capsys test below: trace_cmd.Progress binds
 # sys.stderr as a default argument at import, and a capsys stream is closed after its test.
 import prefixstore.replay.trace_cmd  # noqa: F401
-from prefixstore.engine import cli
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore import cli
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.replay.seed import run_seed
 from prefixstore.statemachine.cost import CostModel

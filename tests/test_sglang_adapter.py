@@ -26,7 +26,7 @@ from conftest import mounted_tmpfs  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 
 from prefixstore.adapters.sglang import PrefixStoreHiCache  # noqa: E402
-from prefixstore.engine.errors import InvalidInputError  # noqa: E402
+from prefixstore.base.errors import InvalidInputError  # noqa: E402
 
 
 def ranks(root, n, **kw):
@@ -175,7 +175,7 @@ def test_a_rank_whose_store_failed_never_makes_ranks_restore_different_checkpoin
 
 def drv_prefix(keys):
     from prefixstore.adapters.sglang import page_digest
-    from prefixstore.engine.keys import Prefix
+    from prefixstore.base.keys import Prefix
 
     return Prefix([page_digest(k) for k in keys])
 
@@ -237,7 +237,7 @@ def test_acknowledged_pages_and_states_survive_sigkill(tmp_path, hybrid):
                 assert torch.equal(state, drv.page_data(rk.mamba, keys[end - 1], 0))
         assert all(a.ok for a in rk.backend.audit().values())
         for pool in ("kv", "mamba") if hybrid else ("kv",):
-            audit = subprocess.run([sys.executable, "-m", "prefixstore.engine.cli", "audit",
+            audit = subprocess.run([sys.executable, "-m", "prefixstore.cli", "audit",
                                     str(tmp_path / "tp0of1" / pool)], capture_output=True, cwd=repo, env=env)
             assert audit.returncode == 0, audit.stdout
     finally:

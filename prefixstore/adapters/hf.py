@@ -47,15 +47,16 @@ import attrs
 import torch
 
 from prefixstore.adapters.hf_states import meta_model, mixer_states
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     InvalidInputError,
     LayoutError,
     PrefixStoreError,
     RankError,
     ShapeError,
 )
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 
 try:
     from transformers.cache_utils import (
@@ -821,8 +822,6 @@ class HFPrefixCache:
         **opts: Any,
     ) -> HFPrefixCache:
         """Open (or create) an engine at ``path`` with the layout of ``config``."""
-        from prefixstore.engine.core import Engine
-
         cmap = cache_map(
             config, dtype=dtype, block_tokens=block_tokens, ranks=ranks, state_dtype=state_dtype
         )

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from prefixstore.engine.errors import LayoutError
+from prefixstore.base.errors import LayoutError
 
 
 @attrs.frozen

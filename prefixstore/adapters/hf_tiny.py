@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 
 try:
     from transformers import AutoConfig, AutoModelForCausalLM

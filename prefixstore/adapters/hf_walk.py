@@ -29,7 +29,7 @@ import torch
 
 from prefixstore.adapters import hf
 from prefixstore.adapters.hf_tiny import causal_lm_types, tiny_config
-from prefixstore.engine.errors import PrefixStoreError
+from prefixstore.base.errors import PrefixStoreError
 
 BT = 16
 PROMPT = 64

@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import CatalogIOError, InvalidInputError, PrefixStoreError
-from prefixstore.engine.keys import DIGEST_SIZE, Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base.errors import CatalogIOError, InvalidInputError, PrefixStoreError
+from prefixstore.base.keys import DIGEST_SIZE, Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 from prefixstore.statemachine.admission import RetentionAdmission
 from prefixstore.statemachine.cost import CostModel
 

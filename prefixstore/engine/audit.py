@@ -59,26 +59,31 @@ from urllib.parse import quote
 
 import attrs
 
-from prefixstore.engine import dirlock
-from prefixstore.engine import structure as S
-from prefixstore.engine.cachedirs import own_dir_problems
-from prefixstore.engine.catalog import CATALOG_NAME, FORMAT_MARKER, SCHEMA_VERSION, catalog_path
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     LayoutError,
     NotACacheError,
     NotRegularFileError,
     SchemaVersionError,
-    ShardError,
 )
-from prefixstore.engine.layout import Layout
-from prefixstore.gpu import shards
+from prefixstore.base.layout import Layout
+from prefixstore.engine import dirlock, tiering
+from prefixstore.engine import structure as S
+from prefixstore.engine.cachedirs import own_dir_problems
+from prefixstore.engine.catalog import (
+    CATALOG_NAME,
+    FORMAT_MARKER,
+    SCHEMA_VERSION,
+    CatalogView,
+    catalog_path,
+)
+from prefixstore.gpu import shards, verify
 from prefixstore.gpu.diskroom import RESERVE_NAME
 from prefixstore.gpu.fileio import open_regular, read_fd
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
-from prefixstore.statemachine.transactions import MACHINES, RECOVERY_EVENT, recovery_direction
+from prefixstore.statemachine.transactions import MACHINES
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
 LOCK_NAME = "LOCK"
 TITLES = {
@@ -225,23 +230,21 @@ def read_catalog(root: str, *, live: bool | None = None) -> CatalogRows:
 
 
 def _read_rows(conn: sqlite3.Connection, root: str, source: str) -> CatalogRows:
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    view = CatalogView(conn)
+    version = view.user_version()
     if version > SCHEMA_VERSION:
         raise SchemaVersionError(
             f"{root}: catalog schema version {version} is newer than this prefixstore "
             f"(supports up to {SCHEMA_VERSION}); upgrade prefixstore"
         )
-    conn.execute("BEGIN")  # one consistent snapshot of every table
-    try:
-        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    with view.snapshot():  # one consistent snapshot of every table
+        meta = view.meta()
         if meta.get("format") != FORMAT_MARKER:
             raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
-        nodes = {r[0]: tuple(r) for r in conn.execute(f"SELECT {S.NODE_COLUMNS} FROM nodes")}
-        files = [tuple(r) for r in conn.execute(f"SELECT {S.FILE_COLUMNS} FROM files ORDER BY rank, name")]
-        journal = [tuple(r) for r in conn.execute("SELECT id, kind, state, payload FROM journal ORDER BY id")]
-        integrity = "; ".join(str(r[0]) for r in conn.execute("PRAGMA quick_check").fetchall())
-    finally:
-        conn.execute("COMMIT")
+        nodes = view.node_rows()
+        files = view.file_rows()
+        journal = view.journal_rows()
+        integrity = view.quick_check()
     return CatalogRows(meta, nodes, files, journal, integrity, source)
 
 
@@ -292,13 +295,11 @@ def _audit_index(eng: Engine, rep: AuditReport) -> None:
     """The in-memory index is the catalog: the same nodes, each with the same parent,
     span, state, generation and snapshot flag, and any live-file rows it caches for its
     generation equal to the catalog's."""
-    rows = {r[0]: r[1:] for r in eng.catalog.query(
-        "SELECT id, parent, start_block, end_block, state, generation, has_snapshot FROM nodes")}
+    rows = eng.catalog.node_fields()
     if set(rows) != set(eng.index.nodes):
         rep.add(2, f"index holds {len(eng.index.nodes)} nodes, catalog {len(rows)}")
     live: dict[int, dict[int, tuple[str, int, str]]] = {}
-    for nid, r, name, size, ck in eng.catalog.query(
-            "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IS NOT NULL"):
+    for nid, r, name, size, ck in eng.catalog.node_live_files():
         live.setdefault(nid, {})[r] = (name, size, ck)
     for nid, x in eng.index.nodes.items():
         row = rows.get(nid)
@@ -316,7 +317,7 @@ def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
     """Audit a live engine's directory plus its in-memory state (caller holds its lock)."""
     rep = audit_dir(
         eng.root,
-        rank_dirs=[r if getattr(r, "volatile", False) else getattr(r, "directory", "") for r in eng.ranks],
+        rank_dirs=tiering.audit_dirs(eng.ranks),
         checksums=checksums,
         quiescent=not eng._fences,
         live=eng.read_only is None,  # a read-only engine never writes: read as at rest, creating nothing
@@ -335,9 +336,7 @@ def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
     for n in gone:
         rep.add(6, f"node {n} is pinned or fenced but no longer in the index")
     rep.checked[6] = f"{len(held)} pinned or fenced nodes, all still indexed" if not gone else f"{len(held)} held"
-    backing = getattr(eng, "backing", None)
-    if backing is not None:
-        backing.audit(eng, rep, checksums)  # the RAM tier's own accounting (invariant 3)
+    tiering.audit(eng, rep, checksums)  # the RAM tier's own accounting (invariant 3)
     return rep
 
 
@@ -362,52 +361,11 @@ def audit_rows(
     except LayoutError as exc:
         raise NotACacheError(f"{root}: catalog layout unreadable: {exc}") from exc
     capacity = int(rows.meta.get("capacity", "0") or 0)
-    if rank_dirs:  # named by the caller: a symlink to one is followed, once
-        dirs = [os.path.realpath(d) if isinstance(d, str) else d for d in rank_dirs]
-    else:
-        dirs = [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
-    if len(dirs) != layout.ranks:
-        raise NotACacheError(f"{len(dirs)} rank directories given, the layout has {layout.ranks} ranks")
-    for problem in own_dir_problems(root, 0 if rank_dirs else layout.ranks):
-        rep.add(3, f"{problem}: not read; an engine refuses to open the cache (name rank directories "
-                   "kept elsewhere with --rank-dir)")
-        rep.recovery.append(f"refuse to open: {problem}")
-    nodes, files = rows.nodes, rows.files
-    rep.nodes = len(nodes)
-    rep.damaged_nodes = sorted(n for n, r in nodes.items() if r[S.STATE] != "ready")
-    if rows.integrity != "ok":
-        rep.add(2, f"catalog integrity check: {rows.integrity}")
-
-    # Invariant 2 and the file rows' own consistency.
-    problems = S.node_problems(nodes) + S.file_problems(nodes, files, layout.ranks)
-    for p in problems:
-        rep.add(p.invariant, p.detail)
-    blocks = sum(r[S.END] - r[S.START] for r in nodes.values())
-    rep.checked[2] = f"{len(nodes)} nodes, {blocks} chained blocks"
-    if any(p.file is None or p.kind in S.REFUSED_FILE_KINDS for p in problems):
-        rep.recovery.append("refuse to open: the catalog contradicts itself (`prefixstore audit --repair` fixes it)")
-    moved = sorted(f"rank{p.file[0]}/{p.file[1]}" for p in problems if p.kind == "misowned" and p.file)
-    if moved:
-        rep.recovery.append(f"re-attach {len(moved)} file rows to the node whose current shard each names: "
-                            f"{', '.join(moved[:5])}" + (" ..." if len(moved) > 5 else ""))
-        files = S.reattached(nodes, files)
-
+    dirs = _audited_dirs(rep, root, layout, rank_dirs)
+    nodes = rows.nodes
+    files = _catalog_rows(rep, rows, layout)
     _journal(rep, rows, files, quiescent, in_flight=recheck is not None)
-    on_disk = durable_shards(dirs, files) if rows.meta.get("backing") == "memory" else []
-    if on_disk:
-        rep.add(3, f"the catalog says backing=memory, but {len(on_disk)} shard files it names are on disk "
-                   f"with their recorded checksums: {', '.join(on_disk[:5])}" + (" ..." if len(on_disk) > 5 else ""))
-        rep.recovery.append("refuse to open: backing=memory contradicts the shard files on disk "
-                            "(`prefixstore audit --repair` records backing=disk)")
-    elif rows.meta.get("backing") == "memory" and all(isinstance(d, str) for d in dirs):
-        # A volatile cache seen from outside its engine: its shards live (or lived) in that
-        # engine's RAM, never in the rank directories; its next open drops every row.
-        why = "not checked (backing=memory: the shards are in the engine's RAM)"
-        for inv in (1, 3, 5, 8):
-            rep.checked[inv] = why
-        rep.notes.append("backing=memory: only the catalog was checked")
-        if nodes or files:
-            rep.recovery.append(f"drop every row ({len(nodes)} nodes, {len(files)} files): the cache is volatile")
+    if _volatile(rep, rows, files, dirs):
         return rep
     disk = _scan_dirs(rep, root, dirs, layout, files, nodes)
     _accounting(rep, files, nodes, disk, capacity)
@@ -422,16 +380,85 @@ def audit_rows(
     if recheck is not None:
         _drop_in_flight_findings(rep, recheck, dirs)
     _recovery_lines(rep)
-    if expected:
-        present = {bytes(r[S.KEY]) for r in nodes.values()}
-        lost = expected - present
-        for k in sorted(lost):
-            rep.add(4, f"acknowledged checkpoint {k.hex()[:16]} is gone")
-        rep.checked[4] = f"{len(expected)} acknowledged checkpoints, {len(expected) - len(lost)} present"
-    else:
-        rep.checked[4] = "not checked (no list of acknowledged checkpoints given)"
+    _acknowledged(rep, nodes, expected)
     rep.checked.setdefault(6, "not checked (needs the running engine's pins and fences)")
     return rep
+
+
+def _audited_dirs(rep: AuditReport, root: str, layout: Layout, rank_dirs: Sequence[str] | None) -> list:
+    """The rank directories to scan (those named, else the cache's own); a problem of
+    the cache's own directories is a violation the engine refuses to open with."""
+    if rank_dirs:  # named by the caller: a symlink to one is followed, once
+        dirs = [os.path.realpath(d) if isinstance(d, str) else d for d in rank_dirs]
+    else:
+        dirs = [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
+    if len(dirs) != layout.ranks:
+        raise NotACacheError(f"{len(dirs)} rank directories given, the layout has {layout.ranks} ranks")
+    for problem in own_dir_problems(root, 0 if rank_dirs else layout.ranks):
+        rep.add(3, f"{problem}: not read; an engine refuses to open the cache (name rank directories "
+                   "kept elsewhere with --rank-dir)")
+        rep.recovery.append(f"refuse to open: {problem}")
+    return dirs
+
+
+def _catalog_rows(rep: AuditReport, rows: CatalogRows, layout: Layout) -> list[tuple]:
+    """Check the catalog's rows against each other (invariant 2 and the file rows' own
+    consistency); the file rows as recovery re-attaches them."""
+    nodes, files = rows.nodes, rows.files
+    rep.nodes = len(nodes)
+    rep.damaged_nodes = sorted(n for n, r in nodes.items() if r[S.STATE] != "ready")
+    if rows.integrity != "ok":
+        rep.add(2, f"catalog integrity check: {rows.integrity}")
+    problems = S.node_problems(nodes) + S.file_problems(nodes, files, layout.ranks)
+    for p in problems:
+        rep.add(p.invariant, p.detail)
+    blocks = sum(r[S.END] - r[S.START] for r in nodes.values())
+    rep.checked[2] = f"{len(nodes)} nodes, {blocks} chained blocks"
+    if any(p.file is None or p.kind in S.REFUSED_FILE_KINDS for p in problems):
+        rep.recovery.append("refuse to open: the catalog contradicts itself (`prefixstore audit --repair` fixes it)")
+    moved = sorted(f"rank{p.file[0]}/{p.file[1]}" for p in problems if p.kind == "misowned" and p.file)
+    if moved:
+        rep.recovery.append(f"re-attach {len(moved)} file rows to the node whose current shard each names: "
+                            f"{', '.join(moved[:5])}" + (" ..." if len(moved) > 5 else ""))
+        files = S.reattached(nodes, files)
+    return files
+
+
+def _volatile(rep: AuditReport, rows: CatalogRows, files: list[tuple], dirs: list) -> bool:
+    """Check a ``backing=memory`` catalog; True when only the catalog can be audited
+    (a volatile cache seen from outside its engine)."""
+    if rows.meta.get("backing") != "memory":
+        return False
+    on_disk = durable_shards(dirs, files)
+    if on_disk:
+        rep.add(3, f"the catalog says backing=memory, but {len(on_disk)} shard files it names are on disk "
+                   f"with their recorded checksums: {', '.join(on_disk[:5])}" + (" ..." if len(on_disk) > 5 else ""))
+        rep.recovery.append("refuse to open: backing=memory contradicts the shard files on disk "
+                            "(`prefixstore audit --repair` records backing=disk)")
+        return False
+    if not all(isinstance(d, str) for d in dirs):
+        return False
+    # Its shards live (or lived) in that engine's RAM, never in the rank directories;
+    # its next open drops every row.
+    why = "not checked (backing=memory: the shards are in the engine's RAM)"
+    for inv in (1, 3, 5, 8):
+        rep.checked[inv] = why
+    rep.notes.append("backing=memory: only the catalog was checked")
+    if rows.nodes or files:
+        rep.recovery.append(f"drop every row ({len(rows.nodes)} nodes, {len(files)} files): the cache is volatile")
+    return True
+
+
+def _acknowledged(rep: AuditReport, nodes: dict, expected: set[bytes] | None) -> None:
+    """Invariant 4: every acknowledged checkpoint's key is still a node."""
+    if not expected:
+        rep.checked[4] = "not checked (no list of acknowledged checkpoints given)"
+        return
+    present = {bytes(r[S.KEY]) for r in nodes.values()}
+    lost = expected - present
+    for k in sorted(lost):
+        rep.add(4, f"acknowledged checkpoint {k.hex()[:16]} is gone")
+    rep.checked[4] = f"{len(expected)} acknowledged checkpoints, {len(expected) - len(lost)} present"
 
 
 def _journal(rep: AuditReport, rows: CatalogRows, files, quiescent: bool, in_flight: bool = False) -> None:
@@ -456,9 +483,9 @@ def _journal(rep: AuditReport, rows: CatalogRows, files, quiescent: bool, in_fli
             rep.add(7, f"journal row {tid} ({kind}/{state}) cannot be recovered: unknown or corrupt")
             rep.journal.append(entry)
             continue
-        forward = recovery_direction(kind, state) == "forward"
+        forward = MACHINES[kind].direction(state) == "forward"
         entry["recovery"] = "roll forward" if forward else "roll back"
-        entry["event"] = RECOVERY_EVENT.get(kind, {}).get(state, "")
+        entry["event"] = "" if MACHINES[kind].is_final(state) else MACHINES[kind].recovery_event(state)
         key = str(info.get("key", ""))[:12]
         what = f"{kind} of {key}" if key else kind
         if forward and kind == "evict":
@@ -691,7 +718,7 @@ def _ready_nodes(
                 break
             if checksums:
                 why = (verify_shard(layout, os.path.join(dirs[r], name), r, row, ck) if isinstance(dirs[r], str)
-                       else verify_bytes(layout, dirs[r].read_shard(name), r, row, ck))
+                       else _tier_problem(dirs[r], name, size, ck, _header(layout, r, row)))
                 if why is not None:
                     rep.add(1, f"node {nid} rank {r}: {why}", ("unreadable", nid, row[S.GEN], r, name))
                     break
@@ -801,13 +828,18 @@ def verify_shard(layout: Layout, path: str, rank: int, row: Sequence, ck: str | 
 
 def verify_bytes(layout: Layout, data: bytes, rank: int, row: Sequence, ck: str | None) -> str | None:
     """Checksum and header check of one shard's bytes (None when they pass)."""
-    if shards.checksum(data) != ck:
-        return "checksum mismatch"
+    return verify.problem(data, None, ck, _header(layout, rank, row))
+
+
+def _header(layout: Layout, rank: int, row: Sequence) -> verify.Header:
+    """What the header of node ``row``'s shard on ``rank`` must say."""
     start, end, has_snap = row[S.START], row[S.END], bool(row[S.HAS_SNAP])
     meta = {"key": bytes(row[S.KEY]).hex(), "generation": str(row[S.GEN]), "start": str(start),
             "end": str(end), "snapshot": "1" if has_snap else "0", "rank": str(rank)}
-    try:
-        shards.decode(data, layout, (end - start) * layout.block_tokens, has_snap, meta)
-    except ShardError as exc:
-        return str(exc)
-    return None
+    return verify.Header(layout, (end - start) * layout.block_tokens, has_snap, meta)
+
+
+def _tier_problem(tier: Any, name: str, size: int, ck: str, header: verify.Header) -> str | None:
+    """Why the shard ``name`` read from a (volatile) tier fails verification, or None."""
+    got = verify.read(tier, name, size, ck, header=header)
+    return None if isinstance(got, verify.Shard) else got.why

@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Iterable, Sequence
 
-from prefixstore.engine.errors import UnsafeDirectoryError
+from prefixstore.base.errors import UnsafeDirectoryError
 from prefixstore.gpu.ranks import rank_dir_name
 
 LOST_FOUND = "lost+found"

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 from urllib.parse import quote
 
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     CatalogCorruptError,
     CatalogIOError,
     NotACacheError,
@@ -31,8 +31,14 @@ from prefixstore.engine.errors import (
     ReadOnlyError,
     SchemaVersionError,
 )
+from prefixstore.engine.structure import FILE_COLUMNS, NODE_COLUMNS
 from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
 from prefixstore.gpu.fileio import FaultHook
+from prefixstore.statemachine.rows import FILE, NODE
+
+# Repair (re)attaches a file row to its node whatever its status was: outside the
+# FILE table's edges, it writes the status a published row has.
+REPAIRED_LIVE = FILE.next("writing", "published")
 
 FORMAT_MARKER = "prefixstore"
 CATALOG_NAME = "catalog.sqlite"
@@ -277,6 +283,129 @@ class Catalog:
     def charged(self) -> int:
         return self.query("SELECT coalesce(sum(size), 0) FROM files")[0][0]
 
+    # -- store, evict, lookup, restore, stats ------------------------------------------
+
+    def live_sizes(self) -> dict[int, int]:
+        """``{node id: bytes}`` of every node's live files."""
+        return dict(self.query(
+            "SELECT node, sum(size) FROM files WHERE status='live' AND node IS NOT NULL GROUP BY node"
+        ))
+
+    def node_rows(self) -> list[sqlite3.Row]:
+        """Every node row (the index's fields), parents before children."""
+        return self.query(
+            "SELECT id, key, parent, start_block, end_block, digests, has_snapshot, state, "
+            "generation, last_used, snap_used FROM nodes ORDER BY end_block, id"
+        )
+
+    def bytes_by_status(self) -> dict[str, int]:
+        """``{file status: bytes}``."""
+        return dict(self.query("SELECT status, coalesce(sum(size),0) FROM files GROUP BY status"))
+
+    def damaged_bytes(self) -> int:
+        """Bytes of the files of damaged nodes."""
+        return self.query(
+            "SELECT coalesce(sum(f.size),0) FROM files f JOIN nodes n ON f.node=n.id WHERE n.state='damaged'"
+        )[0][0]
+
+    def live_files(self, node_id: int) -> list[sqlite3.Row]:
+        """(rank, name, size, checksum) of the live files of node ``node_id``."""
+        return self.query(
+            "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (node_id,)
+        )
+
+    def live_files_of(self, node_ids: Sequence[int]) -> list[sqlite3.Row]:
+        """(node, rank, name, size, checksum) of the live files of ``node_ids`` (at most 500)."""
+        marks = ",".join("?" * len(node_ids))
+        return self.query(
+            "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IN "
+            f"({marks})", tuple(node_ids)
+        )
+
+    def files_of(self, node_ids: Sequence[int]) -> list[sqlite3.Row]:
+        """(rank, name, size) of every file of ``node_ids``."""
+        marks = ",".join("?" * len(node_ids))
+        return self.query(f"SELECT rank, name, size FROM files WHERE node IN ({marks})", tuple(node_ids))
+
+    def txn_files(self, tid: int) -> list[sqlite3.Row]:
+        """(rank, name, size) of the files transaction ``tid`` owns."""
+        return self.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+
+    def loose_garbage(self) -> list[sqlite3.Row]:
+        """(rank, name, size) of garbage no transaction owns."""
+        return self.query("SELECT rank, name, size FROM files WHERE status='garbage' AND txn IS NULL")
+
+    def add_writing(self, c: sqlite3.Connection, tid: int, name: str, gen: int,
+                    shards: Sequence[tuple[int, str]]) -> None:
+        """Reserve ``name`` on every rank for ``tid``: ``shards`` is (size, checksum) per rank."""
+        c.executemany(
+            "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+            "VALUES(?, ?, NULL, ?, ?, ?, ?, ?)",
+            [(r, name, gen, size, ck, FILE.next("absent", "reserved"), tid) for r, (size, ck) in enumerate(shards)],
+        )
+
+    def retire_live(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
+        """Hand the live files of ``node_id`` to ``tid`` as garbage; their (rank, name, size)."""
+        old = c.execute("SELECT rank, name, size FROM files WHERE node=? AND status='live'", (node_id,)).fetchall()
+        c.execute("UPDATE files SET status=?, node=NULL, txn=? WHERE node=? AND status=?",
+                  (FILE.next("live", "retired"), tid, node_id, "live"))
+        return old
+
+    def refill_node(self, c: sqlite3.Connection, node_id: int, gen: int, has_snapshot: bool, now: int) -> None:
+        """Make node ``node_id`` ready at generation ``gen``, used at ``now``."""
+        c.execute(
+            "UPDATE nodes SET state=?, generation=?, has_snapshot=?, last_used=?, snap_used=? WHERE id=?",
+            (NODE.next("damaged", "published"), gen, int(has_snapshot), now, now, node_id),
+        )
+
+    def insert_node(self, c: sqlite3.Connection, key: bytes, parent: int | None, start: int, end: int,
+                    digests: bytes, has_snapshot: bool, gen: int, now: int) -> int:
+        """Add a ready node; its id."""
+        cur = c.execute(
+            "INSERT INTO nodes(key, parent, start_block, end_block, digests, has_snapshot, "
+            "state, generation, last_used, snap_used) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (key, parent, start, end, digests, int(has_snapshot), NODE.next("absent", "published"), gen, now, now),
+        )
+        return int(cur.lastrowid)
+
+    def publish_files(self, c: sqlite3.Connection, tid: int, node_id: int) -> None:
+        """Make the files ``tid`` wrote the live files of ``node_id``."""
+        c.execute("UPDATE files SET status=?, node=?, txn=NULL WHERE txn=? AND status=?",
+                  (FILE.next("writing", "published"), node_id, tid, "writing"))
+
+    def abandon_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
+        """Abandon the files ``tid`` reserved (writing -> garbage)."""
+        c.execute("UPDATE files SET status=? WHERE txn=? AND status=?",
+                  (FILE.next("writing", "abandoned"), tid, "writing"))
+
+    def evict_node(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
+        """Delete node ``node_id``, handing its files to ``tid`` as garbage; their (rank, name, size)."""
+        rows = c.execute("SELECT rank, name, size FROM files WHERE node=?", (node_id,)).fetchall()
+        c.execute("UPDATE files SET status=?, node=NULL, txn=? WHERE node=?", (FILE.next("live", "retired"), tid, node_id))
+        c.execute("DELETE FROM nodes WHERE id=?", (node_id,))
+        return rows
+
+    def settle_files(self, c: sqlite3.Connection, rows: Sequence[tuple], left: set[tuple[int, str]]) -> None:
+        """After unlinking ``rows``: delete those gone, release those ``left`` to loose garbage."""
+        for r, name, *_ in rows:
+            if (r, name) in left:
+                c.execute("UPDATE files SET txn=NULL WHERE rank=? AND name=?", (r, name))
+            else:
+                c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+
+    def delete_files(self, c: sqlite3.Connection, rows: Sequence[tuple], left: set[tuple[int, str]]) -> None:
+        """Delete the rows of ``rows`` not in ``left``."""
+        for r, name, *_ in rows:
+            if (r, name) not in left:
+                c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+
+    def mark_damaged(self, c: sqlite3.Connection, node_id: int) -> None:
+        c.execute("UPDATE nodes SET state=? WHERE id=?", (NODE.next("ready", "invalidated"), node_id))
+
+    def set_recency(self, c: sqlite3.Connection, rows: Sequence[tuple[int, int, int]]) -> None:
+        """``rows``: (last_used, snap_used, node id)."""
+        c.executemany("UPDATE nodes SET last_used=?, snap_used=? WHERE id=?", rows)
+
     def journal(self) -> list[tuple[int, str, str, dict]]:
         rows = self.query("SELECT id, kind, state, payload FROM journal ORDER BY id")
         out = []
@@ -286,6 +415,164 @@ class Catalog:
             except ValueError as exc:
                 raise CatalogCorruptError(f"journal row {tid} has a corrupt payload") from exc
         return out
+
+    # -- recovery, repair, replace, audit -------------------------------------------
+
+    def node_rows_by_id(self) -> dict[int, tuple]:
+        """Every node row (``structure.NODE_COLUMNS``), by id."""
+        return {r[0]: tuple(r) for r in self.query(f"SELECT {NODE_COLUMNS} FROM nodes")}
+
+    def file_rows(self) -> list[tuple]:
+        """Every file row (``structure.FILE_COLUMNS``)."""
+        return [tuple(r) for r in self.query(f"SELECT {FILE_COLUMNS} FROM files")]
+
+    def file_names(self) -> list[sqlite3.Row]:
+        """(rank, name) of every file row."""
+        return self.query("SELECT rank, name FROM files")
+
+    def node_generations(self) -> list[sqlite3.Row]:
+        """(key, generation) of every node."""
+        return self.query("SELECT key, generation FROM nodes")
+
+    def node_fields(self) -> dict[int, tuple]:
+        """Per node id: (parent, start, end, state, generation, has_snapshot)."""
+        return {r[0]: tuple(r[1:]) for r in self.query(
+            "SELECT id, parent, start_block, end_block, state, generation, has_snapshot FROM nodes")}
+
+    def ready_node_ids(self) -> list[int]:
+        return [r[0] for r in self.query("SELECT id FROM nodes WHERE state='ready'")]
+
+    def files_of_txn(self, tid: int) -> list[sqlite3.Row]:
+        """(rank, name, size) of every file row transaction ``tid`` owns."""
+        return self.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
+
+    def unpublished_files_of_txn(self, tid: int) -> list[sqlite3.Row]:
+        """(rank, name, size) of the files of ``tid`` that are not live."""
+        return self.query("SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
+
+    def garbage_files(self) -> list[sqlite3.Row]:
+        """(rank, name, size) of every garbage file row."""
+        return self.query("SELECT rank, name, size FROM files WHERE status='garbage'")
+
+    def all_live_files(self) -> list[sqlite3.Row]:
+        """(node, rank, name, size, checksum) of every live file row."""
+        return self.query("SELECT node, rank, name, size, checksum FROM files WHERE status='live'")
+
+    def node_live_files(self) -> list[sqlite3.Row]:
+        """(node, rank, name, size, checksum) of every live file row that names a node."""
+        return self.query(
+            "SELECT node, rank, name, size, checksum FROM files WHERE status='live' AND node IS NOT NULL")
+
+    def live_file_rows(self, nid: int) -> dict[int, tuple[str, int, str]]:
+        """Node ``nid``'s live files: rank -> (name, size, checksum)."""
+        return {r: (name, size, ck) for r, name, size, ck in self.query(
+            "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (nid,))}
+
+    def nodes_with_txn_files(self) -> list[int | None]:
+        """The distinct nodes of file rows an unfinished transaction owns."""
+        return [r[0] for r in self.query("SELECT DISTINCT node FROM files WHERE txn IS NOT NULL")]
+
+    def max_generation(self, key_hex: str, ranks: int) -> int:
+        """The highest generation of any file row (even garbage) of the key ``key_hex``
+        on ranks ``0..ranks-1``; 0 when none."""
+        marks = ",".join(str(r) for r in range(ranks))
+        (top,) = self.query(
+            f"SELECT coalesce(max(generation), 0) FROM files WHERE rank IN ({marks}) AND name >= ? AND name < ?",
+            (f"{key_hex}-g", f"{key_hex}-h"),
+        )[0]
+        return int(top)
+
+    def garbage_stray_writing(self, c: sqlite3.Connection) -> None:
+        """Every ``writing`` row becomes garbage of no transaction."""
+        c.execute("UPDATE files SET status=?, txn=NULL WHERE status=?", (FILE.next("writing", "abandoned"), "writing"))
+
+    def set_node_generation(self, c: sqlite3.Connection, nid: int, gen: int) -> None:
+        c.execute("UPDATE nodes SET generation=? WHERE id=?", (gen, nid))
+
+    def attach_file(self, c: sqlite3.Connection, rank: int, name: str, nid: int, gen: int) -> None:
+        """File ``rank``/``name`` becomes node ``nid``'s live file of generation ``gen``."""
+        c.execute("UPDATE files SET status=?, node=?, txn=NULL, generation=? WHERE rank=? AND name=?",
+                  (REPAIRED_LIVE, nid, gen, rank, name))
+
+    def insert_live_file(self, c: sqlite3.Connection, rank: int, name: str, nid: int, gen: int,
+                         size: int, checksum: str) -> None:
+        c.execute("INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+                  "VALUES(?, ?, ?, ?, ?, ?, ?, NULL)", (rank, name, nid, gen, size, checksum, REPAIRED_LIVE))
+
+    def set_file_size(self, c: sqlite3.Connection, rank: int, name: str, size: int) -> None:
+        c.execute("UPDATE files SET size=? WHERE rank=? AND name=?", (size, rank, name))
+
+    def set_file_sizes(self, c: sqlite3.Connection, sizes: Iterable[tuple[int, int, str]]) -> None:
+        """Each (size, rank, name): that file row's size."""
+        c.executemany("UPDATE files SET size=? WHERE rank=? AND name=?", sizes)
+
+    def garbage_file(self, c: sqlite3.Connection, rank: int, name: str) -> None:
+        """File ``rank``/``name`` becomes garbage of no node and no transaction."""
+        c.execute("UPDATE files SET status=?, node=NULL, txn=NULL WHERE rank=? AND name=?",
+                  (FILE.next("live", "retired"), rank, name))
+
+    def forget_file(self, c: sqlite3.Connection, rank: Any, name: Any) -> None:
+        """Delete the file row (never the file): its rank or name may be of any type."""
+        c.execute("DELETE FROM files WHERE rank IS ? AND name IS ?", (rank, name))
+
+    def mark_nodes_damaged(self, c: sqlite3.Connection, ids: Iterable[int]) -> None:
+        c.executemany("UPDATE nodes SET state=? WHERE id=?", [(NODE.next("ready", "invalidated"), i) for i in ids])
+
+    def set_parent(self, c: sqlite3.Connection, nid: int, parent: int | None) -> None:
+        c.execute("UPDATE nodes SET parent=? WHERE id=?", (parent, nid))
+
+    def drop_nodes(self, c: sqlite3.Connection, ids: Sequence[int]) -> None:
+        """Delete nodes ``ids``, their files becoming garbage of no node."""
+        marks = ",".join("?" * len(ids))
+        c.execute(f"UPDATE files SET status=?, node=NULL, txn=NULL WHERE node IN ({marks})",
+                  (FILE.next("live", "retired"), *ids))
+        c.execute(f"UPDATE nodes SET parent=NULL WHERE id IN ({marks})", ids)
+        c.execute(f"DELETE FROM nodes WHERE id IN ({marks})", ids)
+
+    def release_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
+        """Transaction ``tid``'s ``writing`` files become garbage; none stays its."""
+        c.execute("UPDATE files SET status=? WHERE txn=? AND status=?", (FILE.next("writing", "abandoned"), tid, "writing"))
+        c.execute("UPDATE files SET txn=NULL WHERE txn=?", (tid,))
+
+    def insert_writing_files(self, c: sqlite3.Connection, tid: int,
+                             rows: Iterable[tuple[int, str, int, int, str]]) -> None:
+        """Each (rank, name, generation, size, checksum): a ``writing`` row of ``tid``."""
+        c.executemany(
+            "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
+            "VALUES(?, ?, NULL, ?, ?, ?, ?, ?)",
+            [(*r, FILE.next("absent", "reserved"), tid) for r in rows],
+        )
+
+    def retire_node_files(self, c: sqlite3.Connection, ids: Sequence[int], tid: int) -> list[tuple[int, str, int]]:
+        """The files of nodes ``ids`` become garbage held by ``tid``; returns their
+        (rank, name, size)."""
+        marks = ",".join("?" * len(ids))
+        old = c.execute(f"SELECT rank, name, size FROM files WHERE node IN ({marks})", ids).fetchall()
+        c.execute(f"UPDATE files SET status=?, node=NULL, txn=? WHERE node IN ({marks})",
+                  (FILE.next("live", "retired"), tid, *ids))
+        return [tuple(f) for f in old]
+
+    def rewrite_node(self, c: sqlite3.Connection, nid: int, fields: tuple) -> None:
+        """Node ``nid`` becomes ready with ``fields`` = (parent, start, end, digests,
+        has_snapshot, generation, last_used, snap_used)."""
+        c.execute("UPDATE nodes SET parent=?, start_block=?, end_block=?, digests=?, has_snapshot=?, "
+                  "state=?, generation=?, last_used=?, snap_used=? WHERE id=?",
+                  (*fields[:5], NODE.next("ready", "published"), *fields[5:], nid))
+
+    def insert_node_fields(self, c: sqlite3.Connection, key: bytes, fields: tuple) -> int:
+        """A new ready node of ``key`` with ``fields`` (as ``rewrite_node``); its id."""
+        cur = c.execute("INSERT INTO nodes(parent, start_block, end_block, digests, has_snapshot, state, "
+                        "generation, last_used, snap_used, key) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (*fields[:5], NODE.next("absent", "published"), *fields[5:], key))
+        return int(cur.lastrowid)
+
+    def publish_file(self, c: sqlite3.Connection, tid: int, name: str, nid: int) -> None:
+        """``tid``'s ``writing`` files named ``name`` become node ``nid``'s live files."""
+        c.execute("UPDATE files SET status=?, node=?, txn=NULL WHERE txn=? AND status=? AND name=?",
+                  (FILE.next("writing", "published"), nid, tid, "writing", name))
+
+    def delete_node(self, c: sqlite3.Connection, nid: int) -> None:
+        c.execute("DELETE FROM nodes WHERE id=?", (nid,))
 
     def close(self) -> None:
         with suppress(sqlite3.Error):
@@ -359,3 +646,52 @@ def open_readonly(root: str) -> sqlite3.Connection:
         conn.close()
         raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
     return conn
+
+
+class CatalogView:
+    """The reads of a catalog opened read-only without an engine (audit, ``prefixstore
+    catalog``): ``conn`` is a ``sqlite3`` connection, or anything with its ``execute``
+    (a sqlite-utils Database)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    @contextmanager
+    def snapshot(self) -> Iterator[CatalogView]:
+        """One read transaction: every read inside sees one consistent snapshot."""
+        self.conn.execute("BEGIN")
+        try:
+            yield self
+        finally:
+            self.conn.execute("COMMIT")
+
+    def user_version(self) -> int:
+        return self.conn.execute("PRAGMA user_version").fetchone()[0]
+
+    def meta(self) -> dict[str, str]:
+        return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+
+    def node_rows(self) -> dict[int, tuple]:
+        """Every node row (``structure.NODE_COLUMNS``), by id."""
+        return {r[0]: tuple(r) for r in self.conn.execute(f"SELECT {NODE_COLUMNS} FROM nodes")}
+
+    def file_rows(self) -> list[tuple]:
+        """Every file row (``structure.FILE_COLUMNS``), by rank and name."""
+        return [tuple(r) for r in self.conn.execute(f"SELECT {FILE_COLUMNS} FROM files ORDER BY rank, name")]
+
+    def journal_rows(self) -> list[tuple]:
+        """(id, kind, state, payload) of every journal row, by id; payloads unparsed."""
+        return [tuple(r) for r in self.conn.execute("SELECT id, kind, state, payload FROM journal ORDER BY id")]
+
+    def quick_check(self) -> str:
+        """SQLite's ``quick_check`` verdict (``ok`` when the file is sound)."""
+        return "; ".join(str(r[0]) for r in self.conn.execute("PRAGMA quick_check").fetchall())
+
+    def node_states(self) -> dict[str, int]:
+        """How many nodes are in each state."""
+        return dict(self.conn.execute("SELECT state, count(*) FROM nodes GROUP BY state ORDER BY state"))
+
+    def file_statuses(self) -> dict[str, tuple[int, int]]:
+        """Per file status: (rows, bytes)."""
+        return {s: (n, b) for s, n, b in self.conn.execute(
+            "SELECT status, count(*), coalesce(sum(size), 0) FROM files GROUP BY status ORDER BY status")}

@@ -31,12 +31,18 @@ from urllib.parse import quote
 import attrs
 import sqlite_utils
 
-from prefixstore.engine.catalog import CATALOG_NAME, FORMAT_MARKER, SCHEMA_VERSION, catalog_path
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     CatalogIOError,
     InvalidArgumentError,
     NotACacheError,
     SchemaVersionError,
+)
+from prefixstore.engine.catalog import (
+    CATALOG_NAME,
+    FORMAT_MARKER,
+    SCHEMA_VERSION,
+    CatalogView,
+    catalog_path,
 )
 
 TABLES = ("nodes", "files", "journal", "meta")
@@ -169,11 +175,8 @@ def _snapshot(path: str, files: _Files) -> Iterator[tuple[sqlite_utils.Database,
             uri, source = f"file:{quote(copy)}", "from a private copy of the catalog and its write-ahead log"
         conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=30)
         try:
-            conn.execute("BEGIN")
-            try:
+            with CatalogView(conn).snapshot():
                 yield sqlite_utils.Database(conn, recursive_triggers=False, execute_plugins=False), source
-            finally:
-                conn.execute("COMMIT")
         finally:
             conn.close()
 
@@ -188,7 +191,8 @@ def _no_dir() -> Iterator[str]:
 
 def _read(db: sqlite_utils.Database, root: str, source: str, tables: Sequence[str],
           limit: int | None) -> CatalogListing:
-    version = db.execute("PRAGMA user_version").fetchone()[0]
+    view = CatalogView(db)
+    version = view.user_version()
     if version > SCHEMA_VERSION:
         raise SchemaVersionError(
             f"{root}: catalog schema version {version} is newer than this prefixstore "
@@ -201,11 +205,10 @@ def _read(db: sqlite_utils.Database, root: str, source: str, tables: Sequence[st
     listed = [_table(db, t, t in present, limit) for t in tables]
     nodes = {}
     if "nodes" in present:
-        nodes = {s: n for s, n in db.execute("SELECT state, count(*) FROM nodes GROUP BY state ORDER BY state")}
+        nodes = view.node_states()
     files = {}
     if "files" in present:
-        files = {s: (n, b) for s, n, b in db.execute(
-            "SELECT status, count(*), coalesce(sum(size), 0) FROM files GROUP BY status ORDER BY status")}
+        files = view.file_statuses()
     capacity = [r["value"] for r in db.table("meta").rows_where("key = ?", ["capacity"])]
     return CatalogListing(root, source, version, listed, nodes, files, _int_or_none(capacity[0] if capacity else None))
 

@@ -29,8 +29,8 @@ import argparse
 import json
 import sys
 
+from prefixstore.base.errors import PrefixStoreError
 from prefixstore.engine.audit import TITLES, AuditReport, audit_dir
-from prefixstore.engine.errors import PrefixStoreError
 
 NAME = "audit"
 HELP = "check a cache directory's invariants (read-only), or --repair it"

@@ -21,8 +21,8 @@ import argparse
 import json
 from typing import Any
 
+from prefixstore.base.errors import InvalidArgumentError
 from prefixstore.engine.catalog_reader import TABLES, CatalogListing, TableRows, read_listing
-from prefixstore.engine.errors import InvalidArgumentError
 
 NAME = "catalog"
 HELP = "list the catalog's nodes, files, journal and meta rows (read-only)"

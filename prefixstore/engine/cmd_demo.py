@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 from prefixstore.engine.workdir import work_dir
 
 NAME = "demo"

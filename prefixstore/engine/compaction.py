@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from prefixstore.engine import replace
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import EngineClosedError, InvalidInputError, SimulatedCrash
-from prefixstore.engine.replace import Job, NewRow
+from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
+from prefixstore.base.log import log
+from prefixstore.engine import lifecycle, replace
 from prefixstore.statemachine.compaction import (
     CompactionPolicy,
     RunStats,
@@ -36,7 +35,7 @@ from prefixstore.statemachine.compaction import (
 )
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
     from prefixstore.engine.index import Node
 
 
@@ -62,7 +61,7 @@ def compact(
     """One pass: plan merges under the lock, run each as its own transaction."""
     policy = policy or eng.compaction_policy or CompactionPolicy()
     rep = CompactionReport()
-    with eng._guard():
+    with lifecycle.guard(eng):
         with eng._lock:
             rep.rows_before = len(eng.index)
             jobs = plan(eng, policy, rep)
@@ -80,7 +79,7 @@ def compact(
     return rep
 
 
-def plan(eng: Engine, policy: CompactionPolicy, rep: CompactionReport | None = None) -> list[Job]:
+def plan(eng: Engine, policy: CompactionPolicy, rep: CompactionReport | None = None) -> list[replace.Job]:
     """Merge jobs the policy approves, cheapest-first order irrelevant. Lock held."""
     rep = rep if rep is not None else CompactionReport()
     jobs = []
@@ -140,11 +139,11 @@ def find_runs(eng: Engine, policy: CompactionPolicy) -> list[list[Node]]:
     return runs
 
 
-def merge_job(eng: Engine, rows: list[Node]) -> Job:
+def merge_job(eng: Engine, rows: list[Node]) -> replace.Job:
     """The compact-replace of ``rows`` (a chain, root first) by one row: the last one's."""
     end = rows[-1]
     ranks = eng.layout.ranks
-    row = NewRow(end.key, rows[0].start, end.end, b"".join(x.digests for x in rows), end.has_snapshot,
+    row = replace.NewRow(end.key, rows[0].start, end.end, b"".join(x.digests for x in rows), end.has_snapshot,
                  max(x.last_used for x in rows), end.snap_used, keep=end.id)
     reads = {x.id: False for x in rows}
     reads[end.id] = end.has_snapshot
@@ -153,7 +152,7 @@ def merge_job(eng: Engine, rows: list[Node]) -> Job:
         segs = replace.concat_parts([got[x.id] for x in rows], ranks)
         return [[(segs[r], got[end.id][r][1]) for r in range(ranks)]]
 
-    return Job("merge", list(rows), [row], reads, assemble)
+    return replace.Job("merge", list(rows), [row], reads, assemble)
 
 
 # ------------------------------------------------------------------ the worker

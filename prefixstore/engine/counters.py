@@ -12,29 +12,14 @@ seconds behind each (histograms; sums in ``stats()``), ``faults`` (op), ``replac
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
 import threading
 from collections import Counter as _Tally
 from collections.abc import Callable
 from typing import Any
 
-import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# The library's own structured log: to stderr, WARNING and above unless
-# PREFIXSTORE_LOG_LEVEL says otherwise (e.g. INFO for every restore decision).
-# An embedding server can rebind ``prefixstore.engine.counters.log``.
-_LEVEL = getattr(logging, os.environ.get("PREFIXSTORE_LOG_LEVEL", "WARNING").upper(), logging.WARNING)
-log = structlog.wrap_logger(
-    structlog.PrintLogger(file=sys.stderr),
-    wrapper_class=structlog.make_filtering_bound_logger(_LEVEL),
-    processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
-                structlog.processors.KeyValueRenderer(key_order=["event"])],
-    logger_name="prefixstore",
-    cache_logger_on_first_use=True,
-)
+from prefixstore.base.log import log
 
 LOOKUP_OUTCOMES = ("hit", "gpu_resident", "miss", "rejected_cost", "damaged")
 _SECONDS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
@@ -70,6 +55,10 @@ class Counters:
         self.decisions = Counter(
             "prefixstore_restore_decisions", "Restore decisions: deepest, shallower or rejected", ["result"],
             registry=r,
+        )
+        self.remote = Counter(
+            "prefixstore_remote_restores", "Remote-tier matches: restored, missed, kept_local, rejected_cost",
+            ["result"], registry=r,
         )
         self.bytes = Gauge("prefixstore_bytes", "Backing bytes by kind", ["kind"], registry=r)
         self.state = Gauge("prefixstore_state", "Engine state by kind (live values)", ["kind"], registry=r)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from prefixstore.engine.errors import LockedError
+from prefixstore.base.errors import LockedError
 
 LOCK_NAME = "LOCK"
 

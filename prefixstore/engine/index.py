@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from prefixstore.engine.keys import DIGEST_SIZE, ROOT, chain_all
+from prefixstore.base.keys import DIGEST_SIZE, ROOT, chain_all
 
 
 @attrs.define(eq=False)

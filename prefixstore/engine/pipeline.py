@@ -2,8 +2,8 @@
 
 Store (``stage_store``, used by ``Engine._store``): each rank's tensors are copied by
 the executor straight into a host buffer laid out as the shard file; the checksum is
-taken over that buffer and the file is written from it (``write_shard``), or a RAM
-tier adopts the buffer as its copy. No other host copy is made.
+taken over that buffer and the file is written from it (``write_shard``), or a tier
+that declares ``ADOPTS_BUFFERS`` adopts the buffer as its copy. No other host copy is made.
 
 Asynchronous store (``store_async``): the caller's thread validates, peeks at the
 plan as ``store`` decides it, reserves the parent and the row it refills, and enqueues
@@ -20,8 +20,9 @@ journal rules are unchanged: a crash after the release and before the publish co
 leaves an INTENT (or nothing) that recovery rolls back: the store is simply absent.
 
 Restore (``restore_nodes``): the output tensors are allocated once on the device;
-shards are fetched in order (a RAM-tier buffer is used in place; a file is read by a
-reader thread into a staging buffer and verified there) with up to ``window`` reads
+shards are fetched in order (a RAM-resident buffer is used in place; otherwise a
+reader thread reads the shard from its tier into a staging buffer and verifies it
+there, through ``gpu/verify.py``) with up to ``window`` reads
 in flight, so reading the next shards overlaps uploading the current one; each shard
 is uploaded straight into its slice of the output. A staging buffer returns to the
 pool once its upload completed.
@@ -39,21 +40,17 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from prefixstore.engine.errors import (
-    EngineClosedError,
-    InvalidInputError,
-    NotRegularFileError,
-    ShardError,
-    SimulatedCrash,
-)
+from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
+from prefixstore.engine import journal, lifecycle, loading, replace, retry, spans, store, validate
+from prefixstore.engine.driver import Txn
 from prefixstore.engine.results import DUPLICATE, QUEUED, REFUSED, StoreResult
-from prefixstore.gpu import shards
+from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Buffer, Copy, Staged
+from prefixstore.gpu.tier import Capability, has
 from prefixstore.gpu.workers import Worker
-from prefixstore.statemachine.transactions import recovery_direction
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
     from prefixstore.engine.index import Node
     from prefixstore.engine.results import Match
 
@@ -164,11 +161,10 @@ def write_shard(eng: Engine, r: int, name: str, d: Any) -> None:
         if not isinstance(d, Staged):
             rank.write_shard(name, d)
             return
-        adopt = getattr(rank, "adopt_shard", None)
-        if adopt is not None:
+        if has(rank, Capability.ADOPTS_BUFFERS):
             d.buffer.retain()  # the tier's reference
             try:
-                adopt(name, d.buffer)
+                rank.adopt_shard(name, d.buffer)  # type: ignore[attr-defined]
             except BaseException:
                 d.buffer.release()
                 raise
@@ -180,22 +176,18 @@ def write_shard(eng: Engine, r: int, name: str, d: Any) -> None:
         raise OSError(errno.EIO, f"rank {r} write failed: {type(exc).__name__}: {exc}") from exc
 
 
-def fail_txn(eng: Engine, tid: int, exc: BaseException) -> None:
-    """End transaction ``tid`` after an unexpected error in its flow, as recovery would:
+def fail_txn(eng: Engine, txn: Txn, exc: BaseException) -> None:
+    """End ``txn`` after an unexpected error in its flow, by its table's abort step:
     forward if it had published, back otherwise. A simulated crash is left to recovery."""
     if isinstance(exc, SimulatedCrash) or eng._closed:
         return
     with eng._lock:
-        row = eng.catalog.query("SELECT kind, state FROM journal WHERE id=?", (tid,))
-        if not row:
+        step = eng.driver.abort(eng.catalog.conn, txn)
+        if step is None:
             return
-        kind, state = row[0]
-        if recovery_direction(kind, state) == "forward":
-            rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
-            eng._finish_retire(tid, kind, rows)
-            eng._load(keep=True)  # the publish committed; make the index agree with it
-        else:
-            eng._rollback(tid, kind, state, "failed")
+        journal.end(eng, txn, step)
+        if step.direction == "forward":
+            loading.load(eng, keep=True)  # the publish committed; make the index agree with it
     eng.counters.inc("faults", "txn_error")
 
 
@@ -239,73 +231,102 @@ def store_async(
     valid: Callable[[], bool] | None,
 ) -> StoreTicket:
     """Stage the checkpoint now, commit it on the commit worker (see module doc)."""
-    from prefixstore.engine import spans
-    from prefixstore.engine.core import _Pending, _Plan
-
-    segs, snaps = eng._check_store_input(prefix, segments, snapshot, tokens_from, valid)
-    L = eng.layout
-    bt = L.block_tokens
-    n = len(prefix)
+    segs, snaps = validate.store_args(eng, prefix, segments, snapshot, tokens_from, valid)
     tr = eng.transfers
-    with eng._guard():
+    with lifecycle.guard(eng):
         with eng._lock:
-            # The decisions store() takes, in its order: bad tokens_from, a compact-replace
-            # (split, republish), then the ordinary plan.
-            spans.check_tokens_from(eng, prefix, tokens_from)
-            plan = None if spans.route(eng, prefix, tokens_from) else eng._plan(prefix)
-            if isinstance(plan, StoreResult) and plan.status == DUPLICATE:
-                eng._count_store(plan)
-                return StoreTicket.finished(plan)
-            if isinstance(plan, _Plan):
-                start = plan.start
-                gen = eng._next_generation(prefix.keys[-1], plan.existing.generation if plan.existing else 0)
-                if tokens_from > start * bt:
-                    raise InvalidInputError(
-                        f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
-                    )
-                # Reserved while queued; the job's own fences once it runs (passed to _store).
-                held = [x.id for x in (plan.parent, plan.existing) if x is not None]
-                first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
-            else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
-                start, gen, held = tokens_from // bt, 1, []
-                first = start
-            for nid in held:
-                eng._fences[nid] += 1
-                eng._reserved[nid] += 1
-        key = prefix.keys[-1]
-        # Staged from ``first``: the rows of damaged ancestors the commit refills, too
-        # (then the plan's shard is staged again at the commit, from these host rows).
-        meta = eng._shard_meta(key, gen, first, n, L.has_snapshot)
-        lo, hi = first * bt - tokens_from, n * bt - tokens_from
-        staged: list[Staged] = []
-        cleaned = threading.Lock()  # a failed staging, the job's finally, or its cancellation: once
-        started = threading.Event()  # the job runs: its reservations are fences of its transaction
-
-        def cleanup() -> None:
-            if cleaned.acquire(blocking=False):
-                release(staged)
-                _unfence(eng, held, reserved=not started.is_set())
-                tr._slots.release()
-
+            peek = _peek(eng, prefix, tokens_from)
+        if isinstance(peek, StoreTicket):
+            return peek
+        gen, held, first = peek
+        job = _QueuedStore(eng, prefix, snaps is not None, valid, first, held)
         tr._slots.acquire()
         try:
-            for r in range(L.ranks):
-                tensors = {f"seg.{k}": v[lo:hi] for k, v in segs[r].items()}
-                if snaps is not None:
-                    tensors.update({f"snap.{k}": v for k, v in snaps[r].items()})
-                plan_r = shards.plan_for_layout(L, hi - lo, L.has_snapshot, {**meta, "rank": str(r)})
-                staged.append(eng.executor.stage(plan_r, tensors, background=True))
+            job.stage(gen, segs, snaps, tokens_from)
         except BaseException:
-            cleanup()
+            job.cleanup()
             raise
-    released = staged[0].copy
-    for s in staged[1:]:
+    released = job.staged[0].copy
+    for s in job.staged[1:]:
         released = released + s.copy
+    try:
+        fut = tr.commit.submit(job.run)
+    except RuntimeError as exc:  # the worker stopped: the engine closed or died meanwhile
+        job.cleanup()
+        raise EngineClosedError("the engine closed before this store was queued") from exc
+    # Cancelled unrun (the engine closed at once, or died): its buffers, fences and slot go back.
+    fut.add_done_callback(lambda f: job.cleanup() if f.cancelled() else None)
+    return StoreTicket(released, fut)
 
-    def job() -> StoreResult:
+
+def _peek(eng: Engine, prefix: Any, tokens_from: int) -> StoreTicket | tuple[int, list[int], int]:
+    """The plan ``store`` would take now (caller holds the engine lock): a finished
+    ticket for a duplicate, else (generation, node ids reserved, first block staged)."""
+    bt = eng.layout.block_tokens
+    # The decisions store() takes, in its order: bad tokens_from, a compact-replace
+    # (split, republish), then the ordinary plan.
+    spans.check_tokens_from(eng, prefix, tokens_from)
+    plan = None if spans.route(eng, prefix, tokens_from) else store.plan(eng, prefix)
+    if isinstance(plan, StoreResult) and plan.status == DUPLICATE:
+        store.count_skip(eng, plan)
+        return StoreTicket.finished(plan)
+    if plan is not None and not isinstance(plan, StoreResult):  # a plan: a new node or a refill
+        start = plan.start
+        gen = replace.next_generation(eng, prefix.keys[-1], plan.existing.generation if plan.existing else 0)
+        if tokens_from > start * bt:
+            raise InvalidInputError(
+                f"the new node needs tokens from {start * bt}, but segments start at tokens_from={tokens_from}"
+            )
+        # Reserved while queued; the job's own fences once it runs (passed to _store).
+        held = [x.id for x in (plan.parent, plan.existing) if x is not None]
+        first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
+    else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
+        gen, held, first = 1, [], tokens_from // bt
+    for nid in held:
+        eng._fences[nid] += 1
+        eng._reserved[nid] += 1
+    return gen, held, first
+
+
+class _QueuedStore:
+    """An asynchronous store between its staging and its commit: its staged shards,
+    its reservations (fences once it runs) and its slot, given back once."""
+
+    def __init__(self, eng: Engine, prefix: Any, with_snap: bool, valid: Callable[[], bool] | None,
+                 first: int, held: list[int]) -> None:
+        self.eng, self.prefix, self.with_snap, self.valid = eng, prefix, with_snap, valid
+        self.first, self.held = first, held
+        self.staged: list[Staged] = []
+        self.cleaned = threading.Lock()  # a failed staging, the job's finally, or its cancellation: once
+        self.started = threading.Event()  # the job runs: its reservations are fences of its transaction
+
+    def stage(self, gen: int, segs: Any, snaps: Any, tokens_from: int) -> None:
+        """Start the device to host copies of every rank's shard. Staged from ``first``:
+        the rows of damaged ancestors the commit refills, too (then the plan's shard is
+        staged again at the commit, from these host rows)."""
+        eng, L = self.eng, self.eng.layout
+        bt, n = L.block_tokens, len(self.prefix)
+        meta = shards.meta(self.prefix.keys[-1], gen, self.first, n, L.has_snapshot)
+        lo, hi = self.first * bt - tokens_from, n * bt - tokens_from
+        for r in range(L.ranks):
+            tensors = {f"seg.{k}": v[lo:hi] for k, v in segs[r].items()}
+            if snaps is not None:
+                tensors.update({f"snap.{k}": v for k, v in snaps[r].items()})
+            plan_r = shards.plan_for_layout(L, hi - lo, L.has_snapshot, {**meta, "rank": str(r)})
+            self.staged.append(eng.executor.stage(plan_r, tensors, background=True))
+
+    def cleanup(self) -> None:
+        if self.cleaned.acquire(blocking=False):
+            release(self.staged)
+            _unfence(self.eng, self.held, reserved=not self.started.is_set())
+            self.eng.transfers._slots.release()
+
+    def run(self) -> StoreResult:
+        """The commit worker's job: the ordinary journaled store of the staged bytes."""
+        eng, staged, bt = self.eng, self.staged, self.eng.layout.block_tokens
         try:
-            _start(eng, held, started)
-            with eng._guard():
+            _start(eng, self.held, self.started)
+            with lifecycle.guard(eng):
                 ex = eng.executor
                 for s in staged:
                     s.checksum(ex.gate, ex.stats)
@@ -313,27 +334,19 @@ def store_async(
                 views = [s.tensors() for s in staged]
                 host_segs = [{k[4:]: v for k, v in vw.items() if k.startswith("seg.")} for vw in views]
                 host_snaps = ([{k[5:]: v for k, v in vw.items() if k.startswith("snap.")} for vw in views]
-                              if snaps is not None else None)
-                res = eng._store(prefix, host_segs, host_snaps, first * bt, staged=staged, held=frozenset(held))
-                if res.status == REFUSED and valid is not None:
+                              if self.with_snap else None)
+                res = store.store(eng, self.prefix, host_segs, host_snaps, self.first * bt, staged=staged,
+                                 held=frozenset(self.held))
+                if res.status == REFUSED and self.valid is not None:
                     for s in staged:
                         s.detach()  # the queued retry keeps views of these buffers
-                    eng._enqueue(_Pending(prefix, host_segs, host_snaps, first * bt, valid))
+                    retry.enqueue(eng, retry.Pending(self.prefix, host_segs, host_snaps, self.first * bt, self.valid))
                     res = attrs.evolve(res, status=QUEUED)
                 if res.ok:
-                    tr.schedule_retry(eng)
+                    eng.transfers.schedule_retry(eng)
                 return res
         finally:
-            cleanup()
-
-    try:
-        fut = tr.commit.submit(job)
-    except RuntimeError as exc:  # the worker stopped: the engine closed or died meanwhile
-        cleanup()
-        raise EngineClosedError("the engine closed before this store was queued") from exc
-    # Cancelled unrun (the engine closed at once, or died): its buffers, fences and slot go back.
-    fut.add_done_callback(lambda f: cleanup() if f.cancelled() else None)
-    return StoreTicket(released, fut)
+            self.cleanup()
 
 
 def _start(eng: Engine, ids: list[int], started: threading.Event) -> None:
@@ -382,71 +395,50 @@ class _Fetched:
 def _fetch(eng: Engine, x: Node, r: int, row: tuple[str, int, str], from_ram: bool) -> Any:
     """One shard as views of a host buffer; a damage string; None on an I/O error.
 
-    ``from_ram``: only look in the rank's RAM tier (the marker ``_NOT_RESIDENT`` when
-    it does not hold the shard); otherwise read the file."""
-    L = eng.layout
+    ``from_ram``: only take the rank's RAM-resident copy (the marker ``_NOT_RESIDENT``
+    when it holds none); otherwise read it from the tier into a staging buffer and
+    verify it there (``gpu/verify.py``), then offer it to a tier that ``PROMOTES``."""
     name, size, ck = row
     rank = eng.ranks[r]
     ex = eng.executor
-    buf = None
-    if from_ram:
-        view = getattr(rank, "view_shard", None)
-        buf = view(name) if view is not None else None
-        if buf is None:
-            return _NOT_RESIDENT
-        if buf.nbytes != size:
-            buf.release()
-            return f"rank {r}: RAM copy is {buf.nbytes} bytes, catalog says {size}"
-    else:
-        buf = ex.pool.acquire(size)
-        try:
-            reader = getattr(rank, "read_shard_into", None)
-            if reader is not None:
-                got = reader(name, buf.mv())
-                if getattr(rank, "copies_on_read", False):
-                    ex.stats.host_copy(min(got, size))
-            else:
-                data = rank.read_shard(name)
-                got = len(data)
-                buf.mv()[: min(got, size)] = memoryview(data)[:size]
-                ex.stats.host_copy(min(got, size))
-        except FileNotFoundError:
-            buf.release()
-            return f"rank {r}: shard missing"
-        except NotRegularFileError as exc:
-            buf.release()
-            return f"rank {r}: shard {exc.strerror}"
-        except OSError:
-            buf.release()
-            eng.counters.inc("faults", "read")
-            return None
-        ex.stats.add(tier_read_bytes=min(got, size))
-        if got != size:
-            buf.release()
-            return f"rank {r}: shard is {got} bytes, catalog says {size}"
-        if shards.checksum(buf.mv()) != ck:
-            buf.release()
-            return f"rank {r}: checksum mismatch"
-    # A RAM-tier buffer is immutable while held: its header is validated once.
-    key = (name, size, ck, x.start, x.end, x.has_snapshot, r)
+    got = (verify.resident(rank, name, size) if from_ram
+           else verify.read(rank, name, size, ck, pool=ex.pool, stats=ex.stats))
+    if got is None:
+        return _NOT_RESIDENT
+    if isinstance(got, verify.Transient):
+        eng.counters.inc("faults", "read")
+        return None
+    if isinstance(got, verify.Damage):
+        return f"rank {r}: {got.why}"
+    buf = got.buffer
+    assert buf is not None
+    parsed = _parsed(eng, x, r, row, buf)
+    if isinstance(parsed, verify.Damage):
+        buf.release()
+        return f"rank {r}: {parsed.why}"
+    if not from_ram and has(rank, Capability.PROMOTES):
+        rank.promote(name, buf)  # type: ignore[attr-defined]
+    return _Fetched(parsed[0], parsed[1], buf)
+
+
+def _parsed(eng: Engine, x: Node, r: int, row: tuple[str, int, str], buf: Buffer) -> Any:
+    """(segment offsets, snapshot views) of the verified shard in ``buf``, its header
+    checked; a ``Damage`` when it names another shard. A RAM-tier buffer is immutable
+    while held: its header is validated once (the result is kept on the buffer)."""
+    L = eng.layout
+    key = (*row, x.start, x.end, x.has_snapshot, r)
     cached = buf.parsed
     if cached is not None and cached[0] == key:
-        offs, snap = cached[1], cached[2]
-    else:
-        meta = {**eng._shard_meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
-        try:
-            segs, snap = shards.parse(buf.view(), L, x.blocks * L.block_tokens, x.has_snapshot, meta)
-        except ShardError as exc:
-            buf.release()
-            return f"rank {r}: {exc}"
-        base = buf.tensor.data_ptr()
-        offs = {n: v.data_ptr() - base for n, v in segs.items()}
-        buf.parsed = (key, offs, snap)
-    if not from_ram:
-        promote = getattr(rank, "promote", None)
-        if promote is not None:
-            promote(name, buf)
-    return _Fetched(offs, snap, buf)
+        return cached[1], cached[2]
+    meta = {**shards.meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
+    got = verify.parse_header(buf, verify.Header(L, x.blocks * L.block_tokens, x.has_snapshot, meta))
+    if isinstance(got, verify.Damage):
+        return got
+    segs, snap = got
+    base = buf.tensor.data_ptr()
+    offs = {n: v.data_ptr() - base for n, v in segs.items()}
+    buf.parsed = (key, offs, snap)
+    return offs, snap
 
 
 _NOT_RESIDENT = object()
@@ -464,106 +456,124 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
     caches); the others are read by reader threads, ``window`` at a time ahead of the
     uploads, in order.
     """
-    L = eng.layout
-    ex = eng.executor
-    tr = eng.transfers
-    bt = L.block_tokens
-    end = nodes[-1]
     t0 = time.perf_counter()
-    all_ranks = set(range(L.ranks))
+    all_ranks = set(range(eng.layout.ranks))
     for x in nodes:
         if rows[x.id].keys() != all_ranks:
             return Damage(x, f"shards recorded on ranks {sorted(rows[x.id])}")
-    # chunk: (node, rank, file row, output row, rows cut, rows copied)
-    chunks: list[tuple[Node, int, tuple, int, int, int]] = []
-    off = 0
-    for x in nodes:
-        cut = max(0, match.gpu_blocks - x.start) * bt  # rows the GPU holds already
-        ntok = (min(x.end, match.blocks) - x.start) * bt - cut  # a partial hit stops inside x
-        chunks += [(x, r, rows[x.id][r], off, cut, ntok) for r in range(L.ranks)]
-        off += ntok
-    seg_rows = [(s.name, s.nbytes) for s in L.segments]  # bytes per token row
-    got: list[Any] = [_fetch(eng, x, r, row, True) for x, r, row, _, _, _ in chunks]
-    missing = [i for i, g in enumerate(got) if g is _NOT_RESIDENT]
-    move = move_cpu = 0.0  # wall and this thread's CPU seconds spent moving bytes
-    moved = copies = 0
-    clock, cpu = time.perf_counter, time.thread_time
-    snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
-    try:
-        for g, (x, _, _, _, _, _) in zip(got, chunks, strict=True):
-            if isinstance(g, str):  # a RAM copy failed its check
-                return Damage(x, g)
-        with ex.gate.foreground():
-            outs = [{s.name: ex.empty((off, *s.shape), s.torch_dtype) for s in L.segments} for _ in range(L.ranks)]
-            flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
-            nxt = 0
+    run = _Restore(eng, nodes, rows, match)
+    outs = run.run()
+    if outs is None or isinstance(outs, Damage):
+        return outs
+    eng.transfers.last_restore = {"total_s": time.perf_counter() - t0, "move_s": run.move,
+                                  "move_cpu_s": run.move_cpu, "bytes": run.moved, "chunks": len(run.chunks)}
+    return outs, run.snaps, len(run.chunks)
 
-            def read_next() -> None:
-                nonlocal nxt
-                i = missing[nxt]
-                x, r, row = chunks[i][:3]
-                got[i] = tr.readers.submit(_fetch, eng, x, r, row, False)
-                nxt += 1
 
-            while nxt < min(tr.window, len(missing)):
-                read_next()
-            ex.begin_uploads()
-            ready: list[tuple[int, _Fetched]] = []  # fetched, not yet uploaded
+class _Restore:
+    """One restore's chunks, fetches and uploads (``restore_nodes``).
 
-            def upload_ready() -> None:
-                """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""
-                nonlocal move, move_cpu, moved, copies
-                ops = []  # each node's rows land in their slice of the output
-                for i, item in ready:
-                    x, r, _, o, cut, ntok = chunks[i]
-                    src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
-                    ops += [(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb) for name, rb in seg_rows]
-                tu, cu = clock(), cpu()
-                ex.upload_batch(ops)
-                moved += sum(op[4] for op in ops)
-                copies += len(ops)
-                for i, item in ready:
-                    x, r = chunks[i][:2]
-                    if x is end and L.has_snapshot:
-                        for s in L.snapshots:
-                            t = ex.empty(tuple(s.shape), s.torch_dtype)
-                            ex.upload(t, item.snap[s.name])
-                            snaps[r][s.name] = t
-                            moved += t.numel() * t.element_size()
-                fence = ex.record()
-                for i, item in ready:
-                    got[i] = None
-                    item.buffer.release(after=fence)
-                ready.clear()
-                move += clock() - tu
-                move_cpu += cpu() - cu
+    A chunk is (node, rank, file row, output row, rows cut, rows copied): the rows the
+    GPU holds already are cut, and a partial hit stops inside the last node.
+    """
 
-            for i, (x, _, _, _, _, _) in enumerate(chunks):
-                item = got[i]
-                if item.__class__ is Future:
-                    upload_ready()  # what is here moves while the read completes
-                    tw = clock()
-                    item = got[i] = item.result()
-                    move += clock() - tw
-                    if nxt < len(missing):
-                        read_next()
-                if item.__class__ is not _Fetched:
-                    return Damage(x, item) if isinstance(item, str) else None
-                ready.append((i, item))
-            upload_ready()
-            tf, cf = clock(), cpu()
-            ex.finish_uploads()
-            move += clock() - tf
-            move_cpu += cpu() - cf
-    finally:
-        for item in got:
-            if item is not None:
-                _discard(item)
-        seg_bytes = moved - sum(t.numel() * t.element_size() for s in snaps for t in s.values())
-        ex.stats.add(h2d_bytes=seg_bytes, h2d_copies=copies)
-    tr.last_restore = {"total_s": time.perf_counter() - t0, "move_s": move, "move_cpu_s": move_cpu,
-                       "bytes": moved, "chunks": len(chunks)}
-    return outs, snaps, len(chunks)
+    def __init__(self, eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match) -> None:
+        L = eng.layout
+        bt = L.block_tokens
+        self.eng, self.end = eng, nodes[-1]
+        self.chunks: list[tuple[Node, int, tuple, int, int, int]] = []
+        off = 0
+        for x in nodes:
+            cut = max(0, match.gpu_blocks - x.start) * bt
+            ntok = (min(x.end, match.blocks) - x.start) * bt - cut
+            self.chunks += [(x, r, rows[x.id][r], off, cut, ntok) for r in range(L.ranks)]
+            off += ntok
+        self.rows_out = off
+        self.seg_rows = [(s.name, s.nbytes) for s in L.segments]  # bytes per token row
+        self.got: list[Any] = [_fetch(eng, x, r, row, True) for x, r, row, _, _, _ in self.chunks]
+        self.missing = [i for i, g in enumerate(self.got) if g is _NOT_RESIDENT]
+        self.move = self.move_cpu = 0.0  # wall and this thread's CPU seconds spent moving bytes
+        self.moved = self.copies = 0
+        self.snaps: list[dict[str, torch.Tensor]] = [{} for _ in range(L.ranks)]
+        self.flats: list[dict[str, Any]] = []
+        self.ready: list[tuple[int, _Fetched]] = []  # fetched, not yet uploaded
+        self.nxt = 0
+
+    def run(self) -> Any:
+        """The output tensors per rank, a ``Damage``, or None (a transient error)."""
+        eng, ex, L = self.eng, self.eng.executor, self.eng.layout
+        got, clock, cpu = self.got, time.perf_counter, time.thread_time
+        try:
+            for g, (x, _, _, _, _, _) in zip(got, self.chunks, strict=True):
+                if isinstance(g, str):  # a RAM copy failed its check
+                    return Damage(x, g)
+            with ex.gate.foreground():
+                outs = [{s.name: ex.empty((self.rows_out, *s.shape), s.torch_dtype) for s in L.segments}
+                        for _ in range(L.ranks)]
+                self.flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
+                while self.nxt < min(eng.transfers.window, len(self.missing)):
+                    self.read_next()
+                ex.begin_uploads()
+                for i, (x, _, _, _, _, _) in enumerate(self.chunks):
+                    item = got[i]
+                    if item.__class__ is Future:
+                        self.upload_ready()  # what is here moves while the read completes
+                        tw = clock()
+                        item = got[i] = item.result()
+                        self.move += clock() - tw
+                        if self.nxt < len(self.missing):
+                            self.read_next()
+                    if item.__class__ is not _Fetched:
+                        return Damage(x, item) if isinstance(item, str) else None
+                    self.ready.append((i, item))
+                self.upload_ready()
+                tf, cf = clock(), cpu()
+                ex.finish_uploads()
+                self.move += clock() - tf
+                self.move_cpu += cpu() - cf
+        finally:
+            for item in got:
+                if item is not None:
+                    _discard(item)
+            seg_bytes = self.moved - sum(t.numel() * t.element_size() for s in self.snaps for t in s.values())
+            ex.stats.add(h2d_bytes=seg_bytes, h2d_copies=self.copies)
+        return outs
+
+    def read_next(self) -> None:
+        i = self.missing[self.nxt]
+        x, r, row = self.chunks[i][:3]
+        self.got[i] = self.eng.transfers.readers.submit(_fetch, self.eng, x, r, row, False)
+        self.nxt += 1
+
+    def upload_ready(self) -> None:
+        """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""
+        ex, L, chunks, flats, seg_rows = self.eng.executor, self.eng.layout, self.chunks, self.flats, self.seg_rows
+        clock, cpu = time.perf_counter, time.thread_time
+        ops = []  # each node's rows land in their slice of the output
+        for i, item in self.ready:
+            x, r, _, o, cut, ntok = chunks[i]
+            src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
+            ops += [(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb) for name, rb in seg_rows]
+        tu, cu = clock(), cpu()
+        ex.upload_batch(ops)
+        moved = sum(op[4] for op in ops)
+        self.copies += len(ops)
+        for i, item in self.ready:
+            x, r = chunks[i][:2]
+            if x is self.end and L.has_snapshot:
+                for s in L.snapshots:
+                    t = ex.empty(tuple(s.shape), s.torch_dtype)
+                    ex.upload(t, item.snap[s.name])
+                    self.snaps[r][s.name] = t
+                    moved += t.numel() * t.element_size()
+        self.moved += moved
+        fence = ex.record()
+        for i, item in self.ready:
+            self.got[i] = None
+            item.buffer.release(after=fence)
+        self.ready.clear()
+        self.move += clock() - tu
+        self.move_cpu += cpu() - cu
 
 
 def _discard(item: Any) -> None:

@@ -65,7 +65,7 @@ def hold_out(catalog: Catalog, index: Index) -> frozenset[int]:
     journal = catalog.journal()
     if not journal:
         return frozenset()
-    txn_nodes = [r[0] for r in catalog.query("SELECT DISTINCT node FROM files WHERE txn IS NOT NULL")]
+    txn_nodes = catalog.nodes_with_txn_files()
     held = touched(journal, txn_nodes, dict(index.by_key)) & set(index.nodes)
     for nid in held:
         index.nodes[nid].state = UNSETTLED

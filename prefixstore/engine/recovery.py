@@ -39,23 +39,25 @@ import contextlib
 import os
 import re
 import stat
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 
-from prefixstore.engine import structure
-from prefixstore.engine.audit import durable_shards, read_catalog, verify_bytes
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     BackingContradictionError,
     CatalogCorruptError,
     PrefixStoreError,
 )
-from prefixstore.gpu import shards
+from prefixstore.engine import journal, structure
+from prefixstore.engine.audit import durable_shards, read_catalog, verify_bytes
+from prefixstore.gpu import shards, verify
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
-from prefixstore.statemachine.transactions import MACHINES, recovery_direction
+from prefixstore.gpu.tier import Capability, has
+from prefixstore.statemachine.transactions import MACHINES
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
 SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st(\.tmp)?$")
 # File-row problems recovery refuses (the rest are found by verification as damage).
@@ -91,22 +93,16 @@ def recover(eng: Engine) -> RecoveryReport:
     eng._clock = 0
     if eng.disk.tight():
         _room_first(eng)
-    for tid, kind, state, _payload in eng.catalog.journal():
-        if kind not in MACHINES or state not in MACHINES[kind].states:
-            raise CatalogCorruptError(f"journal row {tid}: unknown transaction {kind}/{state}")
-        rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE txn=?", (tid,))
-        if recovery_direction(kind, state) == "forward":
-            eng._finish_retire(tid, kind, rows)
-            rep.rolled_forward.append(tid)
-        else:
-            eng._rollback(tid, kind, state, "recover")
-            rep.rolled_back.append(tid)
+    for row in eng.catalog.journal():
+        txn, step = eng.driver.recover(eng.catalog.conn, row)
+        journal.end(eng, txn, step)
+        (rep.rolled_forward if step.direction == "forward" else rep.rolled_back).append(txn.id)
     # 'writing' rows whose transaction is gone cannot exist; treat any as garbage.
     with eng.catalog.txn("recover.stray") as c:
-        c.execute("UPDATE files SET status='garbage', txn=NULL WHERE status='writing'")
+        eng.catalog.garbage_stray_writing(c)
     before = eng._charged
-    garbage = eng.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage'")
-    eng._reclaim_rows(None, garbage)
+    garbage = eng.catalog.garbage_files()
+    journal.reclaim_rows(eng, None, garbage)
     rep.garbage_reclaimed = before - eng._charged
     _orphans(eng, rep)
     _verify_live(eng, rep)
@@ -117,15 +113,14 @@ def _room_first(eng: Engine) -> None:
     """Unlink, before any commit, the files recovery will unlink anyway: garbage, and
     the files of transactions it rolls back (never a live file)."""
     back = [tid for tid, kind, state, _ in eng.catalog.journal()
-            if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"]
-    rows = eng.catalog.query("SELECT rank, name, size FROM files WHERE status='garbage'")
+            if kind in MACHINES and state in MACHINES[kind].states and MACHINES[kind].direction(state) == "back"]
+    rows = eng.catalog.garbage_files()
     for tid in back:
-        rows += eng.catalog.query(
-            "SELECT rank, name, size FROM files WHERE txn=? AND status!='live'", (tid,))
-    current = _current_names(eng.catalog.query("SELECT key, generation FROM nodes"))
+        rows += eng.catalog.unpublished_files_of_txn(tid)
+    current = _current_names(eng.catalog.node_generations())
     rows = [r for r in rows if r[1] not in current]
     if rows:
-        eng._unlink_rows(rows)
+        journal.unlink_rows(eng, rows)
 
 
 def _current_names(nodes) -> set[str]:
@@ -143,7 +138,7 @@ def room_before_open(root: str, ranks: int) -> list[str]:
     except (OSError, PrefixStoreError):
         return []  # unreadable here: the open that follows reports it
     back = {tid for tid, kind, state, _ in rows.journal
-            if kind in MACHINES and state in MACHINES[kind].states and recovery_direction(kind, state) == "back"}
+            if kind in MACHINES and state in MACHINES[kind].states and MACHINES[kind].direction(state) == "back"}
     current = _current_names((r[structure.KEY], r[structure.GEN]) for r in rows.nodes.values())
     removed = []
     for rank, name, _node, _gen, _size, _ck, status, txn in rows.files:
@@ -162,8 +157,8 @@ def room_before_open(root: str, ranks: int) -> list[str]:
 
 def check_structure(eng: Engine) -> None:
     """Raise CatalogCorruptError if the catalog's rows contradict each other (or the journal is unreadable)."""
-    nodes = {r[0]: tuple(r) for r in eng.catalog.query(f"SELECT {structure.NODE_COLUMNS} FROM nodes")}
-    files = eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")
+    nodes = eng.catalog.node_rows_by_id()
+    files = eng.catalog.file_rows()
     problems = structure.node_problems(nodes) + [
         p for p in structure.file_problems(nodes, files, eng.layout.ranks) if p.kind in REFUSED_FILE_PROBLEMS
     ]
@@ -191,7 +186,7 @@ def check_backing(eng: Engine) -> None:
     with its recorded size and checksum: a durable cache, not a volatile one."""
     if eng.catalog.meta("backing") != "memory":
         return
-    files = eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")
+    files = eng.catalog.file_rows()
     dirs = [os.path.join(eng.root, rank_dir_name(r)) for r in range(eng.layout.ranks)]
     found = durable_shards(dirs, files)
     if found:
@@ -204,11 +199,12 @@ def check_backing(eng: Engine) -> None:
 
 def reconcile(eng: Engine, rep: RecoveryReport) -> None:
     """Make the file rows agree with the files a node's name claims (see the module docstring)."""
-    nodes = {r[0]: tuple(r) for r in eng.catalog.query(f"SELECT {structure.NODE_COLUMNS} FROM nodes")}
-    files = [tuple(r) for r in eng.catalog.query(f"SELECT {structure.FILE_COLUMNS} FROM files")]
-    fixes: list[tuple[str, tuple]] = []
+    cat = eng.catalog
+    nodes = cat.node_rows_by_id()
+    files = cat.file_rows()
+    fixes: list[tuple[Callable[..., None], tuple]] = []  # (catalog method, its arguments after the cursor)
     for nid, gen in sorted(structure.stale_generations(nodes, files, eng.layout.ranks).items()):
-        fixes.append(("UPDATE nodes SET generation=? WHERE id=?", (gen, nid)))
+        fixes.append((cat.set_node_generation, (nid, gen)))
         rep.regenerated.append(f"node {nid}: generation {nodes[nid][structure.GEN]} -> {gen}")
         row = list(nodes[nid])
         row[structure.GEN] = gen
@@ -220,12 +216,11 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
             continue
         owner = current.get(name)
         if owner is not None and structure.misowned(owner, nodes, f):
-            fixes.append(("UPDATE files SET status='live', node=?, txn=NULL, generation=? WHERE rank=? AND name=?",
-                          (owner, nodes[owner][structure.GEN], rank, name)))
+            fixes.append((cat.attach_file, (rank, name, owner, nodes[owner][structure.GEN])))
             rep.reattached.append(f"rank{rank}/{name} to node {owner}")
         if not isinstance(size, int) or size < 0:
             actual = eng.ranks[rank].size(name) or 0
-            fixes.append(("UPDATE files SET size=? WHERE rank=? AND name=?", (actual, rank, name)))
+            fixes.append((cat.set_file_size, (rank, name, actual)))
             rep.resized.append(f"rank{rank}/{name}: {size!r} -> {actual}")
     known = {(f[0], f[1]) for f in files}
     reattached: set[tuple[int, int]] = set()  # (node, rank)
@@ -234,7 +229,7 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
         if owner is not None and structure.misowned(owner, nodes, f):
             reattached.add((owner, f[0]))
     for rank in eng.ranks:
-        if getattr(rank, "volatile", False):
+        if has(rank, Capability.VOLATILE):
             continue
         for entry in rank.listdir():
             owner = current.get(entry)
@@ -245,28 +240,24 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
                 rank.quarantine(entry)
                 rep.quarantined.append(f"rank{rank.rank}/{entry}")
                 continue
-            fixes.append(("INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-                          "VALUES(?, ?, ?, ?, ?, ?, 'live', NULL)",
-                          (rank.rank, entry, owner, nodes[owner][structure.GEN], *found)))
+            fixes.append((cat.insert_live_file, (rank.rank, entry, owner, nodes[owner][structure.GEN], *found)))
             rep.reattached.append(f"rank{rank.rank}/{entry} to node {owner} (it had no row)")
             reattached.add((owner, rank.rank))
     for rank, name, node, *_rest in files:
         # a live row the re-attached shard displaces names no current shard: garbage
         if (node, rank) in reattached and name not in current:
-            fixes.append(("UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE rank=? AND name=?",
-                          (rank, name)))
+            fixes.append((cat.garbage_file, (rank, name)))
     if fixes:
-        with eng.catalog.txn("recover.reconcile") as c:
-            for stmt, args in fixes:
-                c.execute(stmt, args)
+        with cat.txn("recover.reconcile") as c:
+            for fix, args in fixes:
+                fix(c, *args)
 
 
 def _shard_of(eng: Engine, rank, entry: str, row: tuple) -> tuple[int, str] | None:
     """(size, checksum) of ``entry`` when it is a regular file whose bytes verify as node
     ``row``'s shard on ``rank`` (header: key, generation, span, rank; the layout), else None."""
-    is_file = getattr(rank, "is_file", None)
     try:
-        if is_file is not None and not is_file(entry):
+        if has(rank, Capability.LOCAL_FILES) and not rank.is_file(entry):
             return None
         data = rank.read_shard(entry)
     except OSError:
@@ -277,7 +268,7 @@ def _shard_of(eng: Engine, rank, entry: str, row: tuple) -> tuple[int, str] | No
 
 def _orphans(eng: Engine, rep: RecoveryReport) -> None:
     known: dict[int, set[str]] = {}
-    for r, name in eng.catalog.query("SELECT rank, name FROM files"):
+    for r, name in eng.catalog.file_names():
         known.setdefault(r, set()).add(name)
     for rank in eng.ranks:
         mine = known.get(rank.rank, set())
@@ -285,8 +276,7 @@ def _orphans(eng: Engine, rep: RecoveryReport) -> None:
         for entry in rank.listdir():
             if entry in mine:
                 continue
-            is_file = getattr(rank, "is_file", None)
-            if is_file is not None and not is_file(entry):
+            if has(rank, Capability.LOCAL_FILES) and not rank.is_file(entry):
                 # a directory, link or device named like anything: never unlink, move it aside
                 rank.quarantine(entry)
                 rep.quarantined.append(f"rank{rank.rank}/{entry}")
@@ -309,12 +299,10 @@ def _orphans(eng: Engine, rep: RecoveryReport) -> None:
 def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
     ranks = eng.layout.ranks
     per_node: dict[int, list[tuple[int, str, int, str]]] = {}
-    for node, r, name, size, ck in eng.catalog.query(
-        "SELECT node, rank, name, size, checksum FROM files WHERE status='live'"
-    ):
+    for node, r, name, size, ck in eng.catalog.all_live_files():
         per_node.setdefault(node, []).append((r, name, size, ck))
     bad, resized = [], []
-    for (nid,) in eng.catalog.query("SELECT id FROM nodes WHERE state='ready'"):
+    for nid in eng.catalog.ready_node_ids():
         files = per_node.get(nid, [])
         ok = len(files) == ranks and {f[0] for f in files} == set(range(ranks))
         if ok:
@@ -332,15 +320,11 @@ def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
             bad.append(nid)
     if bad or resized:
         with eng.catalog.txn("recover.invalidate") as c:
-            c.executemany("UPDATE nodes SET state='damaged' WHERE id=?", [(i,) for i in bad])
-            c.executemany("UPDATE files SET size=? WHERE rank=? AND name=?", resized)
+            eng.catalog.mark_nodes_damaged(c, bad)
+            eng.catalog.set_file_sizes(c, resized)
         rep.damaged.extend(bad)
 
 
 def _matches(rank, name: str, size: int, ck: str | None) -> bool:
     """Whether ``name`` on ``rank`` reads as ``size`` bytes with checksum ``ck``."""
-    try:
-        data = rank.read_shard(name)
-    except OSError:
-        return False
-    return len(data) == size and ck is not None and shards.checksum(data) == ck
+    return ck is not None and isinstance(verify.read(rank, name, size, ck), verify.Shard)

@@ -35,8 +35,18 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from prefixstore.engine import dirlock
+from prefixstore.base.errors import (
+    LockedError,
+    NotACacheError,
+    NotRegularFileError,
+    RankDirMissingError,
+    SimulatedCrash,
+)
+from prefixstore.base.keys import ROOT
+from prefixstore.base.layout import Layout
+from prefixstore.engine import dirlock, health, lifecycle
 from prefixstore.engine import structure as S
+from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import (
     AuditReport,
     durable_shards,
@@ -46,15 +56,7 @@ from prefixstore.engine.audit import (
 )
 from prefixstore.engine.cachedirs import check_own_dirs, missing_rank_dirs
 from prefixstore.engine.catalog import Catalog
-from prefixstore.engine.errors import (
-    LockedError,
-    NotACacheError,
-    NotRegularFileError,
-    RankDirMissingError,
-    SimulatedCrash,
-)
-from prefixstore.engine.keys import ROOT
-from prefixstore.engine.layout import Layout
+from prefixstore.engine.driver import Journal
 from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES
@@ -261,24 +263,18 @@ def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None)
     try:
         with cat.txn("repair.catalog") as c:
             for nid, parent in fix.relink.items():
-                c.execute("UPDATE nodes SET parent=? WHERE id=?", (parent, nid))
+                cat.set_parent(c, nid, parent)
             for r, name in fix.forget_files:
-                c.execute("DELETE FROM files WHERE rank IS ? AND name IS ?", (r, name))
+                cat.forget_file(c, r, name)
             for r, name in fix.garbage_files:
-                c.execute("UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE rank=? AND name=?",
-                          (r, name))
+                cat.garbage_file(c, r, name)
             if fix.drop_nodes:
-                marks = ",".join("?" * len(fix.drop_nodes))
-                c.execute(f"UPDATE files SET status='garbage', node=NULL, txn=NULL WHERE node IN ({marks})",
-                          fix.drop_nodes)
-                c.execute(f"UPDATE nodes SET parent=NULL WHERE id IN ({marks})", fix.drop_nodes)
-                c.execute(f"DELETE FROM nodes WHERE id IN ({marks})", fix.drop_nodes)
+                cat.drop_nodes(c, fix.drop_nodes)
             for nid in fix.damage_nodes:
-                c.execute("UPDATE nodes SET state='damaged' WHERE id=?", (nid,))
+                cat.mark_nodes_damaged(c, [nid])
             for tid in fix.drop_journal:
-                c.execute("UPDATE files SET status='garbage' WHERE txn=? AND status='writing'", (tid,))
-                c.execute("UPDATE files SET txn=NULL WHERE txn=?", (tid,))
-                c.execute("DELETE FROM journal WHERE id=?", (tid,))
+                cat.release_txn_files(c, tid)
+                Journal().delete(c, tid)
             if fix.backing is not None:
                 cat.set_meta(c, "backing", fix.backing)
     finally:
@@ -299,8 +295,6 @@ def repair(
     directory is a symlink, RankDirMissingError when a rank directory holding shards is
     not there (kept elsewhere: pass ``rank_dirs``); nothing is changed then.
     """
-    from prefixstore.engine.core import Engine
-
     if engine_running(root):
         raise LockedError(f"{root} is open in an engine; stop it before repairing")
     rows = read_catalog(root, live=False)
@@ -344,7 +338,7 @@ def repair(
             rep.evicted = eng.evict(over)
         final = eng.audit()
     except SimulatedCrash:
-        eng._abandon()  # model process death: nothing more is committed
+        lifecycle.abandon(eng)  # model process death: nothing more is committed
         raise
     finally:
         eng.close()
@@ -381,9 +375,7 @@ def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
     with eng._lock:
         nodes = [n for n in eng.index if n.ready]
         files: dict[int, list[tuple[int, str, str]]] = {}
-        for nid, r, name, ck in eng.catalog.query(
-            "SELECT node, rank, name, checksum FROM files WHERE status='live'"
-        ):
+        for nid, r, name, _size, ck in eng.catalog.all_live_files():
             files.setdefault(nid, []).append((r, name, ck))
     for node in sorted(nodes, key=lambda n: n.id):
         row = (node.id, node.key, node.parent, node.start, node.end, node.digests, node.has_snapshot,
@@ -407,5 +399,5 @@ def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
                 break
         if why is not None:
             with eng._lock:
-                eng._invalidate(node, why)
+                health.invalidate(eng, node, why)
             rep.invalidated.append((node.id, why))

@@ -37,18 +37,21 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from prefixstore.engine import pipeline
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import SimulatedCrash
+from prefixstore.base.errors import SimulatedCrash
+from prefixstore.base.keys import DIGEST_SIZE, ROOT
+from prefixstore.base.log import log
+from prefixstore.engine import health, journal, pipeline, restore, store
+from prefixstore.engine import space as engine_space
+from prefixstore.engine.driver import Txn
 from prefixstore.engine.index import Node
-from prefixstore.engine.keys import DIGEST_SIZE, ROOT
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
+from prefixstore.statemachine.rows import NODE
 
 if TYPE_CHECKING:
     from collections import Counter
 
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
 
 KIND = "compact"
 RankPart = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # (segments, snapshot)
@@ -192,74 +195,106 @@ def run(
     ``held``: old rows the caller fences itself (one fence each: an async store
     refilling them), not counted as another transaction's.
     """
-    use = job.use
     assert locked or not eng._lock._is_owned(), "run(locked=False) needs the engine lock released"
+    # a store's job (wait_pinned) is refused only by pin()'s pins, not a restore's
     with eng._lock:
-        # a store's job (wait_pinned) is refused only by pin()'s pins, not a restore's
-        why = _check(eng, job, fences=0, pins=eng._request_pins if wait_pinned else eng._pins, held=held)
-        if why:
-            return _abort(eng, job, why, "skipped")
-        rows = {nid: _live_rows(eng, nid) for nid in job.reads}
-        for r in job.new:
-            r.gen = _next_gen(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
-            r.name = shard_name(r.key, r.gen)
-        for n in job.old:
-            eng._fences[n.id] += 1
-        fenced = set(job.old_ids)  # this run's fences not yet released
-    tid = None
-    published = False
+        prepared = _prepare(eng, job, eng._request_pins if wait_pinned else eng._pins, held)
+    if isinstance(prepared, Outcome):
+        return prepared
+    rows, attempt = prepared
     try:
-        got = _read(eng, job, rows)
-        if isinstance(got, Outcome):
-            return got
-        _encode(eng, job, job.assemble(got))
-        needed = sum(len(b) for r in job.new for b in r.blobs)
-        with eng._lock:
-            if not _room(eng, needed, space, protect | job.old_ids):
-                return _abort(eng, job, "no_space", "refused")
-            tid = _intent(eng, job)
-            eng._charged += needed
-        for r in job.new:
-            errors = eng._write_all(r.name, r.blobs)
-            if errors:
-                with eng._lock:
-                    eng._rollback(tid, KIND, "INTENT", "failed")
-                msg = "; ".join(f"rank {rk}: {e}" for rk, e in errors)
-                return _abort(eng, job, msg, "failed")
-        deadline = time.monotonic() + (0 if locked else pin_wait_s)
-        while True:
-            with eng._lock:
-                # a store does not wait for a row pin() holds (a request using it)
-                why = _check(eng, job, fences=1, pins=eng._request_pins if wait_pinned else None, held=held)
-                pinned = any(eng._pins[n.id] for n in job.old)
-                if why or (pinned and time.monotonic() >= deadline):
-                    eng._rollback(tid, KIND, "INTENT", "stale")
-                    return _abort(eng, job, why or "pinned", "skipped")
-                if not pinned:
-                    old_files = _swap(eng, job, tid)
-                    published = True
-                    # a deleted row's fence goes with its index entry; the kept rows'
-                    # fences end with the transaction, in this same lock section
-                    _unfence(eng, job, fenced, {n.id for n in job.dropped})
-                    eng._finish_retire(tid, KIND, old_files)
-                    _unfence(eng, job, fenced, fenced)
-                    eng.counters.inc("replaces", use)
-                    if job.state == "damaged":
-                        eng.counters.inc("refills")
-                    return Outcome(True, None, needed)
-            time.sleep(0.002)
+        return _write_and_swap(eng, job, rows, attempt, locked=locked, space=space, protect=protect,
+                               pin_wait_s=pin_wait_s, held=held, wait_pinned=wait_pinned)
     except BaseException as exc:
-        if tid is not None:
+        if attempt.txn is not None:
             # End the transaction as recovery would (a simulated crash is left to it):
             # forward once the swap committed (its old files must not stay charged to
             # it), back before.
-            pipeline.fail_txn(eng, tid, exc)
-        if not published and not isinstance(exc, SimulatedCrash):
-            eng.counters.inc("replaces", f"{use}_aborted")
+            pipeline.fail_txn(eng, attempt.txn, exc)
+        if not attempt.published and not isinstance(exc, SimulatedCrash):
+            eng.counters.inc("replaces", f"{job.use}_aborted")
         raise
     finally:
         with eng._lock:
-            _unfence(eng, job, fenced, fenced)
+            _unfence(eng, job, attempt.fenced, attempt.fenced)
+
+
+@attrs.define(eq=False)
+class _Attempt:
+    """One run's progress: its fences not yet released, its transaction, whether the
+    swap committed."""
+
+    fenced: set[int]
+    txn: Txn | None = None
+    published: bool = False
+
+
+def _prepare(
+    eng: Engine, job: Job, pins: Counter[int], held: frozenset[int]
+) -> tuple[dict[int, dict[int, tuple[str, int, str]]], _Attempt] | Outcome:
+    """Check the old rows, read their live file rows, name the new rows' shards and
+    fence the old rows; an Outcome when the job is skipped. Lock held."""
+    why = _check(eng, job, fences=0, pins=pins, held=held)
+    if why:
+        return _abort(eng, job, why, "skipped")
+    rows = {nid: eng.catalog.live_file_rows(nid) for nid in job.reads}
+    for r in job.new:
+        r.gen = next_generation(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
+        r.name = shard_name(r.key, r.gen)
+    for n in job.old:
+        eng._fences[n.id] += 1
+    return rows, _Attempt(set(job.old_ids))
+
+
+def _write_and_swap(
+    eng: Engine, job: Job, rows, attempt: _Attempt, *, locked: bool, space: str, protect: frozenset[int],
+    pin_wait_s: float, held: frozenset[int], wait_pinned: bool,
+) -> Outcome:
+    """Read and encode the new rows, journal the intent, write every rank, then swap."""
+    got = _read(eng, job, rows)
+    if isinstance(got, Outcome):
+        return got
+    _encode(eng, job, job.assemble(got))
+    needed = sum(len(b) for r in job.new for b in r.blobs)
+    with eng._lock:
+        if not _room(eng, needed, space, protect | job.old_ids):
+            return _abort(eng, job, "no_space", "refused")
+        attempt.txn = txn = _intent(eng, job)
+        eng._charged += needed
+    for r in job.new:
+        errors = store.write_all(eng, r.name, r.blobs)
+        if errors:
+            with eng._lock:
+                journal.rollback(eng, txn, "failed")
+            msg = "; ".join(f"rank {rk}: {e}" for rk, e in errors)
+            return _abort(eng, job, msg, "failed")
+    deadline = time.monotonic() + (0 if locked else pin_wait_s)
+    while True:
+        with eng._lock:
+            # a store does not wait for a row pin() holds (a request using it)
+            why = _check(eng, job, fences=1, pins=eng._request_pins if wait_pinned else None, held=held)
+            pinned = any(eng._pins[n.id] for n in job.old)
+            if why or (pinned and time.monotonic() >= deadline):
+                journal.rollback(eng, txn, "stale")
+                return _abort(eng, job, why or "pinned", "skipped")
+            if not pinned:
+                return _publish(eng, job, attempt, needed)
+        time.sleep(0.002)
+
+
+def _publish(eng: Engine, job: Job, attempt: _Attempt, needed: int) -> Outcome:
+    """Swap the rows, release the fences and retire the old files. Lock held."""
+    outs = _swap(eng, job, attempt.txn)
+    attempt.published = True
+    # a deleted row's fence goes with its index entry; the kept rows'
+    # fences end with the transaction, in this same lock section
+    _unfence(eng, job, attempt.fenced, {n.id for n in job.dropped})
+    journal.run(eng, attempt.txn, outs)
+    _unfence(eng, job, attempt.fenced, attempt.fenced)
+    eng.counters.inc("replaces", job.use)
+    if job.state == "damaged":
+        eng.counters.inc("refills")
+    return Outcome(True, None, needed)
 
 
 def _unfence(eng: Engine, job: Job, fenced: set[int], ids: set[int]) -> None:
@@ -314,24 +349,12 @@ def _check(
     return None
 
 
-def _live_rows(eng: Engine, nid: int) -> dict[int, tuple[str, int, str]]:
-    return {
-        r: (name, size, ck)
-        for r, name, size, ck in eng.catalog.query(
-            "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (nid,)
-        )
-    }
+def next_generation(eng: Engine, key: bytes, floor: int) -> int:
+    """A generation above ``floor`` and above every file row of ``key`` (even garbage:
+    a failed cleanup leaves its name taken until reclaimed)."""
+    return max(floor, eng.catalog.max_generation(key.hex(), eng.layout.ranks)) + 1
 
 
-def _next_gen(eng: Engine, key: bytes, floor: int) -> int:
-    """A generation above ``floor`` and above every file (even garbage) of ``key``."""
-    h = key.hex()
-    ranks = ",".join(str(r) for r in range(eng.layout.ranks))
-    (top,) = eng.catalog.query(
-        f"SELECT coalesce(max(generation), 0) FROM files WHERE rank IN ({ranks}) AND name >= ? AND name < ?",
-        (f"{h}-g", f"{h}-h"),
-    )[0]
-    return max(floor, int(top)) + 1
 
 
 def _read(eng: Engine, job: Job, rows) -> dict[int, list[RankPart]] | Outcome:
@@ -340,10 +363,10 @@ def _read(eng: Engine, job: Job, rows) -> dict[int, list[RankPart]] | Outcome:
     for n in job.old:
         if n.id not in job.reads:
             continue
-        res = eng._read_node(n, rows[n.id], job.reads[n.id])
+        res = restore.read_node(eng, n, rows[n.id], job.reads[n.id])
         if isinstance(res, str):
             with eng._lock:
-                eng._invalidate(n, res)
+                health.invalidate(eng, n, res)
             return _abort(eng, job, f"damaged: {res}", "skipped")
         if res is None:
             return _abort(eng, job, "read_error", "failed")
@@ -355,7 +378,7 @@ def _encode(eng: Engine, job: Job, data: list[list[RankPart]]) -> None:
     assert len(data) == len(job.new)
     for r, parts in zip(job.new, data, strict=True):
         assert len(parts) == eng.layout.ranks
-        meta = eng._shard_meta(r.key, r.gen, r.start, r.end, r.has_snapshot)
+        meta = shards.meta(r.key, r.gen, r.start, r.end, r.has_snapshot)
         r.blobs = []
         for rank, (segs, snap) in enumerate(parts):
             assert bool(snap) == (r.has_snapshot and eng.layout.has_snapshot), "snapshot mismatch"
@@ -367,12 +390,12 @@ def _encode(eng: Engine, job: Job, data: list[list[RankPart]]) -> None:
 
 def _room(eng: Engine, needed: int, space: str, protect: set[int]) -> bool:
     if space == "make":
-        return eng._make_space(needed, protect)
+        return engine_space.make_space(eng, needed, protect)
     limit = eng.capacity if space == "capacity" else eng.capacity * eng.high_watermark
     return eng._charged + needed <= limit and not eng.disk.shortfall(needed)
 
 
-def _intent(eng: Engine, job: Job) -> int:
+def _intent(eng: Engine, job: Job) -> Txn:
     payload = {
         "use": job.use,
         "old": [n.id for n in job.old],
@@ -380,56 +403,35 @@ def _intent(eng: Engine, job: Job) -> int:
         "new": [{"key": r.key.hex(), "start": r.start, "end": r.end, "generation": r.gen,
                  "name": r.name, "keep": r.keep} for r in job.new],
     }
+    files = [(rk, r.name, r.gen, len(b), shards.checksum(b)) for r in job.new for rk, b in enumerate(r.blobs)]
     with eng.catalog.txn("compact.intent") as c:
-        tid = eng._journal_begin(c, KIND, payload)
-        c.executemany(
-            "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-            "VALUES(?, ?, NULL, ?, ?, ?, 'writing', ?)",
-            [(rk, r.name, r.gen, len(b), shards.checksum(b), tid)
-             for r in job.new for rk, b in enumerate(r.blobs)],
-        )
-    return tid
+        return journal.begin(eng, c, KIND, payload, rows=lambda tid: eng.catalog.insert_writing_files(c, tid, files))
 
 
-def _swap(eng: Engine, job: Job, tid: int) -> list[tuple[int, str, int]]:
-    """The single commit that replaces the rows, then the in-memory index. Lock held."""
-    old_ids = [n.id for n in job.old]
-    marks = ",".join("?" * len(old_ids))
+def _swap(eng: Engine, job: Job, txn: Txn) -> tuple[str, ...]:
+    """The single commit that replaces the rows, then the in-memory index; the
+    outputs of the publish (run after it). Lock held."""
+    cat = eng.catalog
+    tid = txn.id
     ids: list[int] = []
-    with eng.catalog.txn("compact.publish") as c:
-        old_files = c.execute(
-            f"SELECT rank, name, size FROM files WHERE node IN ({marks})", old_ids
-        ).fetchall()
-        c.execute(
-            f"UPDATE files SET status='garbage', node=NULL, txn=? WHERE node IN ({marks})", (tid, *old_ids)
-        )
+    with cat.txn("compact.publish") as c:
+        cat.retire_node_files(c, [n.id for n in job.old], tid)
         parent = job.parent
         for r in job.new:
-            vals = (parent, r.start, r.end, r.digests, int(r.has_snapshot), r.gen, r.last_used, r.snap_used)
+            fields = (parent, r.start, r.end, r.digests, int(r.has_snapshot), r.gen, r.last_used, r.snap_used)
             if r.keep is not None:
-                c.execute(
-                    "UPDATE nodes SET parent=?, start_block=?, end_block=?, digests=?, has_snapshot=?, "
-                    "state='ready', generation=?, last_used=?, snap_used=? WHERE id=?", (*vals, r.keep)
-                )
+                cat.rewrite_node(c, r.keep, fields)
                 nid = r.keep
             else:
-                cur = c.execute(
-                    "INSERT INTO nodes(parent, start_block, end_block, digests, has_snapshot, state, "
-                    "generation, last_used, snap_used, key) VALUES(?, ?, ?, ?, ?, 'ready', ?, ?, ?, ?)",
-                    (*vals, r.key),
-                )
-                nid = int(cur.lastrowid)
-            c.execute(
-                "UPDATE files SET status='live', node=?, txn=NULL WHERE txn=? AND status='writing' AND name=?",
-                (nid, tid, r.name),
-            )
+                nid = cat.insert_node_fields(c, r.key, fields)
+            cat.publish_file(c, tid, r.name, nid)
             ids.append(nid)
             parent = nid
         for n in job.dropped:
-            c.execute("DELETE FROM nodes WHERE id=?", (n.id,))
-        eng._advance(c, tid, KIND, "INTENT", "durable")
+            cat.delete_node(c, n.id)
+        outs = journal.fire(eng, c, txn, "durable")
     _apply_index(eng, job, ids)
-    return [tuple(f) for f in old_files]
+    return outs
 
 
 def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
@@ -449,7 +451,8 @@ def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
     for r, nid in zip(job.new, ids, strict=True):
         nbytes = sum(len(b) for b in r.blobs)
         fields = dict(parent=prev.id if prev is not None else None, start=r.start, end=r.end,
-                      digests=r.digests, has_snapshot=r.has_snapshot, state="ready", generation=r.gen,
+                      digests=r.digests, has_snapshot=r.has_snapshot, state=NODE.next("absent", "published"),
+                      generation=r.gen,
                       last_used=r.last_used, snap_used=r.snap_used, nbytes=nbytes)
         node = idx.nodes.get(nid) if r.keep is not None else None
         if node is None:

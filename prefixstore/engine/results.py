@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -37,7 +39,9 @@ class Match:
     ``outcome`` is one of: hit, gpu_resident, miss, rejected_cost, damaged.
     ``path`` holds ``(node_id, generation)`` root-first for the nodes to read, and
     ``node_key`` the key of the last one. ``cache`` identifies the engine that made it
-    (an engine refuses another's Match with ``ForeignMatchError``).
+    (an engine refuses another's Match with ``ForeignMatchError``). ``source`` says
+    which tier answers: 'local', or 'remote' (then ``remote`` holds what to fetch and
+    ``path`` is empty: nothing local is read, pinned or held).
     """
 
     outcome: str
@@ -52,6 +56,8 @@ class Match:
     prefill_s: float | None = None
     cache: str | None = None
     node_key: bytes | None = None
+    source: str = "local"
+    remote: Any = attrs.field(default=None, repr=False)
 
     @property
     def hit(self) -> bool:

@@ -27,16 +27,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prefixstore.engine import replace
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import InvalidInputError
-from prefixstore.engine.keys import DIGEST_SIZE, Prefix
-from prefixstore.engine.layout import RankTensors
-from prefixstore.engine.replace import Job, NewRow
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import DIGEST_SIZE, Prefix
+from prefixstore.base.layout import RankTensors
+from prefixstore.base.log import log
+from prefixstore.engine import holds, recency, replace, store
 from prefixstore.engine.results import FAILED, REFILLED, REFUSED, SKIPPED, STORED, StoreResult
 
 if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
+    from prefixstore.engine.api import Engine
     from prefixstore.engine.index import Node
 
 
@@ -64,7 +63,7 @@ def on_store(
                 return None
             action, owner, p = routed
             left = deadline - time.monotonic()
-            if not eng._fenced(owner.id, held) or left <= 0 or eng._closed:
+            if not holds.fenced_by_other(eng, owner.id, held) or left <= 0 or eng._closed:
                 break
             # Another transaction holds the row this store would replace: let it settle.
             eng._settled.wait(min(left, 0.05))
@@ -127,10 +126,10 @@ def _busy(eng: Engine, node: Node, n: int, held: frozenset[int]) -> StoreResult 
     prepared beside it and its swap waits for those pins to go (up to
     ``eng.pin_wait_s``; a restore pins for milliseconds), so a row that concurrent
     requests keep restoring can still be split."""
-    for why, busy in (("pinned", eng._request_pins[node.id]), ("fenced", eng._fenced(node.id, held))):
+    for why, busy in (("pinned", eng._request_pins[node.id]), ("fenced", holds.fenced_by_other(eng, node.id, held))):
         if busy:
             res = StoreResult(SKIPPED, n, why)
-            eng._count_store(res)
+            store.count_skip(eng, res)
             return res
     return None
 
@@ -145,34 +144,32 @@ def _result(eng: Engine, out: replace.Outcome, n: int, ok_status: str) -> StoreR
     if status == FAILED:
         eng.counters.inc("stores", FAILED)
     else:
-        eng._count_store(res)
+        store.count_skip(eng, res)
     return res
 
 
 def _split(
     eng: Engine, prefix: Prefix, node: Node, at: int, snaps, held: frozenset[int]
-) -> StoreResult | tuple[Job, str | None]:
+) -> StoreResult | tuple[replace.Job, str | None]:
     """The job splitting ``node`` at block ``at``, and the store status on success
     (None: the ordinary store continues). Lock held."""
-    from prefixstore.engine.core import _Plan
-
     L = eng.layout
     n = len(prefix)
     if (busy := _busy(eng, node, n, held)) is not None:
         return busy
     parent = eng.index.get(node.parent) if node.parent is not None else None
     if eng.admission is not None:
-        plan = _Plan(parent, None, node.start) if at == n else _Plan(node, None, at)
+        plan = store.Plan(parent, None, node.start) if at == n else store.Plan(node, None, at)
         if not eng.admission(eng, prefix, plan):
             res = StoreResult(SKIPPED, n, "admission")
-            eng._count_store(res)
+            store.count_skip(eng, res)
             return res
     with_snap = at == n and L.has_snapshot
     k = at - node.start
     cut = k * L.block_tokens
-    now = eng._tick()
-    lower = NewRow(prefix.keys[at - 1], node.start, at, node.digests[: k * DIGEST_SIZE], with_snap, now, now)
-    upper = NewRow(node.key, at, node.end, node.digests[k * DIGEST_SIZE :], node.has_snapshot,
+    now = recency.tick(eng)
+    lower = replace.NewRow(prefix.keys[at - 1], node.start, at, node.digests[: k * DIGEST_SIZE], with_snap, now, now)
+    upper = replace.NewRow(node.key, at, node.end, node.digests[k * DIGEST_SIZE :], node.has_snapshot,
                    node.last_used, node.snap_used, keep=node.id)
 
     def assemble(got):
@@ -182,20 +179,20 @@ def _split(
         hi = [({name: t[cut:] for name, t in segs.items()}, sn) for segs, sn in parts]
         return [lo, hi]
 
-    job = Job("split", [node], [lower, upper], {node.id: node.has_snapshot}, assemble)
+    job = replace.Job("split", [node], [lower, upper], {node.id: node.has_snapshot}, assemble)
     return job, (STORED if at == n else None)
 
 
 def _republish_snapshot(
     eng: Engine, prefix: Prefix, node: Node, _at: int, snaps, held: frozenset[int]
-) -> StoreResult | tuple[Job, str]:
+) -> StoreResult | tuple[replace.Job, str]:
     """The job rewriting ``node`` from its own rows plus the store's snapshot. Lock held."""
     n = len(prefix)
     if (busy := _busy(eng, node, n, held)) is not None:
         return busy
-    now = eng._tick()
-    row = NewRow(node.key, node.start, node.end, node.digests, True, now, now, keep=node.id)
-    job = Job("republish", [node], [row], {node.id: False},
+    now = recency.tick(eng)
+    row = replace.NewRow(node.key, node.start, node.end, node.digests, True, now, now, keep=node.id)
+    job = replace.Job("republish", [node], [row], {node.id: False},
               lambda got: [[(segs, snaps[r]) for r, (segs, _) in enumerate(got[node.id])]])
     return job, REFILLED
 
@@ -213,7 +210,7 @@ def _refill_candidates(eng: Engine, prefix: Prefix, tokens_from: int, held: froz
         x = eng.index.get(x.parent) if x.parent is not None else None
     todo = []
     while x is not None and x.start * bt >= tokens_from:
-        if x.state == "damaged" and x.end < n and not eng._pins[x.id] and not eng._fenced(x.id, held):
+        if x.state == "damaged" and x.end < n and not eng._pins[x.id] and not holds.fenced_by_other(eng, x.id, held):
             todo.append(x)
         x = eng.index.get(x.parent) if x.parent is not None else None
     return todo
@@ -235,12 +232,12 @@ def _refill_rows(
         log.info("row_refill", node=x.id, ok=out.ok, reason=out.reason)
 
 
-def _refill_job(x: Node, segs: list[RankTensors], tokens_from: int, bt: int, ranks: int) -> Job:
+def _refill_job(x: Node, segs: list[RankTensors], tokens_from: int, bt: int, ranks: int) -> replace.Job:
     """The job republishing damaged row ``x`` from the store's segment rows. Lock held."""
     lo, hi = x.start * bt - tokens_from, x.end * bt - tokens_from
-    row = NewRow(x.key, x.start, x.end, x.digests, False, x.last_used, x.snap_used, keep=x.id)
+    row = replace.NewRow(x.key, x.start, x.end, x.digests, False, x.last_used, x.snap_used, keep=x.id)
 
     def assemble(got):
         return [[({k: v[lo:hi] for k, v in segs[r].items()}, {}) for r in range(ranks)]]
 
-    return Job("republish", [x], [row], {}, assemble, state="damaged")
+    return replace.Job("republish", [x], [row], {}, assemble, state="damaged")

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from prefixstore.engine.keys import DIGEST_SIZE, ROOT, chain_all
+from prefixstore.base.keys import DIGEST_SIZE, ROOT, chain_all
 
 SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st$")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz import plants as plant_registry
 from prefixstore.fuzz.driver import Driver, RunConfig, Violation, replay
 from prefixstore.fuzz.faultfs import OPS

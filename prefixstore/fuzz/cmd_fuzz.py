@@ -181,13 +181,16 @@ def _engine_logs(verbose: bool) -> Iterator[None]:
         return
     import structlog
 
-    from prefixstore.engine import core, replace
+    from prefixstore.engine import health, lifecycle, replace, retry, store
 
     quiet = structlog.wrap_logger(structlog.PrintLogger(file=sys.stderr),
                                   wrapper_class=structlog.make_filtering_bound_logger(50))
-    saved = core.log, replace.log
-    core.log = replace.log = quiet
+    mods = (health, lifecycle, retry, store, replace)
+    saved = [m.log for m in mods]
+    for m in mods:
+        m.log = quiet
     try:
         yield
     finally:
-        core.log, replace.log = saved
+        for m, old in zip(mods, saved, strict=True):
+            m.log = old

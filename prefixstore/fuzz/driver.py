@@ -27,6 +27,9 @@ Checks (``Violation.kind`` in brackets):
   compacting one removed a node [removal]; pinned nodes keep their row and generation
   [pin]; charged bytes <= capacity [capacity]; no public call raised anything but a
   typed error it may raise [exception].
+- on every transition of a journaled transaction: the engine driver's per-state
+  invariants hold (``PREFIXSTORE_DEBUG_INVARIANTS``, on unless the environment turns
+  it off) [invariant].
 - on every restore: the bytes are exactly the universe's (stored) bytes [bytes]; a
   checkpoint that must be restorable (acknowledged, ready, undamaged path, no fault
   armed) is restored at its full depth [miss].
@@ -47,13 +50,16 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import InvalidInputError, PinnedError, SimulatedCrash
+from prefixstore.base.errors import InvalidInputError, PinnedError, SimulatedCrash
+from prefixstore.engine import lifecycle
+from prefixstore.engine.api import Engine
+from prefixstore.engine.driver import DEBUG_ENV, InvariantViolation
 from prefixstore.engine.results import Match
 from prefixstore.fuzz.faultfs import OPS, ChainHook, CrashAt, FaultFS, FaultPlan, FaultRule
 from prefixstore.fuzz.model import CatalogObserver, NodeRow, Universe, fuzz_layout
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import rank_dir_name
+from prefixstore.statemachine.compaction import CompactionPolicy
 
 STORE_STATUSES = frozenset({"stored", "refilled", "duplicate", "queued", "refused", "failed", "skipped"})
 LOOKUP_OUTCOMES = frozenset({"hit", "gpu_resident", "miss", "rejected_cost", "damaged"})
@@ -117,15 +123,10 @@ def crash_hook(spec: dict[str, Any], ranks: int) -> CrashAt:
     return CrashAt(int(spec["n"]), rank=int(lane) % ranks)
 
 
-def compaction_policy(interior: bool = False) -> Any:
+def compaction_policy(interior: bool = False) -> CompactionPolicy:
     """A compaction policy that never waits for pins (this driver is single-threaded);
-    ``interior``: merge interior checkpoints away too. None if the engine has none."""
-    try:
-        from prefixstore.statemachine.compaction import CompactionPolicy
-
-        return CompactionPolicy(pin_wait_s=0.0, keep_interior_checkpoints=not interior)
-    except (ImportError, TypeError):
-        return None
+    ``interior``: merge interior checkpoints away too."""
+    return CompactionPolicy(pin_wait_s=0.0, keep_interior_checkpoints=not interior)
 
 
 class Driver:
@@ -136,6 +137,7 @@ class Driver:
     """
 
     def __init__(self, cfg: RunConfig, root: str, plant: Any = None) -> None:
+        os.environ.setdefault(DEBUG_ENV, "1")  # the engines it opens check their invariants
         self.cfg = cfg
         self.root = root
         self.plant = plant
@@ -182,7 +184,7 @@ class Driver:
     def close(self) -> None:
         """Close the engine (cleanly, faults off) and undo a plant's patches."""
         try:
-            if self.eng is not None and not self.eng._closed:
+            if self.eng is not None and not lifecycle.is_closed(self.eng):
                 self._absorb(self.eng)
                 with self.plan.paused():
                     self.gate.inner = None
@@ -222,8 +224,8 @@ class Driver:
         eng, self.eng = self.eng, None
         if eng is not None:
             self._absorb(eng)
-            if not eng._closed:
-                eng._abandon()
+            if not lifecycle.is_closed(eng):
+                lifecycle.abandon(eng)
         self.pins.clear()
 
     def _absorb(self, eng: Engine) -> None:
@@ -263,6 +265,8 @@ class Driver:
             crashed = True
         except Violation:
             raise
+        except InvariantViolation as exc:
+            raise Violation("invariant", f"{kind}: {exc}") from exc
         except Exception as exc:
             raise Violation("exception", f"{kind} raised {type(exc).__name__}: {exc}") from exc
         finally:
@@ -384,7 +388,7 @@ class Driver:
             return
         policy = compaction_policy(bool(op.get("interior")))
         try:
-            rep = fn(policy) if policy is not None else fn()
+            rep = fn(policy)
         except PinnedError:
             self.counts["compact.pinned"] += 1
             return

@@ -57,7 +57,7 @@ from typing import Literal
 
 import attrs
 
-from prefixstore.engine.errors import SimulatedCrash
+from prefixstore.base.errors import SimulatedCrash
 from prefixstore.gpu.fileio import FaultHook, OsFS
 
 __all__ = [

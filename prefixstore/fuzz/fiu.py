@@ -45,8 +45,23 @@ from collections import Counter
 from typing import Any
 
 import attrs
+import torch
 
+from prefixstore.base.errors import CatalogIOError, EngineClosedError, PrefixStoreError
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
 from prefixstore.engine.workdir import work_dir
+from prefixstore.fuzz.soak import (
+    BT,
+    CAPACITY,
+    CONVERSATIONS,
+    MAX_BLOCKS,
+    conv_tokens,
+    soak_layout,
+    tensors,
+    verify_restore,
+)
+from prefixstore.gpu.ranks import LocalRank
 
 NAME = "fiu"
 HELP = "run a workload under libfiu (real ENOSPC/EIO from libc); audit after"
@@ -119,9 +134,6 @@ class Injector:
 
 
 def _open(root: str, inj: Injector | None, res: Counter[str], examples: dict[str, str]):
-    from prefixstore.engine.core import Engine
-    from prefixstore.fuzz.soak import CAPACITY, soak_layout
-
     for _ in range(8):
         try:
             return Engine.open(root, soak_layout(RANKS), CAPACITY)
@@ -137,8 +149,6 @@ def _open(root: str, inj: Injector | None, res: Counter[str], examples: dict[str
 
 def _plant_swallow_write_errors() -> None:
     """A planted bug: a rank's shard write ignores I/O errors (reports success)."""
-    from prefixstore.gpu.ranks import LocalRank
-
     orig = LocalRank.write_shard
 
     def careless(self: LocalRank, name: str, data: bytes) -> None:
@@ -156,19 +166,6 @@ def child_main(root: str, target: str, ops: int, probability: float, seed: int,
     """The armed workload; returns its figures (printed as JSON by ``__main__``)."""
     if plant is not None:
         PLANTS[plant]()
-    import torch
-
-    from prefixstore.engine.errors import CatalogIOError, EngineClosedError, PrefixStoreError
-    from prefixstore.engine.keys import Prefix
-    from prefixstore.fuzz.soak import (
-        BT,
-        CONVERSATIONS,
-        MAX_BLOCKS,
-        conv_tokens,
-        tensors,
-        verify_restore,
-    )
-
     torch.set_num_threads(1)
     inj = Injector(POINTS[target], probability, seed)
     rng = random.Random(seed)
@@ -264,9 +261,6 @@ class FiuResult:
 def run_under_fiu(root: str, *, target: str = "all", ops: int = 400, probability: float = 0.05,
                   seed: int = 0, timeout: float = 300, plant: str | None = None) -> FiuResult:
     """Run the armed workload in ``fiu-run -x``, then recover and audit without faults."""
-    from prefixstore.engine.core import Engine
-    from prefixstore.fuzz.soak import BT, CAPACITY, conv_tokens, soak_layout, verify_restore
-
     env = {**os.environ, "PREFIXSTORE_LOG_LEVEL": "CRITICAL"}
     cmd = ["fiu-run", "-x", "-f", "", sys.executable, "-m", "prefixstore.fuzz.fiu", "--child", root,
            "--target", target, "--ops", str(ops), "--p", str(probability), "--seed", str(seed)]

@@ -32,9 +32,9 @@ from contextlib import suppress
 import attrs
 import torch
 
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.catalog import CATALOG_NAME
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.gpu.fileio import FaultHook
 
 BLOCK_TOKENS = 4

@@ -20,9 +20,9 @@ from typing import Any
 
 import attrs
 
-from prefixstore.engine import recovery
+from prefixstore.engine import health, holds, journal, recovery, replace, restore, space, store
+from prefixstore.engine.api import Engine
 from prefixstore.engine.catalog import Catalog
-from prefixstore.engine.core import Engine
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import TMP_SUFFIX, LocalRank, rank_dir_name
 
@@ -93,12 +93,21 @@ class _LazyLastRank(LocalRank):
 
 
 class _PublishEarly(Engine):
-    def _publish_store(self, *a: Any, **k: Any):
-        node = super()._publish_store(*a, **k)
-        for r in self.ranks:
-            if isinstance(r, _LazyLastRank):
-                r.settle()  # durability arrives after the commit that published
+    """Its stores publish before the highest rank's shard is durable (``_publish_early``)."""
+
+
+def _publish_early() -> contextlib.AbstractContextManager[None]:
+    orig = store.publish
+
+    def publish(eng: Engine, *a: Any, **k: Any):
+        node = orig(eng, *a, **k)
+        if isinstance(eng, _PublishEarly):
+            for r in eng.ranks:
+                if isinstance(r, _LazyLastRank):
+                    r.settle()  # durability arrives after the commit that published
         return node
+
+    return _patched(store, "publish", publish)
 
 
 # -- skip the directory fsync ----------------------------------------------------------------
@@ -116,29 +125,68 @@ class _NoDirSyncRank(LocalRank):
 
 
 class _DoubleCountRetire(Engine):
-    def _finish_retire(self, tid: int, kind: str, rows) -> None:
-        before = self._charged
-        super()._finish_retire(tid, kind, rows)
-        if kind in ("replace", "compact"):
-            self._charged -= before - self._charged  # the retired generation, once more
+    """Its compact-replaces subtract the retired generation twice (``_double_count``)."""
+
+
+def _double_count() -> contextlib.AbstractContextManager[None]:
+    orig = journal.unlink_owned
+
+    def unlink_owned(eng: Engine, txn, ok: str, failed: str, *, barrier: bool) -> None:
+        before = eng._charged
+        orig(eng, txn, ok, failed, barrier=barrier)
+        if isinstance(eng, _DoubleCountRetire) and txn.kind == "compact" and ok == "retired":
+            eng._charged -= before - eng._charged  # the retired generation, once more
+
+    return _patched(journal, "unlink_owned", unlink_owned)
+
+
+# -- skip a table output: retire_old ------------------------------------------------------
+
+
+class _SkipRetire(Engine):
+    """Its published transactions end without running ``retire_old``'s unlinks
+    (``_skip_retire``): DONE is reached with the old generation still owned."""
+
+
+def _skip_retire() -> contextlib.AbstractContextManager[None]:
+    orig = journal.unlink_owned
+
+    def unlink_owned(eng: Engine, txn, ok: str, failed: str, *, barrier: bool) -> None:
+        if not (isinstance(eng, _SkipRetire) and ok == "retired"):
+            return orig(eng, txn, ok, failed, barrier=barrier)
+        with eng.catalog.txn(f"{txn.kind}.{ok}") as c:
+            outs = eng.driver.fire(c, txn, ok)  # no unlink, no settled rows
+        eng.driver.run_outputs(txn, outs)
+        return None
+
+    return _patched(journal, "unlink_owned", unlink_owned)
 
 
 # -- evict a pinned node ---------------------------------------------------------------------
 
 
 class _EvictPinned(Engine):
-    def _ignoring_pins(self, fn: Callable[..., bool], *a: Any) -> bool:
-        pins, self._pins = self._pins, Counter()  # pins are not consulted
+    """Its victim search ignores pins (``_evict_pinned``)."""
+
+
+def _ignoring_pins(fn: Callable[..., bool]) -> Callable[..., bool]:
+    def check(eng: Engine, *a: Any) -> bool:
+        if not isinstance(eng, _EvictPinned):
+            return fn(eng, *a)
+        pins, eng._pins = eng._pins, Counter()  # pins are not consulted
         try:
-            return fn(*a)
+            return fn(eng, *a)
         finally:
-            self._pins = pins
+            eng._pins = pins
 
-    def _untouchable(self, *a: Any) -> bool:
-        return self._ignoring_pins(super()._untouchable, *a)
+    return check
 
-    def _blocked(self, *a: Any) -> bool:
-        return self._ignoring_pins(super()._blocked, *a)
+
+@contextlib.contextmanager
+def _evict_pinned() -> Iterator[None]:
+    with _patched(space, "untouchable", _ignoring_pins(space.untouchable)), \
+            _patched(space, "blocked", _ignoring_pins(space.blocked)):
+        yield
 
 
 # -- rename over a live file --------------------------------------------------------------------
@@ -152,15 +200,15 @@ def _retire_in_place(eng: Engine, node) -> bool:
             "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (node.id,)
         )
     }
-    got = eng._read_node(node, rows, with_snap=False)
+    got = restore.read_node(eng, node, rows, with_snap=False)
     if isinstance(got, str):
-        eng._invalidate(node, got)
+        health.invalidate(eng, node, got)
         return False
     if got is None:
         return False
-    meta = eng._shard_meta(node.key, node.generation, node.start, node.end, False)
+    meta = shards.meta(node.key, node.generation, node.start, node.end, False)
     datas = [shards.encode(segs, {}, {**meta, "rank": str(r)}) for r, (segs, _) in enumerate(got)]
-    eng._fences[node.id] += 1
+    holds.fence(eng, [node.id])
     try:
         for r, data in enumerate(datas):
             rank = eng.ranks[r]
@@ -186,31 +234,47 @@ def _retire_in_place(eng: Engine, node) -> bool:
         node.nbytes -= freed
         return True
     finally:
-        eng._fences[node.id] -= 1
-        if not eng._fences[node.id]:
-            del eng._fences[node.id]
+        holds.unfence(eng, [node.id])
         eng.heap.offer(node)
 
 
 class _RenameOverLive(Engine):
-    def _retire_snapshot(self, node) -> bool:
-        return _retire_in_place(self, node)
+    """Its snapshot retirements rewrite the live file in place (``_rename_over_live``)."""
+
+
+def _rename_over_live() -> contextlib.AbstractContextManager[None]:
+    orig = replace.retire_snapshot
+
+    def retire_snapshot(eng: Engine, node) -> bool:
+        return _retire_in_place(eng, node) if isinstance(eng, _RenameOverLive) else orig(eng, node)
+
+    return _patched(replace, "retire_snapshot", retire_snapshot)
 
 
 # -- skip the checksum check on restore ---------------------------------------------------------
 
 
 class _TrustingRestore(Engine):
-    def _read_node(self, node, rows, with_snap: bool):
+    """Its shard reads trust the file's own checksum (``_trusting_restore``)."""
+
+
+def _trusting_restore() -> contextlib.AbstractContextManager[None]:
+    orig = restore.read_node
+
+    def read_node(eng: Engine, node, rows, with_snap: bool):
+        if not isinstance(eng, _TrustingRestore):
+            return orig(eng, node, rows, with_snap)
         trusted = {}
         for r, (name, size, ck) in rows.items():
             try:
-                with open(os.path.join(self.ranks[r].directory, name), "rb") as f:
+                with open(os.path.join(eng.ranks[r].directory, name), "rb") as f:
                     ck = shards.checksum(f.read())  # the file vouches for itself
             except OSError:
                 pass
             trusted[r] = (name, size, ck)
-        return super()._read_node(node, trusted, with_snap)
+        return orig(eng, node, trusted, with_snap)
+
+    return _patched(restore, "read_node", read_node)
 
 
 # -- the registry ------------------------------------------------------------------------------
@@ -226,6 +290,7 @@ PLANTS: dict[str, Plant] = {
             "a crash after the publish commit plus power loss: a committed node comes back damaged",
             engine_cls=_PublishEarly,
             make_ranks=_ranks(_LazyLastRank),
+            patch=_publish_early,
         ),
         Plant(
             "skip-dir-fsync",
@@ -238,6 +303,16 @@ PLANTS: dict[str, Plant] = {
             "the retired generation of a compact-replace is subtracted from the charged bytes twice",
             "audit: the engine's charged bytes disagree with the catalog (invariant 3)",
             engine_cls=_DoubleCountRetire,
+            patch=_double_count,
+            config=_SNAP_RETIRE,
+        ),
+        Plant(
+            "skip-retire-output",
+            "a published refill or compact-replace ends (DONE) without its retire_old output's unlinks",
+            "the driver's invariant check at DONE (it still owns rows); without it, files and rows "
+            "of a finished transaction linger",
+            engine_cls=_SkipRetire,
+            patch=_skip_retire,
             config=_SNAP_RETIRE,
         ),
         Plant(
@@ -245,12 +320,14 @@ PLANTS: dict[str, Plant] = {
             "the victim search ignores pins",
             "a pinned node is evicted: the audit's and the model's pin checks (invariant 6)",
             engine_cls=_EvictPinned,
+            patch=_evict_pinned,
         ),
         Plant(
             "rename-over-live",
             "snapshot retirement rewrites the live file in place (unlink, rename over its name)",
             "a fault or crash mid-rewrite: a ready node's shard no longer matches the catalog",
             engine_cls=_RenameOverLive,
+            patch=_rename_over_live,
             config=_SNAP_RETIRE,
         ),
         Plant(
@@ -265,6 +342,7 @@ PLANTS: dict[str, Plant] = {
             "restore trusts the shard's bytes without checking the catalog checksum",
             "bit rot at rest is served: the model's byte comparison (invariant 5)",
             engine_cls=_TrustingRestore,
+            patch=_trusting_restore,
         ),
         Plant(
             "skip-barrier",

@@ -52,11 +52,11 @@ from typing import Any
 import attrs
 import torch
 
+from prefixstore.base.errors import NotACacheError
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir, read_catalog
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import NotACacheError
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
 from prefixstore.engine.workdir import work_dir
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank

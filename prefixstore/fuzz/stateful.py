@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "prefixstore.fuzz.stateful needs hypothesis: pip install 'prefixstore[fuzz]'"
     ) from exc
 
-from prefixstore.engine.core import Engine
+from prefixstore.engine.api import Engine
 from prefixstore.fuzz.driver import DAMAGE, Driver, RunConfig
 from prefixstore.fuzz.faultfs import OPS
 

@@ -4,8 +4,9 @@
 
 - ``None`` (default): the ``CostModel``'s own ``bandwidth_bytes_per_s`` (configured).
 - a number: bytes per second, configured here (overrides the cost model's).
-- ``"measure"``: the value cached in the catalog meta (key ``calibration``) when it
-  was measured for the same backing and executor; otherwise a short probe now, cached.
+- ``"measure"``: the stored value (the engine keeps it in the catalog meta, see
+  ``engine/calibration.py``) when it was measured for the same backing and executor;
+  otherwise a short probe now, whose result the caller stores.
 - ``"remeasure"``: probe now, whatever is cached.
 
 The probe (about ``PROBE_BYTES``, tens of milliseconds) times the two stages of a
@@ -26,54 +27,60 @@ import json
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.gpu.executor import Executor
 
-if TYPE_CHECKING:
-    from prefixstore.engine.core import Engine
-
-META_KEY = "calibration"
 PROBE_NAME = "calibrate.probe"
 PROBE_BYTES = 16 << 20
 
 
-def resolve(eng: Engine, bandwidth: Any) -> dict[str, Any] | None:
-    """Apply the ``bandwidth`` option: returns the calibration used (None: the cost model's)."""
+@attrs.frozen
+class Calibration:
+    """The outcome of the ``bandwidth`` option.
+
+    ``value``: the calibration used (None: the cost model's own bandwidth);
+    ``to_store``: the encoded value for the caller to persist (None: nothing new measured).
+    """
+
+    value: dict[str, Any] | None
+    to_store: str | None = None
+
+
+def resolve(bandwidth: Any, stored: str | None, *, executor: Executor, backing_kind: str,
+            root: str) -> Calibration:
+    """Apply the ``bandwidth`` option given the value stored earlier (or None).
+
+    ``root`` is the directory the read probe may write its file into (never a rank directory).
+    """
     if bandwidth is None:
-        return None
+        return Calibration(None)
     if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float, str)):
         raise InvalidInputError(f"bandwidth must be a number, 'measure' or 'remeasure', got {bandwidth!r}")
     if isinstance(bandwidth, str):
         if bandwidth not in ("measure", "remeasure"):
             raise InvalidInputError(f"bandwidth must be a number, 'measure' or 'remeasure', got {bandwidth!r}")
-        key = f"{eng.backing.kind}|{eng.executor.describe()}"
-        cached = _cached(eng)
+        key = f"{backing_kind}|{executor.describe()}"
+        cached = decode(stored)
         if bandwidth == "measure" and cached is not None and cached.get("key") == key:
-            cal = {**cached, "source": "cached"}
-        else:
-            cal = {"key": key, **probe(eng), "measured_at": time.time()}
-            with eng.catalog.txn("calibration") as c:
-                eng.catalog.set_meta(c, META_KEY, json.dumps(cal, sort_keys=True))
-            cal["source"] = "measured"
-    else:
-        if not math.isfinite(bandwidth) or bandwidth <= 0:
-            raise InvalidInputError(f"bandwidth must be positive, got {bandwidth}")
-        cal = {"source": "configured", "bytes_per_s": float(bandwidth)}
-    if eng.cost is not None:
-        eng.cost = attrs.evolve(eng.cost, bandwidth_bytes_per_s=cal["bytes_per_s"])
-    return cal
+            return Calibration({**cached, "source": "cached"})
+        cal = {"key": key, **probe(executor, backing_kind, root), "measured_at": time.time()}
+        return Calibration({**cal, "source": "measured"}, json.dumps(cal, sort_keys=True))
+    if not math.isfinite(bandwidth) or bandwidth <= 0:
+        raise InvalidInputError(f"bandwidth must be positive, got {bandwidth}")
+    return Calibration({"source": "configured", "bytes_per_s": float(bandwidth)})
 
 
-def _cached(eng: Engine) -> dict[str, Any] | None:
-    raw = eng.catalog.meta(META_KEY)
-    if not raw:
+def decode(stored: str | None) -> dict[str, Any] | None:
+    """A stored calibration, or None when there is none or it does not parse as one."""
+    if not stored:
         return None
     try:
-        cal = json.loads(raw)
+        cal = json.loads(stored)
     except ValueError:
         return None
     if not isinstance(cal, dict) or not isinstance(cal.get("bytes_per_s"), (int, float)) or cal["bytes_per_s"] <= 0:
@@ -81,9 +88,10 @@ def _cached(eng: Engine) -> dict[str, Any] | None:
     return cal
 
 
-def probe(eng: Engine, nbytes: int = PROBE_BYTES, reps: int = 3) -> dict[str, Any]:
+def probe(executor: Executor, backing_kind: str, root: str, nbytes: int = PROBE_BYTES,
+          reps: int = 3) -> dict[str, Any]:
     """Measure upload and (for file-backed tiers) read bandwidth; bytes per second."""
-    ex = eng.executor
+    ex = executor
     buf = ex.pool.acquire(nbytes)
     try:
         buf.view().fill_(0x5A)
@@ -98,7 +106,7 @@ def probe(eng: Engine, nbytes: int = PROBE_BYTES, reps: int = 3) -> dict[str, An
             done.wait()
             best = min(best, time.perf_counter() - t0)
         h2d = nbytes / max(best, 1e-9)
-        read = None if eng.backing.kind == "memory" else _read_bps(eng.root, buf.mv())
+        read = None if backing_kind == "memory" else _read_bps(root, buf.mv())
     finally:
         buf.release()
     bps = h2d if read is None else min(h2d, read)

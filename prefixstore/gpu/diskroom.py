@@ -20,7 +20,7 @@ import os
 import stat
 from collections.abc import Iterable
 
-from prefixstore.engine.counters import log
+from prefixstore.base.log import log
 
 RESERVE_NAME = "catalog.reserve"
 WAL_LIMIT_BYTES = 1 << 20

@@ -52,8 +52,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from prefixstore.engine.counters import log
-from prefixstore.engine.errors import NotRegularFileError, RankUnavailableError
+from prefixstore.base.errors import NotRegularFileError, RankUnavailableError
+from prefixstore.base.log import log
 from prefixstore.gpu import rank_server
 from prefixstore.gpu.rank_server import keys, parse_init_method
 from prefixstore.gpu.wire import Link, LinkError, first_line, open_pair

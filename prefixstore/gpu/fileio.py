@@ -18,7 +18,8 @@ import os
 import stat
 from typing import Protocol
 
-from prefixstore.engine.errors import NotRegularFileError
+from prefixstore.base.debug import debug_from_env
+from prefixstore.base.errors import NotRegularFileError
 
 
 class FileSystem(Protocol):
@@ -212,11 +213,56 @@ class FaultHook:
         """Runs after the effect succeeded; raising models a crash inside it."""
 
 
+class Durability:
+    """What this process's completed effects made durable: a file whose data was
+    fsynced, renamed into place, and whose directory was fsynced after the rename."""
+
+    __slots__ = ("durable", "pending", "synced", "unsynced")
+
+    def __init__(self) -> None:
+        self.synced: set[str] = set()  # data fsynced (under its temporary name)
+        self.unsynced: set[str] = set()  # renamed into place without a data fsync
+        self.pending: dict[str, str] = {}  # renamed, its directory not fsynced since: path -> dir
+        self.durable: set[str] = set()
+
+    def fsynced(self, path: str) -> None:
+        self.synced.add(path)
+
+    def renamed(self, src: str, dst: str) -> None:
+        self.unlinked(dst)
+        if src in self.synced:
+            self.synced.discard(src)
+            self.pending[dst] = os.path.dirname(dst)
+        else:
+            self.unsynced.add(dst)
+
+    def dir_synced(self, path: str) -> None:
+        for p in [p for p, d in self.pending.items() if d == path]:
+            del self.pending[p]
+            self.durable.add(p)
+
+    def unlinked(self, path: str) -> None:
+        self.synced.discard(path)
+        self.unsynced.discard(path)
+        self.durable.discard(path)
+        self.pending.pop(path, None)
+
+    def is_durable(self, path: str) -> bool | None:
+        """True: written durably here; False: written here, not (yet) durable; None:
+        not written by this process."""
+        if path in self.durable:
+            return True
+        return False if path in self.pending or path in self.unsynced else None
+
+
 class HookedFS:
-    """A FileSystem whose effects are reported to a FaultHook, tagged with a rank."""
+    """A FileSystem whose effects are reported to a FaultHook, tagged with a rank,
+    and whose completed writes are tracked for ``is_durable``."""
 
     def __init__(self, inner: FileSystem, hook: FaultHook, rank: int | None) -> None:
         self.inner, self.hook, self.rank = inner, hook, rank
+        # tracked only for the invariant checks (debug): the hot path pays one test
+        self.log = Durability() if debug_from_env() else None
 
     def _run(self, op: str, target: str, fn, *args):
         self.hook.before(op, target, self.rank)
@@ -229,15 +275,33 @@ class HookedFS:
 
     def fsync(self, path: str) -> None:
         self._run("fsync", path, self.inner.fsync, path)
+        if self.log is not None:
+            self.log.fsynced(path)
 
     def rename_new(self, src: str, dst: str) -> None:
         self._run("rename", dst, self.inner.rename_new, src, dst)
+        if self.log is not None:
+            self.log.renamed(src, dst)
 
     def fsync_dir(self, path: str) -> None:
         self._run("fsync_dir", path, self.inner.fsync_dir, path)
+        if self.log is not None:
+            self.log.dir_synced(path)
 
     def unlink(self, path: str) -> None:
         self._run("unlink", path, self.inner.unlink, path)
+        if self.log is not None:
+            self.log.unlinked(path)
+
+    def is_durable(self, path: str) -> bool | None:
+        """Whether ``path`` would survive a power loss now: the inner file system's
+        answer when it knows (the fault file system), else what this process's own
+        completed fsync, rename and directory fsync made durable (None: a file it
+        did not write, or the checks were off when this file system was built)."""
+        inner = getattr(self.inner, "is_durable", None)
+        if inner is not None:
+            return inner(path)
+        return None if self.log is None else self.log.is_durable(path)
 
     def read(self, path: str) -> bytes:
         return self._run("read", path, self.inner.read, path)

@@ -35,7 +35,7 @@ import sys
 import time
 from typing import Any
 
-from prefixstore.engine.errors import LockedError, NotRegularFileError
+from prefixstore.base.errors import LockedError, NotRegularFileError
 from prefixstore.gpu.fileio import FaultHook, FileSystem
 from prefixstore.gpu.ranks import LocalRank
 from prefixstore.gpu.wire import IDLE_TIMEOUT, Link, LinkError, first_line, open_pair, store_client

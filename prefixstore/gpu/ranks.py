@@ -12,8 +12,9 @@ import os
 import stat
 from typing import Protocol
 
-from prefixstore.engine.errors import UnsafeDirectoryError
+from prefixstore.base.errors import UnsafeDirectoryError
 from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS
+from prefixstore.gpu.tier import Capability
 
 SHARD_SUFFIX = ".st"
 TMP_SUFFIX = ".tmp"
@@ -32,12 +33,9 @@ class RankIO(Protocol):
     """File effects of one rank. Every method is idempotent where the docs say so.
 
     ``write_shard`` may be given a ``memoryview`` (a staging buffer) instead of bytes.
-    Optional methods the engine uses when a rank has them (``gpu/backings.py``):
-    ``read_shard_into(name, out) -> file size`` (read in place), ``adopt_shard(name,
-    buffer)`` (keep a staged buffer as the stored copy), ``view_shard(name)`` (a
-    RAM-resident shard's buffer), ``promote(name, buffer)``; ``available`` (a bool
-    property: False while a rank process is down, so a store fails at once instead of
-    evicting for a write that cannot succeed; ``gpu/distributed.py``).
+    The engine talks to a rank as a tier (``gpu/tier.py``): these operations plus
+    ``available`` and declared ``capabilities``, which name the optional operations it
+    may use; a ``RankIO`` that declares none is used through these operations only.
     """
 
     rank: int
@@ -57,8 +55,12 @@ class LocalRank:
     """A rank whose directory this process writes directly.
 
     ``directory`` is named by the caller and resolved once (a symlink to it is
-    followed here); every effect after that refuses to follow a symlink.
+    followed here); every effect after that refuses to follow a symlink. A tier with
+    ``READS_INTO`` and ``LOCAL_FILES`` (and ``COPIES_ON_READ`` when its file system
+    cannot read in place).
     """
+
+    available = True
 
     def __init__(self, rank: int, directory: str, fs: FileSystem | None = None,
                  hook: FaultHook | None = None) -> None:
@@ -85,15 +87,20 @@ class LocalRank:
     def read_shard(self, name: str) -> bytes:
         return self.fs.read(self.path(name))
 
+    def durable(self, name: str) -> bool | None:
+        """Whether ``name`` would survive a power loss now, from what the file system
+        knows (the fault file system) or what this process's writes completed; None
+        for a file this process did not write."""
+        return self.fs.is_durable(self.path(name))
+
     def read_shard_into(self, name: str, out: memoryview) -> int:
-        """Read ``name`` into ``out`` (optional RankIO method, used by restores);
-        returns the file's size."""
+        """Read ``name`` into ``out``; returns the file's size."""
         return self.fs.read_into(self.path(name), out)
 
     @property
-    def copies_on_read(self) -> bool:
-        """Whether ``read_shard_into`` copies (the file system cannot read in place)."""
-        return self.fs.copies_on_read
+    def capabilities(self) -> Capability:
+        caps = Capability.READS_INTO | Capability.LOCAL_FILES | Capability.REPORTS_DURABILITY
+        return caps | Capability.COPIES_ON_READ if self.fs.copies_on_read else caps
 
     def remove(self, name: str) -> bool:
         """Unlink ``name`` and its temporary (the entries themselves, whatever they are; a

@@ -25,10 +25,16 @@ import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from prefixstore.engine.errors import ShardError
-from prefixstore.engine.layout import Layout
+from prefixstore.base.errors import ShardError
+from prefixstore.base.layout import Layout
 
 FORMAT = "prefixstore-shard-1"
+
+
+def meta(key: bytes, gen: int, start: int, end: int, snap: bool) -> dict[str, str]:
+    """The metadata a shard of checkpoint ``key`` at generation ``gen`` carries (all ranks)."""
+    return {"key": key.hex(), "generation": str(gen), "start": str(start), "end": str(end),
+            "snapshot": "1" if snap else "0"}
 
 
 def checksum(data: bytes | memoryview) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from prefixstore.engine.counters import log
+from prefixstore.base.log import log
 
 _STOP = object()
 

@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.engine.workdir import work_dir
 from prefixstore.statemachine.policy import POLICIES
 

@@ -69,15 +69,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import attrs
 import torch
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import InvalidInputError
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 from prefixstore.engine.results import FAILED, REFUSED, SKIPPED
 from prefixstore.replay.sim import PREFILL_A, PREFILL_B
 from prefixstore.replay.trace import BLOCK_TOKENS, Request, parse_capacity, unique_blocks
@@ -115,6 +116,12 @@ class ReplayConfig:
     verify: bool = True
     samples: int = 200
     """Capacity samples taken over the run (for the plots)."""
+    instances: int = 1
+    """Engine instances the requests go to round-robin (a load balancer without prefix-aware
+    routing), each with ``capacity`` of its own, in ``DIR/iK`` when more than one."""
+    remote: str | None = None
+    """A shared remote tier's URL (``redis://...``) every instance uses, if any."""
+    remote_namespace: str = "replay"
 
     def __attrs_post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -127,6 +134,8 @@ class ReplayConfig:
             raise InvalidInputError("token_bytes, byte_scale and block_tokens must be positive")
         if self.bandwidth_bytes_per_s <= 0:
             raise InvalidInputError("bandwidth must be positive")
+        if not 1 <= self.instances <= 64:
+            raise InvalidInputError(f"instances must be 1..64, got {self.instances}")
 
     @property
     def block_bytes_modeled(self) -> int:
@@ -281,21 +290,35 @@ class _Run:
         self.error: BaseException | None = None
         self.sample_every = max(1, n // max(1, cfg.samples))
         self.adm: RetentionAdmission | None = None
+        self.adms: list[RetentionAdmission | None] = [None] * cfg.instances
+        self.engines: list[Engine] = []
 
     # ------------------------------------------------------------------ driver
 
+    def open_engines(self, stack: ExitStack) -> None:
+        """The engine instances (each with its admission, if any) and their shared remote."""
+        cfg = self.cfg
+        for k in range(cfg.instances):
+            if takes_retention(cfg.policy) and cfg.retention:
+                self.adms[k] = RetentionAdmission(max(1, self.cap["capacity_blocks"]), **dict(cfg.tuning))
+            root = self.root if cfg.instances == 1 else os.path.join(self.root, f"i{k}")
+            remote = {} if cfg.remote is None else {
+                "remote": cfg.remote, "remote_options": {"namespace": cfg.remote_namespace}}
+            eng = stack.enter_context(Engine.open(
+                root, cfg.layout(), self.cap["capacity_bytes_files"], synchronous=cfg.synchronous,
+                policy=cfg.policy, cost=self.model, admission=self.adms[k], **remote,
+            ))
+            if self.adms[k] is not None:
+                eng.heap.set_retention(self.adms[k], eng.index)  # before any session starts
+            self.engines.append(eng)
+        self.adm = self.adms[0]
+        self.eng = self.engines[0]
+
     def run(self) -> ReplayReport:
         cfg = self.cfg
-        if takes_retention(cfg.policy) and cfg.retention:
-            self.adm = RetentionAdmission(max(1, self.cap["capacity_blocks"]), **dict(cfg.tuning))
         t0 = time.perf_counter()
-        with Engine.open(
-            self.root, cfg.layout(), self.cap["capacity_bytes_files"], synchronous=cfg.synchronous,
-            policy=cfg.policy, cost=self.model, admission=self.adm,
-        ) as eng:
-            if self.adm is not None:
-                eng.heap.set_retention(self.adm, eng.index)  # before any session starts
-            self.eng = eng
+        with ExitStack() as stack:
+            self.open_engines(stack)
             workers = [
                 threading.Thread(target=self._worker, name=f"session-{i}", daemon=True)
                 for i in range(cfg.concurrency)
@@ -309,8 +332,8 @@ class _Run:
             if self.error is not None:
                 raise self.error
             wall = time.perf_counter() - t0
-            stats = eng.stats()
-            audit = eng.audit()
+            stats = [e.stats() for e in self.engines]
+            audit = [e.audit() for e in self.engines]
         if self.progress is not None:
             self.progress({**self._snapshot(t0), "final": True})
         return ReplayReport(self._summary(wall, stats, audit), self.timeline)
@@ -326,8 +349,8 @@ class _Run:
             }
 
     def _gauge(self, kind: str) -> int:
-        v = self.eng.counters.registry.get_sample_value("prefixstore_state", {"kind": kind})
-        return int(v or 0)
+        return sum(int(e.counters.registry.get_sample_value("prefixstore_state", {"kind": kind}) or 0)
+                   for e in self.engines)
 
     def _worker(self) -> None:
         try:
@@ -345,7 +368,7 @@ class _Run:
     # ------------------------------------------------------------------ one request
 
     def _serve(self, i: int) -> None:
-        cfg, eng, adm = self.cfg, self.eng, self.adm
+        cfg, eng, adm = self.cfg, self.engines[i % self.cfg.instances], self.adms[i % self.cfg.instances]
         bt = cfg.block_tokens
         req = self.requests[i]
         prefix = Prefix.from_ids(req.hash_ids, bt)
@@ -367,7 +390,9 @@ class _Run:
                 tally["restore.stale"] += 1
                 hit = 0
             else:
+                hit = r.match.blocks  # a remote miss falls back to the local tiers' shallower hit
                 tally["restore.ok"] += 1
+                tally[f"restore.from_{r.match.source}"] += 1
                 if cfg.verify and not torch.equal(r.segments[0]["kv"], rows[: hit * bt]):
                     tally["restore.wrong_bytes"] += 1
                 transfer = m.transfer_s or 0.0
@@ -397,8 +422,14 @@ class _Run:
 
     # ------------------------------------------------------------------ report
 
-    def _summary(self, wall: float, stats: dict[str, Any], audit) -> dict[str, Any]:
+    def _summary(self, wall: float, each: list[dict[str, Any]], audits: list) -> dict[str, Any]:
         cfg, tl = self.cfg, self.timeline
+        counters: Counter[str] = Counter()
+        for s in each:
+            counters.update(s["counters"])
+        stats = {"nodes": sum(s["nodes"] for s in each), "charged_bytes": sum(s["charged_bytes"] for s in each),
+                 "counters": dict(counters)}
+        violations = [v for a in audits for v in a.violations]
         blocks_total, tokens_total = sum(tl.blocks), sum(tl.tokens)
         blocks_hit, tokens_hit = sum(tl.hit_blocks), sum(tl.hit_tokens)
         pf = self.model.prefill_s
@@ -437,8 +468,12 @@ class _Run:
             "nodes": stats["nodes"],
             "charged_bytes_modeled": stats["charged_bytes"] * cfg.byte_scale,
             "charged_bytes_files": stats["charged_bytes"],
-            "audit_ok": audit.ok,
-            "audit_violations": [v.to_dict() for v in audit.violations][:20],
+            "audit_ok": all(a.ok for a in audits),
+            "audit_violations": [v.to_dict() for v in violations][:20],
+            "instances": cfg.instances,
+            "restores_remote": t["restore.from_remote"],
+            "remote": each[0]["remote"] and {
+                k: sum(s["remote"][k] for s in each) for k in each[0]["remote"] if k != "url"},
             "wall_s": wall,
             "requests_per_s": len(self.requests) / wall if wall > 0 else 0.0,
             "directory": self.root,

@@ -51,8 +51,8 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from prefixstore.engine.errors import InvalidInputError
-from prefixstore.replay.sim import (
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.replay.compiled import (
     DEFAULT_BLOCK_BYTES,
     CompiledTrace,
     PrefillFn,

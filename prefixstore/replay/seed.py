@@ -46,10 +46,10 @@ from typing import Any
 import attrs
 import torch
 
-from prefixstore.engine.core import Engine
-from prefixstore.engine.errors import InvalidInputError
-from prefixstore.engine.keys import Prefix
-from prefixstore.engine.layout import Layout, TensorSpec
+from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout, TensorSpec
+from prefixstore.engine.api import Engine
 from prefixstore.statemachine.cost import CostModel
 from prefixstore.statemachine.policy import POLICIES
 

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,14 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep", action="store_true",
                    help="keep the temp cache directory (trace or --scenario, without DIR)")
     g.add_argument("--quiet", action="store_true", help="no progress display on stderr")
+    g.add_argument("--instances", type=int, default=1, metavar="N",
+                   help="engine instances served round-robin, each with --capacity of its own (DIR/iK; "
+                        "default 1)")
+    g.add_argument("--remote", default=None, metavar="URL",
+                   help="a shared remote tier every instance uses: redis://host:port/db, rediss://..., "
+                        "redis+cluster://host:port,...")
+    g.add_argument("--remote-namespace", default="replay", metavar="NAME",
+                   help="the remote tier's key namespace (default 'replay')")
 
 
 class Progress:
@@ -89,6 +97,7 @@ def run_trace(args: argparse.Namespace) -> int:
             policy=args.policy, capacity=args.capacity, concurrency=args.concurrency,
             checkpoint_every=args.checkpoint_every, retention=not args.no_retention,
             bandwidth_bytes_per_s=args.bandwidth, synchronous=args.synchronous,
+            instances=args.instances, remote=args.remote, remote_namespace=args.remote_namespace,
         )
         t0 = time.perf_counter()
         requests = load_trace(args.trace, args.limit)

@@ -43,7 +43,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 from prefixstore.statemachine.retention import RetentionParams, RetentionRule, RuleHost, Sightings
 
 

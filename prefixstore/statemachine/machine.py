@@ -1,78 +1,171 @@
 """Transition tables declared as data, validated when they are defined.
 
-A ``Machine`` is immutable. Defining one checks (Automat-style) that there are no
-duplicate edges, that every state is reachable from the initial state, that final
-states have no outgoing edge, and that every other state can reach a final state.
-Feeding an event a state cannot handle raises IllegalTransitionError naming the
-transaction kind, the state and the event (h11-style).
+A ``Machine`` is immutable. Each transition ``(state, event) -> (next, outputs)``
+names the outputs the driver runs *after* the commit that reached ``next``
+(Automat: inputs select a transition, outputs act). A table also declares which
+states are *published* (recovery drives them forward; the others are undone) and
+which events recovery and abort feed (``recovery=True`` / ``abort=True`` on a
+transition); ``recovery(state)`` and ``abort(state)`` are derived from that.
+
+Defining one checks that there are no duplicate edges, that every state is
+reachable from the initial state, that final states have no outgoing edge, that
+every other state can reach a final state, that the edges into a non-final state
+agree on its outputs (recovery re-runs them), that every non-final state has
+exactly one recovery event and at most one abort event, that no final state is
+reached both from a published and an unpublished state, and that recovery ends a
+published state in a final state only published states lead to (and any other
+state in one they do not). Feeding an event a
+state cannot handle raises IllegalTransitionError naming the transaction kind, the
+state and the event (h11-style).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prefixstore.engine.errors import IllegalTransitionError
+import attrs
+
+from prefixstore.base.errors import IllegalTransitionError
 
 
 class MachineDefinitionError(Exception):
     """A transition table is malformed (raised at import time)."""
 
 
-class Machine:
-    """An immutable transition table: ``state -> event -> next state``."""
+@attrs.frozen
+class Transition:
+    """One edge: ``src --event--> dst``, then ``outputs`` run after its commit."""
 
-    __slots__ = ("_table", "finals", "initial", "name", "states")
+    src: str
+    event: str
+    dst: str
+    outputs: tuple[str, ...] = ()
+    recovery: bool = False
+    abort: bool = False
+
+
+def T(src: str, event: str, dst: str, *outputs: str, recovery: bool = False, abort: bool = False) -> Transition:
+    """A transition, written as one table line."""
+    return Transition(src, event, dst, tuple(outputs), recovery, abort)
+
+
+@attrs.frozen
+class Step:
+    """What ending a state takes (recovery or abort): ``fire`` the event now (its
+    outputs follow), or, when ``fire`` is None, re-run the state's own ``outputs``,
+    which fire ``event`` (or its failure sibling) themselves."""
+
+    event: str
+    direction: str  # 'forward' (the state is published) or 'back'
+    fire: str | None
+    outputs: tuple[str, ...]
+
+
+class Machine:
+    """An immutable transition table: ``state -> event -> Transition``."""
+
+    __slots__ = ("_table", "entry", "finals", "initial", "initial_outputs", "name", "published", "states")
 
     def __init__(
         self,
         name: str,
         initial: str,
         finals: Iterable[str],
-        edges: Iterable[tuple[str, str, str]],
+        edges: Iterable[Transition | tuple[str, str, str]],
+        *,
+        published: Iterable[str] = (),
+        initial_outputs: Iterable[str] = (),
     ) -> None:
         self.name = name
         self.initial = initial
         self.finals = frozenset(finals)
-        table: dict[str, dict[str, str]] = {}
-        for src, event, dst in edges:
-            row = table.setdefault(src, {})
-            if event in row:
-                raise MachineDefinitionError(f"{name}: duplicate edge {src} --{event}-->")
-            row[event] = dst
-        self._table = {k: dict(v) for k, v in table.items()}
-        self.states = frozenset({initial, *self.finals, *table, *(d for _, _, d in edges_of(table))})
+        self.published = frozenset(published)
+        self.initial_outputs = tuple(initial_outputs)
+        table: dict[str, dict[str, Transition]] = {}
+        for e in edges:
+            t = e if isinstance(e, Transition) else Transition(*e)
+            row = table.setdefault(t.src, {})
+            if t.event in row:
+                raise MachineDefinitionError(f"{name}: duplicate edge {t.src} --{t.event}-->")
+            row[t.event] = t
+        self._table = table
+        self.states = frozenset({initial, *self.finals, *table, *(t.dst for t in self.transitions())})
+        self.entry = self._entry_outputs()
         self._validate()
 
+    # ------------------------------------------------------------------ definition checks
+
+    def _entry_outputs(self) -> dict[str, tuple[str, ...]]:
+        entry: dict[str, tuple[str, ...]] = {self.initial: self.initial_outputs}
+        for t in self.transitions():
+            if t.dst in self.finals:
+                continue
+            if entry.setdefault(t.dst, t.outputs) != t.outputs:
+                raise MachineDefinitionError(
+                    f"{self.name}: edges into {t.dst} disagree on its outputs ({entry[t.dst]} vs {t.outputs})")
+        return entry
+
     def _validate(self) -> None:
+        if bad := self.published - self.states:
+            raise MachineDefinitionError(f"{self.name}: published states {sorted(bad)} are not states")
         for f in self.finals:
             if self._table.get(f):
                 raise MachineDefinitionError(f"{self.name}: final state {f} has outgoing edges")
-        reach = self._reachable_from(self.initial)
-        if missing := self.states - reach:
+        if missing := self.states - self._reachable_from(self.initial):
             raise MachineDefinitionError(f"{self.name}: unreachable states {sorted(missing)}")
         for s in self.states - self.finals:
             if not self._table.get(s):
                 raise MachineDefinitionError(f"{self.name}: non-final state {s} has no way out")
             if not (self._reachable_from(s) & self.finals):
                 raise MachineDefinitionError(f"{self.name}: state {s} cannot reach a final state")
+        if not any(t.recovery for t in self.transitions()):
+            return  # a bare table (tests of the checks): no recovery declared
+        for s in self.states - self.finals:
+            rec = [t for t in self._table[s].values() if t.recovery]
+            if len(rec) != 1:
+                raise MachineDefinitionError(f"{self.name}: state {s} needs exactly one recovery event")
+            if sum(t.abort for t in self._table[s].values()) > 1:
+                raise MachineDefinitionError(f"{self.name}: state {s} has several abort events")
+        undone = {t.dst for t in self.transitions() if t.src not in self.published and t.dst in self.finals}
+        if both := undone & self.committed_finals():
+            raise MachineDefinitionError(
+                f"{self.name}: final states {sorted(both)} are reached from published and unpublished states")
+        for s in self.states - self.finals:
+            end = self.recovered(s)
+            if (s in self.published) != (end in self.committed_finals()):
+                raise MachineDefinitionError(f"{self.name}: recovery from {s} ends in {end}, the wrong way")
 
     def _reachable_from(self, start: str) -> set[str]:
         seen, todo = {start}, [start]
         while todo:
-            for dst in self._table.get(todo.pop(), {}).values():
-                if dst not in seen:
-                    seen.add(dst)
-                    todo.append(dst)
+            for t in self._table.get(todo.pop(), {}).values():
+                if t.dst not in seen:
+                    seen.add(t.dst)
+                    todo.append(t.dst)
         return seen
 
-    def next(self, state: str, event: str) -> str:
-        """The state after ``event`` in ``state``; raises IllegalTransitionError."""
+    # ------------------------------------------------------------------ queries
+
+    def transition(self, state: str, event: str) -> Transition:
+        """The edge ``event`` takes in ``state``; raises IllegalTransitionError."""
         try:
             return self._table[state][event]
         except KeyError:
             raise IllegalTransitionError(
                 f"{self.name}: can't handle event {event!r} in state {state!r}"
             ) from None
+
+    def next(self, state: str, event: str) -> str:
+        """The state after ``event`` in ``state``; raises IllegalTransitionError."""
+        return self.transition(state, event).dst
+
+    def outputs(self, state: str, event: str) -> tuple[str, ...]:
+        """The outputs ``event`` runs in ``state`` (after the commit of the next state)."""
+        return self.transition(state, event).outputs
+
+    def sources(self, event: str) -> frozenset[str]:
+        """The states that accept ``event`` (e.g. for an SQL ``WHERE status IN (...)``)."""
+        return frozenset(s for s, row in self._table.items() if event in row)
 
     def events(self, state: str) -> frozenset[str]:
         """Events ``state`` accepts."""
@@ -81,14 +174,59 @@ class Machine:
     def is_final(self, state: str) -> bool:
         return state in self.finals
 
+    def is_published(self, state: str) -> bool:
+        return state in self.published
+
+    def transitions(self) -> list[Transition]:
+        return [t for row in self._table.values() for t in row.values()]
+
     def edges(self) -> list[tuple[str, str, str]]:
-        return sorted(edges_of(self._table))
+        return sorted((t.src, t.event, t.dst) for t in self.transitions())
+
+    def all_outputs(self) -> frozenset[str]:
+        """Every output name the table uses (each needs a handler)."""
+        return frozenset(self.initial_outputs).union(*(t.outputs for t in self.transitions()))
+
+    def committed_finals(self) -> frozenset[str]:
+        """Final states reached from a published state (the transaction took effect)."""
+        return frozenset(t.dst for t in self.transitions() if t.src in self.published and t.dst in self.finals)
+
+    def recovery_event(self, state: str) -> str:
+        """The event recovery feeds ``state`` (its work, when it succeeds, fires it)."""
+        for t in self._table.get(state, {}).values():
+            if t.recovery:
+                return t.event
+        raise IllegalTransitionError(f"{self.name}: state {state!r} has no recovery event")
+
+    def direction(self, state: str) -> str:
+        """'forward' when ``state`` is published, else 'back'."""
+        return "forward" if state in self.published else "back"
+
+    def recovery(self, state: str) -> Step:
+        """How recovery ends a transaction found in ``state``."""
+        return self._step(state, self.recovery_event(state))
+
+    def abort(self, state: str) -> Step:
+        """How an unexpected error in the flow ends a transaction in ``state``: its
+        abort event when it has one (e.g. INTENT --failed-->), else as recovery would."""
+        for t in self._table.get(state, {}).values():
+            if t.abort:
+                return self._step(state, t.event)
+        return self.recovery(state)
+
+    def _step(self, state: str, event: str) -> Step:
+        if self.entry.get(state):  # the state's own outputs do the work and fire the event
+            return Step(event, self.direction(state), None, self.entry[state])
+        return Step(event, self.direction(state), event, self.outputs(state, event))
+
+    def recovered(self, state: str) -> str:
+        """The final state following recovery events from ``state`` reaches."""
+        at = state
+        for _ in range(len(self.states)):
+            if at in self.finals:
+                return at
+            at = self.next(at, self.recovery_event(at))
+        raise MachineDefinitionError(f"{self.name}: recovery from {state} loops")
 
     def __repr__(self) -> str:
         return f"Machine({self.name}, {len(self.states)} states)"
-
-
-def edges_of(table: dict[str, dict[str, str]]) -> Iterable[tuple[str, str, str]]:
-    for src, row in table.items():
-        for event, dst in row.items():
-            yield src, event, dst

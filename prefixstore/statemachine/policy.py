@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 
 EVICT = "evict"
 RETIRE = "retire_snapshot"

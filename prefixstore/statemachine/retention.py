@@ -44,7 +44,7 @@ from collections.abc import Callable, Hashable
 
 import attrs
 
-from prefixstore.engine.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError
 
 
 @attrs.frozen

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from prefixstore.engine.errors import InvalidArgumentError, InvalidInputError
+from prefixstore.base.errors import InvalidArgumentError, InvalidInputError
 
 DIGEST_SIZE = 16
 ROOT = bytes(DIGEST_SIZE)

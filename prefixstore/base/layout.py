@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from prefixstore.engine.errors import (
+from prefixstore.base.errors import (
     DtypeError,
     LayoutError,
     RankError,

@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from prefixstore.engine.errors import PrefixStoreError
+from prefixstore.base.errors import PrefixStoreError
 
 COMMANDS = [
     "prefixstore.engine.cmd_demo",
@@ -36,18 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(handler=mod.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
+    if not getattr(args, "handler", None):
         parser.print_help()
         return 2
     try:
-        rc = int(args._run(args) or 0)
+        rc = int(args.handler(args) or 0)
         sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
         return rc
     except PrefixStoreError as exc:

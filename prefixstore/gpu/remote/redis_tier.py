@@ -1,0 +1,403 @@
+"""A remote tier many engines share: checkpoints in Redis (a server or a Redis Cluster).
+
+Blobs are immutable and self-verifying (see ``keys``, ``manifest``): a checkpoint is
+usable only when its manifest and every rank's blob are present and verify; anything
+else is a miss, counted, never wrong bytes. No call waits on the network past its
+budget: ``deepest`` within ``lookup_timeout``, ``fetch`` / ``fetch_path`` within
+``restore_timeout``. A failed or timed-out call marks the server down: later calls are
+misses at once while a background thread reconnects. No call raises for a network fault.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+
+from prefixstore.base.errors import InvalidArgumentError
+from prefixstore.base.log import log
+from prefixstore.gpu.remote import clients, manifest
+from prefixstore.gpu.remote.config import RemoteConfig
+from prefixstore.gpu.remote.keys import KeySpace, layout_id
+from prefixstore.gpu.remote.manifest import Manifest, ManifestError
+from prefixstore.gpu.remote.stats import RemoteStats
+from prefixstore.gpu.remote.urls import RemoteURL, parse
+from prefixstore.gpu.remote.writeback import WriteBehind
+
+T = TypeVar("T")
+PURPOSES = ("lookup", "restore", "write")
+
+
+@attrs.frozen
+class RemoteHit:
+    """The deepest checkpoint found: ``path`` are the manifests covering blocks
+    ``[path[0].start, blocks)`` in chain order (the last one ends at ``blocks``)."""
+
+    path: tuple[Manifest, ...]
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.path[-1]
+
+    @property
+    def blocks(self) -> int:
+        return self.path[-1].end
+
+    @property
+    def index(self) -> int:
+        """The chain index of the deepest block covered."""
+        return self.path[-1].end - 1
+
+
+class RemoteTier:
+    """Checkpoints of one layout in one namespace on the Redis at ``url``.
+
+    ``layout_json``: the layout's canonical JSON (``Layout.to_json()``); ``ranks``: its
+    number of ranks. Thread-safe.
+    """
+
+    def __init__(
+        self, url: str | RemoteURL, layout_json: str, ranks: int, config: RemoteConfig | None = None
+    ) -> None:
+        self.url = url if isinstance(url, RemoteURL) else parse(url)
+        if config is not None and not isinstance(config, RemoteConfig):
+            raise InvalidArgumentError("config", f"must be a RemoteConfig, got {type(config).__name__}")
+        self.config = config or RemoteConfig()
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise InvalidArgumentError("ranks", f"must be a positive integer, got {ranks!r}")
+        self.ranks = ranks
+        self.keys = KeySpace(self.config.namespace, layout_id(layout_json))
+        self._ttl_ms = None if self.config.ttl is None else max(1, int(self.config.ttl * 1000))
+        self._lock = threading.Lock()
+        self._clients: dict[str, Any] = {}
+        self._up = True
+        self._back = threading.Event()  # set while up: the writer waits on it
+        self._back.set()
+        self._closed = False
+        self._reconnecting: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._calls = concurrent.futures.ThreadPoolExecutor(
+            self.config.call_threads, "prefixstore-remote-call")
+        self.counts = RemoteStats(self._gauges)
+        self._queue = WriteBehind(
+            self._write_checked,
+            max_items=self.config.queue_items,
+            max_bytes=self.config.queue_bytes,
+            attempts=self.config.write_attempts,
+            backoff=self.config.retry_backoff,
+            on_retry=lambda: self.counts.add("write_retries"),
+            on_written=lambda: self.counts.add("writes"),
+            on_dropped=lambda: self.counts.add("dropped"),
+        ) if self.config.write_behind else None
+        for purpose in PURPOSES:  # connect now, so that no call's budget pays for it
+            self._calls.submit(self._warm, purpose)
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url.redacted()!r}, space={self.keys.base!r}, up={self._up})"
+
+    @classmethod
+    def for_layout(cls, url: str, layout: Any, config: RemoteConfig | None = None) -> RemoteTier:
+        """The tier for a ``Layout`` (anything with ``to_json()`` and ``ranks``)."""
+        return cls(url, layout.to_json(), layout.ranks, config)
+
+    # -- public API ---------------------------------------------------------------
+
+    @property
+    def up(self) -> bool:
+        """Whether the last call reached the server (False while reconnecting)."""
+        return self._up
+
+    def manifest_for(
+        self, prefix_key: bytes, blobs: Sequence[bytes], *, start: int, end: int,
+        generation: int, snapshot: bool, checksums: Sequence[str] | None = None,
+    ) -> Manifest:
+        """The manifest of one checkpoint: blocks ``[start, end)`` ending at ``prefix_key``,
+        one blob (the rank's shard file bytes) per rank; ``checksums``: their
+        ``shards.checksum`` if known (the catalog's), else computed here."""
+        if len(blobs) != self.ranks:
+            raise InvalidArgumentError("blobs", f"got {len(blobs)} blobs for {self.ranks} ranks")
+        if checksums is not None and len(checksums) != self.ranks:
+            raise InvalidArgumentError("checksums", f"got {len(checksums)} for {self.ranks} ranks")
+        return manifest.build(self.keys, prefix_key, blobs, start=start, end=end,
+                              generation=generation, snapshot=snapshot, checksums=checksums)
+
+    def put(self, prefix_key: bytes, m: Manifest, blobs: Sequence[bytes]) -> bool:
+        """Store a checkpoint: its blobs, then its manifest (a blob that is not ``bytes`` is
+        copied first, so the caller may reuse its buffer). Write-behind: queue it (False if
+        the queue is full: dropped, counted). Write-through: write it now within
+        ``write_timeout`` (False if that failed). Never raises for a network fault."""
+        if m.prefix != prefix_key.hex() or len(blobs) != len(m.blobs):
+            raise InvalidArgumentError("manifest", "does not describe these blobs at this key")
+        item = (prefix_key, m, tuple(b if isinstance(b, bytes) else bytes(b) for b in blobs))
+        if self._queue is not None:
+            if self._queue.offer(item, m.nbytes):
+                return True
+            self.counts.add("dropped")
+            return False
+        ok = self._call(self._write, item, "write", self.config.write_timeout) is not None
+        self.counts.add("writes" if ok else "dropped")
+        return ok
+
+    def deepest(
+        self, chain_keys: Sequence[bytes], *, have: int = 0, need_snapshot: bool = False
+    ) -> RemoteHit | None:
+        """The deepest checkpoint path over ``chain_keys`` (the request's chained keys from
+        the root), in one round trip. Blocks before ``have`` are already held locally, so a
+        path may start at any block ``<= have``. ``need_snapshot``: the deepest checkpoint
+        must hold a snapshot. None (a miss) when nothing beyond ``have`` is covered."""
+        self.counts.add("lookups")
+        names = [self.keys.manifest(k) for k in chain_keys[have:]]
+        values = self._timed("lookup_seconds", clients.get_many, names, "lookup",
+                             self.config.lookup_timeout)
+        hit = None if values is None else self._deepest_path(chain_keys, have, values, need_snapshot)
+        self.counts.add("hits" if hit else "misses")
+        return hit
+
+    def fetch(self, m: Manifest, rank: int) -> bytes | None:
+        """Rank ``rank``'s verified blob of checkpoint ``m``, or None (a miss), within
+        ``restore_timeout``."""
+        self.counts.add("fetches")
+        ref = m.blobs[rank]
+        values = self._timed("fetch_seconds", clients.get_many, [ref.key], "restore",
+                             self.config.restore_timeout)
+        data = self._verified(ref, values[0]) if values else None
+        if data is None:
+            self.counts.add("fetch_misses")
+        return data
+
+    def fetch_path(self, path: Sequence[Manifest]) -> list[list[bytes]]:
+        """Every rank's verified blob of each checkpoint of ``path`` in one round trip (per
+        cluster node), within ``restore_timeout``: the longest prefix of ``path`` whose
+        blobs all verify (empty on a miss)."""
+        refs = [ref for m in path for ref in m.blobs]
+        self.counts.add("fetches", len(refs))
+        values = self._timed("fetch_seconds", clients.get_many, [r.key for r in refs], "restore",
+                             self.config.restore_timeout) or [None] * len(refs)
+        out: list[list[bytes]] = []
+        i = 0
+        for m in path:
+            got = values[i:i + len(m.blobs)]
+            datas = [self._verified(ref, v) for ref, v in zip(m.blobs, got, strict=True)]
+            i += len(m.blobs)
+            if any(d is None for d in datas):
+                if any(v is None for v in got):
+                    self._forget(m)  # the server answered that a blob is gone (evicted)
+                break
+            out.append(datas)  # type: ignore[arg-type]
+        self.counts.add("fetch_misses", len(refs) - sum(len(d) for d in out))
+        return out
+
+    def flush(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for queued writes; True if none is left."""
+        return True if self._queue is None else self._queue.flush(timeout)
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges (names as in ``stats.COUNTERS`` / ``stats.GAUGES``)."""
+        return self.counts.snapshot()
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Flush queued writes within ``timeout`` seconds, then stop the threads and
+        disconnect. True if every queued write finished in time."""
+        done = True if self._queue is None else self._queue.stop(timeout)
+        self._closed = True
+        self._wake.set()
+        self._back.set()
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for c in self._clients.values():
+                with contextlib.suppress(*clients.NETWORK_ERRORS):
+                    c.close()
+            self._clients.clear()
+        return done
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------
+
+    def _gauges(self) -> dict[str, int]:
+        q = self._queue
+        return {"queue_depth": q.depth if q else 0, "queue_bytes": q.nbytes if q else 0,
+                "up": int(self._up)}
+
+    def _client(self, purpose: str) -> Any:
+        with self._lock:
+            c = self._clients.get(purpose)
+        if c is None:
+            timeout = {"lookup": self.config.lookup_timeout, "restore": self.config.restore_timeout,
+                       "write": self.config.write_timeout}[purpose]
+            c = clients.connect(self.url, self.config, timeout)
+            with self._lock:
+                c = self._clients.setdefault(purpose, c)
+        return c
+
+    def _warm(self, purpose: str) -> None:
+        try:
+            clients.ping(self._client(purpose))
+        except clients.NETWORK_ERRORS as exc:
+            self._failed("errors", purpose, type(exc).__name__)
+
+    def _call(self, fn: Callable[[Any, T], Any], arg: T, purpose: str, budget: float) -> Any:
+        """``fn(client, arg)`` within ``budget`` seconds; None (counted) on any network
+        fault, a timeout, or while the server is down."""
+        if not self._up or self._closed:
+            self.counts.add("skipped")
+            return None
+        try:
+            fut = self._calls.submit(lambda: fn(self._client(purpose), arg))
+        except RuntimeError:  # closed meanwhile
+            return None
+        try:
+            return fut.result(timeout=budget)
+        except concurrent.futures.TimeoutError:
+            self._failed("timeouts", purpose, "no answer within the budget")
+        except clients.CLUSTER_ERRORS as exc:
+            self._failed("errors", purpose, type(exc).__name__)
+        except clients.ANSWERED_ERRORS as exc:  # the server answered: it is up
+            self.counts.add("errors")
+            log.warning("remote_refused", remote=self.url.redacted(), call=purpose,
+                        reason=type(exc).__name__)
+        except clients.NETWORK_ERRORS as exc:
+            kind = "timeouts" if isinstance(exc, clients.TIMEOUT_ERRORS) else "errors"
+            self._failed(kind, purpose, type(exc).__name__)
+        except ValueError:  # redis-py reading a connection that close() shut under it
+            if not self._closed:
+                raise
+        return None
+
+    def _timed(self, counter: str, fn: Callable[[Any, T], Any], arg: T, purpose: str,
+               budget: float) -> Any:
+        """``_call``, adding its seconds to ``counter`` when the server answered."""
+        t0 = time.perf_counter()
+        out = self._call(fn, arg, purpose, budget)
+        if out is not None:
+            self.counts.add(counter, time.perf_counter() - t0)
+        return out
+
+    def _failed(self, kind: str, purpose: str, why: str) -> None:
+        self.counts.add(kind)
+        if self._closed:
+            return
+        with self._lock:
+            was_up, self._up = self._up, False
+            self._back.clear()
+            start = self._reconnecting is None and not self._closed
+            if start:
+                self._reconnecting = threading.Thread(
+                    target=self._reconnect, name="prefixstore-remote-reconnect", daemon=True)
+        if was_up:
+            log.warning("remote_down", remote=self.url.redacted(), call=purpose, reason=why)
+        if start:
+            self._reconnecting.start()
+
+    def _reconnect(self) -> None:
+        try:
+            while not self._closed:
+                self._wake.wait(self.config.reconnect_interval)
+                if self._closed:
+                    return
+                try:
+                    if clients.ping(self._client("lookup")):
+                        break
+                except (*clients.NETWORK_ERRORS, ValueError):  # ValueError: closed under it
+                    continue
+            else:
+                return
+            self._up = True
+            self._back.set()
+            self.counts.add("reconnects")
+            log.info("remote_up", remote=self.url.redacted())
+        finally:
+            with self._lock:
+                self._reconnecting = None
+
+    def _deepest_path(
+        self, chain_keys: Sequence[bytes], have: int, values: list[Any], need_snapshot: bool
+    ) -> RemoteHit | None:
+        paths: dict[int, tuple[Manifest, ...]] = {}  # end block -> covering path
+        best: tuple[Manifest, ...] | None = None
+        failures = {id(v) for v in values if isinstance(v, Exception)}
+        if failures:  # some cluster nodes failed: their keys are absent
+            self.counts.add("errors", len(failures))
+        for i, value in enumerate(values, start=have):
+            if not isinstance(value, bytes):
+                continue
+            try:
+                m = manifest.decode(self.keys, chain_keys[i], value, self.ranks)
+            except ManifestError as exc:
+                self.counts.add("verify_failures")
+                log.warning("remote_bad_manifest", key=chain_keys[i].hex(), reason=str(exc))
+                continue
+            if m.end != i + 1:
+                continue
+            before = () if m.start <= have else paths.get(m.start)
+            if before is None:
+                continue
+            paths[m.end] = (*before, m)
+            if not need_snapshot or m.snapshot:
+                best = paths[m.end]
+        return RemoteHit(best) if best else None
+
+    def _verified(self, ref: manifest.BlobRef, value: Any) -> bytes | None:
+        if value is None or not isinstance(value, bytes):
+            return None
+        if not ref.verify(value):
+            self.counts.add("verify_failures")
+            log.warning("remote_bad_blob", key=ref.key, size=len(value), want=ref.size)
+            return None
+        self.counts.add("bytes_in", len(value))
+        return value
+
+    def touch(self, hit: RemoteHit) -> None:
+        """Mark, in the background, the blobs of a path found but not fetched (the caller
+        holds it already) as used: Redis's LRU then ages a checkpoint's blobs with its
+        manifest (which every lookup reads) instead of evicting blobs still in use."""
+        if not self._up or self._closed:
+            return
+        keys = [ref.key for m in hit.path for ref in m.blobs]
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._calls.submit(self._quietly, clients.touch, keys)
+
+    def _quietly(self, fn: Callable[[Any, Any], Any], arg: Any) -> None:
+        with contextlib.suppress(*clients.NETWORK_ERRORS, ValueError):
+            fn(self._client("write"), arg)
+
+    def _forget(self, m: Manifest) -> None:
+        """Delete, in the background, the manifest of a checkpoint a blob of which Redis
+        evicted: later lookups stop finding a checkpoint that cannot be read (an altered
+        blob is a miss each time, counted, and left for its writer to put again)."""
+        if not self._up or self._closed:
+            return
+        key = self.keys.manifest(m.prefix_key)
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._calls.submit(self._delete, key)
+
+    def _delete(self, key: str) -> None:
+        try:
+            clients.delete(self._client("write"), key)
+            self.counts.add("forgotten")
+        except (*clients.NETWORK_ERRORS, ValueError):
+            pass  # a miss stays a miss; the next failed fetch tries again
+
+    def _write(self, client: Any, item: tuple[bytes, Manifest, tuple[bytes, ...]]) -> bool:
+        prefix_key, m, blobs = item
+        clients.set_many(client, [(r.key, b) for r, b in zip(m.blobs, blobs, strict=True)], self._ttl_ms)
+        body = manifest.encode(self.keys, m)
+        clients.set_many(client, [(self.keys.manifest(prefix_key), body)], self._ttl_ms)
+        self.counts.add("bytes_out", m.nbytes + len(body))
+        return True
+
+    def _write_checked(self, item: tuple[bytes, Manifest, tuple[bytes, ...]]) -> None:
+        """One write-behind attempt in the writer thread (after waiting, at most
+        ``write_timeout``, for a reconnect if the server is down); raises if it did not land."""
+        self._back.wait(self.config.write_timeout)
+        if self._call(self._write, item, "write", self.config.write_timeout) is None:
+            raise ConnectionError("remote write failed")

@@ -1,0 +1,216 @@
+"""The one verified read of a shard from a tier, and the checks it makes.
+
+Every path that trusts shard bytes (restore, the prior-record check of a failed store,
+audit, recovery's re-attaching) reads and checks them here and gets a typed outcome:
+
+- ``Shard``: the bytes passed (size and checksum against the catalog row, and the
+  header when asked): ``data`` (bytes) or ``buffer`` (a staging ``Buffer`` the caller
+  releases);
+- ``Damage(why)``: the tier answered and the shard is missing, not a regular file,
+  the wrong size, altered, or its header names another shard: proof of damage;
+- ``Transient(why)``: an I/O error or a rank that cannot answer: proves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from prefixstore.base.errors import NotRegularFileError, RankUnavailableError, ShardError
+from prefixstore.base.layout import Layout
+from prefixstore.gpu import shards
+from prefixstore.gpu.executor import Buffer, CopyStats, StagingPool
+from prefixstore.gpu.tier import Capability, Tier, has
+
+
+@attrs.frozen
+class Damage:
+    """The shard is not what the catalog says: ``why``."""
+
+    why: str
+
+
+@attrs.frozen
+class Transient:
+    """The shard could not be read (``unavailable``: the rank cannot answer at all)."""
+
+    why: str
+    unavailable: bool = False
+
+
+@attrs.frozen
+class Header:
+    """What a shard's header must say: the layout, its token rows, whether it carries a
+    snapshot, and its metadata (key, generation, span, rank)."""
+
+    layout: Layout
+    tokens: int
+    with_snapshot: bool
+    meta: Mapping[str, str]
+
+
+@attrs.define(eq=False)
+class Shard:
+    """Verified shard bytes: ``data``, or ``buffer`` (the caller's reference); with its
+    decoded ``segments`` and ``snapshot`` tensors when a header was checked."""
+
+    data: bytes | None = None
+    buffer: Buffer | None = None
+    segments: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    snapshot: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+
+def read(
+    tier: Tier,
+    name: str,
+    size: int,
+    checksum: str,
+    *,
+    pool: StagingPool | None = None,
+    stats: CopyStats | None = None,
+    header: Header | None = None,
+) -> Shard | Damage | Transient:
+    """Read ``name`` from ``tier`` and check it against its catalog row (``size``,
+    ``checksum``) and, when given, ``header``.
+
+    With ``pool`` the shard lands in a staging buffer (read in place where the tier
+    ``READS_INTO``; copies are counted in ``stats``) and its header, if asked, is
+    parsed there without copying; otherwise it is read as bytes.
+    """
+    if pool is None:
+        got = _read_bytes(tier, name)
+        return got if not isinstance(got, bytes) else check(got, size, checksum, header, name)
+    buf = pool.acquire(size)
+    try:
+        n = _read_into(tier, name, buf.mv(), stats)
+    except BaseException:
+        buf.release()
+        raise
+    if isinstance(n, Damage | Transient):
+        buf.release()
+        return n
+    if stats is not None:
+        stats.add(tier_read_bytes=min(n, size))
+    why = (_size_problem(n, size, name) or
+           (f"shard {name}: checksum mismatch" if shards.checksum(buf.mv()) != checksum else None))
+    if why is None and header is not None:
+        parsed = parse_header(buf, header)
+        if isinstance(parsed, Damage):
+            why = parsed.why
+        else:
+            return Shard(buffer=buf, segments=parsed[0], snapshot=parsed[1])
+    if why is not None:
+        buf.release()
+        return Damage(why)
+    return Shard(buffer=buf)
+
+
+def check(data: bytes, size: int, checksum: str, header: Header | None = None, name: str = "") -> Shard | Damage:
+    """``data`` (a shard's bytes from anywhere: a tier, the remote) checked against its
+    ``size``, ``checksum`` and, when given, ``header`` (then decoded)."""
+    why = problem(data, size, checksum, None, name)
+    if why is not None:
+        return Damage(why)
+    if header is None:
+        return Shard(data=data)
+    try:
+        segs, snap = shards.decode(data, header.layout, header.tokens, header.with_snapshot, header.meta)
+    except ShardError as exc:
+        return Damage(str(exc))
+    return Shard(data=data, segments=segs, snapshot=snap)
+
+
+def resident(tier: Tier, name: str, size: int) -> Shard | Damage | None:
+    """The tier's RAM-resident buffer of ``name`` (retained for the caller) when it
+    declares ``RESIDENT_VIEWS`` and holds the shard at the catalog's ``size``; None when
+    not resident. A resident copy is the verified buffer a store or read put there: its
+    checksum is not taken again."""
+    if not has(tier, Capability.RESIDENT_VIEWS):
+        return None
+    buf = tier.view_shard(name)  # type: ignore[attr-defined]
+    if buf is None:
+        return None
+    if buf.nbytes != size:
+        buf.release()
+        return Damage(f"RAM copy of {name} is {buf.nbytes} bytes, catalog says {size}")
+    return Shard(buffer=buf)
+
+
+def stat(tier: Tier, name: str, size: int) -> Damage | Transient | None:
+    """Presence and size of ``name`` on ``tier`` (None: as the catalog says)."""
+    try:
+        actual = tier.size(name)
+    except NotRegularFileError as exc:
+        return Damage(f"shard {name} {exc.strerror}")
+    except OSError as exc:
+        return Transient(str(exc), isinstance(exc, RankUnavailableError))
+    if actual is None:
+        return Damage(f"shard {name} missing")
+    why = _size_problem(actual, size, name)
+    return None if why is None else Damage(why)
+
+
+def problem(data: bytes, size: int | None, checksum: str | None, header: Header | None = None,
+            name: str = "") -> str | None:
+    """Why ``data`` is not the shard its catalog row (``size``: None to skip,
+    ``checksum``) and ``header`` describe; None when it is."""
+    label = f"shard {name}" if name else "shard"
+    if size is not None and len(data) != size:
+        return _size_problem(len(data), size, name)
+    if shards.checksum(data) != checksum:
+        return f"{label}: checksum mismatch" if name else "checksum mismatch"
+    if header is not None:
+        try:
+            shards.decode(data, header.layout, header.tokens, header.with_snapshot, header.meta)
+        except ShardError as exc:
+            return str(exc)
+    return None
+
+
+def parse_header(buf: Buffer, header: Header) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | Damage:
+    """Views of the segments and snapshot of the shard in ``buf``, its header checked."""
+    try:
+        return shards.parse(buf.view(), header.layout, header.tokens, header.with_snapshot, header.meta)
+    except ShardError as exc:
+        return Damage(str(exc))
+
+
+def _size_problem(actual: int, size: int, name: str) -> str | None:
+    return None if actual == size else f"shard {name} is {actual} bytes, catalog says {size}"
+
+
+def _read_bytes(tier: Tier, name: str) -> bytes | Damage | Transient:
+    try:
+        return tier.read_shard(name)
+    except FileNotFoundError:  # the tier answered: the shard is not there
+        return Damage(f"shard {name} missing")
+    except NotRegularFileError as exc:  # a symlink, FIFO or device in its place
+        return Damage(f"shard {name} {exc.strerror}")
+    except OSError as exc:  # an I/O error or a rank process down: proves nothing
+        return Transient(str(exc), isinstance(exc, RankUnavailableError))
+
+
+def _read_into(tier: Tier, name: str, out: memoryview, stats: CopyStats | None) -> int | Damage | Transient:
+    """Read ``name`` into ``out``; the shard's full size (it may exceed ``out``)."""
+    if not has(tier, Capability.READS_INTO):
+        data = _read_bytes(tier, name)
+        if not isinstance(data, bytes):
+            return data
+        n = min(len(data), len(out))
+        out[:n] = memoryview(data)[:n]
+        if stats is not None:
+            stats.host_copy(n)
+        return len(data)
+    try:
+        got = tier.read_shard_into(name, out)  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        return Damage(f"shard {name} missing")
+    except NotRegularFileError as exc:
+        return Damage(f"shard {name} {exc.strerror}")
+    except OSError as exc:
+        return Transient(str(exc), isinstance(exc, RankUnavailableError))
+    if stats is not None and has(tier, Capability.COPIES_ON_READ):
+        stats.host_copy(min(got, len(out)))
+    return got

@@ -1,0 +1,50 @@
+"""Shared helpers of the remote-tier tests: layouts, chains and checkpoint bytes."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from conftest import make_layout
+
+from prefixstore.base.keys import Prefix
+from prefixstore.gpu.remote import RemoteConfig, RemoteTier
+
+LAYOUT = make_layout(ranks=2)
+
+
+def chain(n: int, seed: int = 0) -> tuple[bytes, ...]:
+    """The chained keys of an ``n``-block request."""
+    return Prefix.from_ids(range(seed * 1000, seed * 1000 + n)).keys
+
+
+def blobs_for(seed: int, ranks: int = 2, size: int = 4096) -> list[bytes]:
+    """Deterministic per-rank bytes of one checkpoint."""
+    rng = random.Random(seed)
+    return [rng.randbytes(size + 17 * r) for r in range(ranks)]
+
+
+def tier(url: str, layout=LAYOUT, **options) -> RemoteTier:
+    """A tier with short budgets (a test's fault should not cost seconds)."""
+    defaults = {"lookup_timeout": 0.5, "restore_timeout": 1.0, "write_timeout": 1.0,
+                "reconnect_interval": 0.05}
+    return RemoteTier.for_layout(url, layout, RemoteConfig(**{**defaults, **options}))
+
+
+def store(t: RemoteTier, keys, start: int, end: int, seed: int, generation: int = 1,
+          snapshot: bool = False) -> list[bytes]:
+    """Put the checkpoint of blocks ``[start, end)`` of ``keys``; return its blobs."""
+    blobs = blobs_for(seed, t.ranks)
+    m = t.manifest_for(keys[end - 1], blobs, start=start, end=end, generation=generation,
+                       snapshot=snapshot)
+    assert t.put(keys[end - 1], m, blobs)
+    return blobs
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

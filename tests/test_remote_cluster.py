@@ -1,0 +1,79 @@
+"""The remote tier on a real 3-master Redis Cluster, with a node killed mid-run."""
+
+from __future__ import annotations
+
+import time
+
+from redis_servers import redis_cluster_fixture  # noqa: F401
+from remote_helpers import blobs_for, chain, store, tier
+
+from prefixstore.gpu.remote import RemoteTier
+
+GRACE = 5.0
+SETUP_WRITE_S = 10.0  # the stores before a fault: a loaded machine must not fail them
+REQUESTS = 24
+
+
+def _store_all(t: RemoteTier) -> None:
+    for seed in range(REQUESTS):
+        keys = chain(6, seed=seed)
+        store(t, keys, 0, 3, seed=2 * seed)
+        store(t, keys, 3, 6, seed=2 * seed + 1)
+
+
+def _read_all(t: RemoteTier) -> tuple[int, float]:
+    """Full hits among the requests (every byte read checked); the slowest call's seconds."""
+    full, slowest = 0, 0.0
+    for seed in range(REQUESTS):
+        t0 = time.monotonic()
+        hit = t.deepest(chain(6, seed=seed))
+        got = t.fetch_path(hit.path) if hit else []
+        slowest = max(slowest, time.monotonic() - t0)
+        if hit:
+            want = [blobs_for(2 * seed + (m.start > 0)) for m in hit.path]
+            assert got == want[: len(got)]
+            full += len(got) == 2
+    return full, slowest
+
+
+def test_cluster_round_trip_across_slots(redis_cluster):
+    with tier(redis_cluster.url) as t:
+        _store_all(t)
+        assert t.flush(20)
+        assert _read_all(t)[0] == REQUESTS
+        s = t.stats()
+    assert s["writes"] == 2 * REQUESTS and s["errors"] == 0 and s["verify_failures"] == 0
+    holders = [n.client().dbsize() for n in redis_cluster.nodes]
+    assert all(n > 0 for n in holders) and sum(holders) == REQUESTS * 2 * 3
+
+
+def test_cluster_node_killed_mid_run(redis_cluster):
+    with tier(redis_cluster.url, write_timeout=SETUP_WRITE_S, write_behind=False, lookup_timeout=1.0,
+              restore_timeout=1.0) as t:
+        _store_all(t)
+        assert _read_all(t)[0] == REQUESTS
+        redis_cluster.nodes[1].stop()
+        full, slowest = _read_all(t)  # no exception, no wrong bytes
+        assert full < REQUESTS and slowest < 1.0 + GRACE
+        deadline = time.monotonic() + 20  # the other nodes keep serving their slots
+        while full == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            full, slowest = _read_all(t)
+        assert 0 < full < REQUESTS and slowest < 1.0 + GRACE
+        s = t.stats()
+    assert s["errors"] + s["timeouts"] >= 1 and s["verify_failures"] == 0
+
+
+def test_cluster_node_stopped_mid_run(redis_cluster):
+    """SIGSTOP on one node: calls that need it end within their budget as misses."""
+    with tier(redis_cluster.url, write_timeout=SETUP_WRITE_S, write_behind=False, lookup_timeout=0.5,
+              restore_timeout=0.5) as t:
+        _store_all(t)
+        redis_cluster.nodes[2].pause()
+        try:
+            full, slowest = _read_all(t)  # no exception, no wrong bytes
+            assert full < REQUESTS and slowest < 0.5 + GRACE
+            s = t.stats()
+            assert s["timeouts"] >= 1 and s["verify_failures"] == 0
+        finally:
+            redis_cluster.nodes[2].resume()

@@ -1,0 +1,128 @@
+"""Remote tier URLs, AUTH / ACL and TLS against real redis-server processes; no
+credential ever appears in a repr, the stats or the logs."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import structlog
+from redis_servers import RedisServer
+from remote_helpers import blobs_for, chain, store, tier, wait_until
+
+from prefixstore.base.errors import InvalidArgumentError
+from prefixstore.gpu.remote import parse, redis_tier
+
+SECRET = "s3cr3t-Pa55word"
+
+
+@pytest.mark.parametrize(("url", "want"), [
+    ("redis://localhost", (False, False, (("localhost", 6379),), 0, None, None)),
+    ("redis://h:7000/3", (False, False, (("h", 7000),), 3, None, None)),
+    ("rediss://u:p%40ss@h:1/0", (False, True, (("h", 1),), 0, "u", "p@ss")),
+    ("redis://:pw@h:2", (False, False, (("h", 2),), 0, None, "pw")),
+    ("redis+cluster://a:1,b:2,[::1]:3", (True, False, (("a", 1), ("b", 2), ("::1", 3)), 0, None, None)),
+    ("rediss+cluster://u:p@a:1", (True, True, (("a", 1),), 0, "u", "p")),
+])
+def test_urls_parse(url, want):
+    u = parse(url)
+    assert (u.cluster, u.tls, u.hosts, u.db, u.username, u.password) == want
+
+
+@pytest.mark.parametrize("url", [
+    "http://h:1", "redis//h", "redis://h:0", "redis://h:x", "redis://a:1,b:2",
+    "redis://h:1/x", "redis+cluster://a:1/2", "redis://:pw@", 42,
+])
+def test_bad_urls_are_refused_naming_remote(url):
+    with pytest.raises(InvalidArgumentError) as e:
+        parse(url)
+    assert e.value.argument == "remote"
+
+
+def test_bad_url_error_does_not_show_the_password():
+    with pytest.raises(InvalidArgumentError) as e:
+        parse(f"redis://user:{SECRET}@h:99999")
+    assert SECRET not in str(e.value)
+
+
+def test_password_is_never_shown(tmp_path, monkeypatch):
+    text = io.StringIO()
+    monkeypatch.setattr(redis_tier, "log", structlog.wrap_logger(
+        structlog.PrintLogger(file=text), processors=[structlog.processors.KeyValueRenderer()],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG)))
+    server = RedisServer(tmp_path / "redis", password=SECRET).start()
+    url = f"redis://default:{SECRET}@127.0.0.1:{server.port}/0"
+    try:
+        keys = chain(4)
+        t = tier(url, write_behind=False, password=None)
+        blobs = store(t, keys, 0, 4, seed=1)
+        assert t.fetch_path(t.deepest(keys).path) == [blobs]
+        server.stop()  # logs the outage, naming the server
+        assert t.deepest(keys) is None
+        server.restart()
+        assert wait_until(lambda: t.up)  # logs the reconnect
+        shown = [repr(t), repr(t.url), t.url.redacted(), repr(t.config), str(t.stats())]
+        t.close()
+        logged = text.getvalue()
+        assert "event='remote_down'" in logged and "event='remote_up'" in logged
+        assert f"remote='redis://default:***@127.0.0.1:{server.port}/0'" in logged
+        assert all(SECRET not in part for part in [*shown, logged])
+    finally:
+        server.stop()
+
+
+def test_wrong_or_missing_password_is_a_miss(tmp_path):
+    server = RedisServer(tmp_path / "redis", password=SECRET).start()
+    try:
+        keys = chain(4)
+        with tier(server.url, write_behind=False) as t:  # no password
+            assert not t.put(keys[3], *_one(t, keys))
+            assert t.deepest(keys) is None
+            assert t.stats()["errors"] >= 1 and not t.up
+        with tier(server.url, write_behind=False, password="wrong") as t:
+            assert t.deepest(keys) is None and t.stats()["errors"] >= 1
+        with tier(server.url, write_behind=False, password=SECRET) as t:  # option, not URL
+            blobs = store(t, keys, 0, 4, seed=2)
+            assert t.fetch_path(t.deepest(keys).path) == [blobs]
+    finally:
+        server.stop()
+
+
+def test_acl_user(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        server.client().acl_setuser("engine", enabled=True, passwords=[f"+{SECRET}"],
+                                    keys=["ps:*"], commands=["+@all"])
+        keys = chain(4)
+        url = f"redis://engine:{SECRET}@127.0.0.1:{server.port}/0"
+        with tier(url, write_behind=False) as t:
+            blobs = store(t, keys, 0, 4, seed=3)
+            assert t.fetch_path(t.deepest(keys).path) == [blobs]
+        with tier(url, write_behind=False, namespace="other") as t:
+            assert t.deepest(keys) is None
+    finally:
+        server.stop()
+
+
+def test_tls(tmp_path):
+    server = RedisServer(tmp_path / "redis", tls=True).start()
+    try:
+        keys = chain(4)
+        with tier(server.url, write_behind=False, tls={"ssl_ca_certs": server.ca_file}) as t:
+            blobs = store(t, keys, 0, 4, seed=4)
+            assert t.fetch_path(t.deepest(keys).path) == [blobs]
+        with tier(server.url, write_behind=False) as t:  # the server's CA is not trusted
+            assert t.deepest(keys) is None
+            assert wait_until(lambda: t.stats()["errors"] + t.stats()["timeouts"] >= 1)
+        plain = f"redis://127.0.0.1:{server.port}/0"  # TLS port, plain client
+        with tier(plain, write_behind=False, lookup_timeout=0.3) as t:
+            assert t.deepest(keys) is None
+            assert wait_until(lambda: t.stats()["errors"] + t.stats()["timeouts"] >= 1)
+    finally:
+        server.stop()
+
+
+def _one(t, keys):
+    blobs = blobs_for(9)
+    return t.manifest_for(keys[3], blobs, start=0, end=4, generation=1, snapshot=False), blobs
