@@ -32,7 +32,7 @@ CAUGHT_BY = {
     "skip-orphan-cleanup": {"audit:3"},
     "skip-restore-checksum": {"bytes"},
     "skip-barrier": {"damaged", "miss", "audit:1"},
-    "skip-retire-output": {"invariant"},  # with the checks off: not found (no audit check sees it)
+    "skip-retire-output": {"invariant", "audit:3"},  # audit 3: rows owned by an ended transaction
 }
 
 
@@ -136,7 +136,8 @@ def test_publish_without_dir_fsync_with_checks_off_shows_only_after_power_loss(t
 def test_refill_ending_without_its_retire_output(tmp_path, monkeypatch, checks):
     """A refill whose ``retire_old`` output is skipped reaches DONE still owning the
     old generation: the invariant check raises at that transition (DONE 2); with the
-    checks off the store is acknowledged and the engine's audit is clean."""
+    checks off the store is acknowledged and only the audit finds the old generation's
+    rows, still owned by the ended transaction (invariant 3)."""
     monkeypatch.setenv(DEBUG_ENV, checks)
     plant = plants.get("skip-retire-output")
     tokens = tokens_for(2, 2)
@@ -150,6 +151,9 @@ def test_refill_ending_without_its_retire_output(tmp_path, monkeypatch, checks):
                     store_tokens(eng, tokens)
             else:
                 assert store_tokens(eng, tokens).status == REFILLED
-                assert eng.audit().ok
+                rep = eng.audit()
+                assert not rep.ok and any(
+                    v.invariant == 3 and "owned by transaction" in v.detail for v in rep.violations
+                ), rep.violations
         finally:
             eng.close()

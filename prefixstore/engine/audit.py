@@ -606,6 +606,8 @@ def _accounting(rep: AuditReport, files, nodes, disk: _Disk, capacity: int) -> N
             if status == "writing" and txn not in open_txns:
                 stray += 1
                 rep.add(3, f"file rank{rank}/{name} is 'writing' with no open transaction")
+            elif status == "garbage" and txn is not None and txn not in open_txns:
+                rep.add(3, f"garbage file rank{rank}/{name} is owned by transaction {txn}, which has ended")
             on = disk.entries.get((rank, name))
             if status == "garbage" and on is not None and on[0] > size:
                 rep.add(3, f"garbage file rank{rank}/{name} is {on[0]} bytes on disk, {size} charged")

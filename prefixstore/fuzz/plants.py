@@ -309,8 +309,8 @@ PLANTS: dict[str, Plant] = {
         Plant(
             "skip-retire-output",
             "a published refill or compact-replace ends (DONE) without its retire_old output's unlinks",
-            "the driver's invariant check at DONE (it still owns rows); without it, files and rows "
-            "of a finished transaction linger",
+            "the driver's invariant check at DONE (it still owns rows); without it, the audit: "
+            "garbage rows owned by a transaction that has ended (invariant 3)",
             engine_cls=_SkipRetire,
             patch=_skip_retire,
             config=_SNAP_RETIRE,
