@@ -136,9 +136,8 @@ class Engine:
         fits or ``valid()`` turns false (then it is dropped and counted). A
         ``StoreParams`` may be given alone instead of the arguments.
         """
-        if isinstance(prefix, StoreParams):
-            params.alone("store", prefix, segments, snapshot, tokens_from, valid)
-            prefix, segments, snapshot, tokens_from, valid = attrs.astuple(prefix, recurse=False)
+        prefix, segments, snapshot, tokens_from, valid = params.store_arguments(
+            "store", prefix, segments, snapshot, tokens_from, valid)
         segs, snaps = validate.store_args(self, prefix, segments, snapshot, tokens_from, valid)
         lifecycle.check_writable(self, "store")
         with lifecycle.guard(self):
@@ -169,9 +168,8 @@ class Engine:
         (the device tensors are never read again), retried while ``valid()`` holds.
         A ``StoreParams`` may be given alone instead of the arguments.
         """
-        if isinstance(prefix, StoreParams):
-            params.alone("store_async", prefix, segments, snapshot, tokens_from, valid)
-            prefix, segments, snapshot, tokens_from, valid = attrs.astuple(prefix, recurse=False)
+        prefix, segments, snapshot, tokens_from, valid = params.store_arguments(
+            "store_async", prefix, segments, snapshot, tokens_from, valid)
         lifecycle.check_writable(self, "store_async")
         return pipeline.store_async(self, prefix, segments, snapshot, tokens_from, valid)
 

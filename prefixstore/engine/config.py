@@ -27,7 +27,7 @@ from prefixstore.statemachine.policy import POLICIES
 
 if TYPE_CHECKING:
     from prefixstore.gpu.fileio import FaultHook, FileSystem
-    from prefixstore.gpu.ranks import RankIO
+    from prefixstore.gpu.tier import RankIO
 
 
 def _checked(check: Callable[..., Any], *args: Any, **kw: Any) -> Callable[[Any, attrs.Attribute, Any], None]:

@@ -134,3 +134,12 @@ def alone(call: str, given: Any, *others: Any) -> None:
     arguments) must all be at their defaults."""
     if any(o not in (None, 0) for o in others):
         raise InvalidArgumentError("prefix", f"{call}: a {type(given).__name__} is given alone, without other arguments")
+
+
+def store_arguments(call: str, prefix: Any, segments: Any, snapshot: Any, tokens_from: Any, valid: Any) -> tuple:
+    """``store`` / ``store_async``'s arguments as given, or taken from a StoreParams
+    given alone: ``(prefix, segments, snapshot, tokens_from, valid)``."""
+    if not isinstance(prefix, StoreParams):
+        return prefix, segments, snapshot, tokens_from, valid
+    alone(call, prefix, segments, snapshot, tokens_from, valid)
+    return attrs.astuple(prefix, recurse=False)

@@ -1,6 +1,6 @@
 """Per-rank file effects: durable shard writes, reads and idempotent removal.
 
-``RankIO`` is what the engine talks to for one rank. ``LocalRank`` applies the
+``RankIO`` (``gpu/tier.py``) is what the engine talks to for one rank. ``LocalRank`` applies the
 effects in this process on a rank directory; ``prefixstore.gpu.distributed``
 provides the same interface for a rank living in its own process.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from typing import Protocol
 
 from prefixstore.base.errors import UnsafeDirectoryError
 from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS
@@ -27,28 +26,6 @@ def shard_name(key: bytes, generation: int) -> str:
 
 def rank_dir_name(rank: int) -> str:
     return f"rank{rank}"
-
-
-class RankIO(Protocol):
-    """File effects of one rank. Every method is idempotent where the docs say so.
-
-    ``write_shard`` may be given a ``memoryview`` (a staging buffer) instead of bytes.
-    The engine talks to a rank as a tier (``gpu/tier.py``): these operations plus
-    ``available`` and declared ``capabilities``, which name the optional operations it
-    may use; a ``RankIO`` that declares none is used through these operations only.
-    """
-
-    rank: int
-    directory: str
-
-    def write_shard(self, name: str, data: bytes) -> None: ...
-    def read_shard(self, name: str) -> bytes: ...
-    def remove(self, name: str) -> bool: ...
-    def remove_temp(self, name: str) -> None: ...
-    def quarantine(self, entry: str) -> str: ...
-    def sync_dir(self) -> None: ...
-    def size(self, name: str) -> int | None: ...
-    def listdir(self) -> list[str]: ...
 
 
 class LocalRank:

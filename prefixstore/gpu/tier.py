@@ -57,21 +57,14 @@ class Capability(enum.Flag):
     REPORTS_DURABILITY = enum.auto()
 
 
-@runtime_checkable
-class Tier(Protocol):
-    """One rank's shard store, as the engine uses it.
-
-    The operations a capability names are called only when ``capabilities`` declares it;
-    a tier that lacks an ability need not define its method.
-    """
+class RankIO(Protocol):
+    """File effects of one rank: the operations every tier has. Every method is
+    idempotent where the docs say so; ``write_shard`` may be given a ``memoryview`` (a
+    staging buffer) instead of bytes. A ``RankIO`` that declares no ``capabilities`` is
+    used through these operations only."""
 
     rank: int
     directory: str
-
-    @property
-    def capabilities(self) -> Capability: ...
-    @property
-    def available(self) -> bool: ...
 
     def write_shard(self, name: str, data: bytes | memoryview) -> None: ...
     def read_shard(self, name: str) -> bytes: ...
@@ -81,6 +74,21 @@ class Tier(Protocol):
     def sync_dir(self) -> None: ...
     def size(self, name: str) -> int | None: ...
     def listdir(self) -> list[str]: ...
+
+
+@runtime_checkable
+class Tier(RankIO, Protocol):
+    """One rank's shard store, as the engine uses it: the ``RankIO`` operations plus
+    ``available`` and the declared ``capabilities``.
+
+    The operations a capability names are called only when ``capabilities`` declares it;
+    a tier that lacks an ability need not define its method.
+    """
+
+    @property
+    def capabilities(self) -> Capability: ...
+    @property
+    def available(self) -> bool: ...
 
 
 def has(tier: Tier, cap: Capability) -> bool:

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixstore.gpu.distributed import RemoteRank
-from prefixstore.gpu.ranks import RankIO
-from prefixstore.gpu.tier import Capability, Tier, TierOptions
+from prefixstore.gpu.tier import Capability, RankIO, Tier, TierOptions
 
 
 class DeclaredRank:
