@@ -547,6 +547,69 @@ def test_a_store_failing_before_its_writes_releases_its_staging_buffers(tmp_path
         assert again.audit().ok
 
 
+class _UnreadableJournal:
+    """The catalog's connection once its pages can no longer be read: every statement
+    on the journal fails as SQLite reports a failed page read (SQLITE_CORRUPT)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql, *args):
+        if "journal" in sql:
+            exc = sqlite3.DatabaseError("database disk image is malformed")
+            exc.sqlite_errorcode = 11
+            raise exc
+        return self.conn.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+@pytest.mark.parametrize("label", ["store.publish", "evict.reclaimed"])
+def test_a_transaction_that_cannot_be_ended_raises_its_own_typed_error(tmp_path, label):
+    """A commit fails with an I/O error, then ending its transaction cannot even read
+    the journal: the caller gets the commit's CatalogIOError (never the raw sqlite3
+    error of the clean-up), the engine refuses writes until reopened, and recovery
+    finishes the transaction with nothing lost."""
+    L = make_layout()
+    root = str(tmp_path / "c")
+    a, b = tokens_for(11, 3), tokens_for(12, 3)
+    gate = Gate()
+    eng = Engine.open(root, L, CAP, hook=gate)
+    try:
+        assert store_tokens(eng, a).ok
+
+        class Fail(FaultHook):
+            def before(self, op, target, rank):
+                if op == "commit" and target == label:
+                    eng.catalog.conn = _UnreadableJournal(eng.catalog.conn)
+                    raise _io_error()
+
+        gate.arm(Fail())
+        with pytest.raises(CatalogIOError):
+            if label == "store.publish":
+                store_tokens(eng, b)
+            else:
+                eng.evict(prefix=Prefix.from_tokens(a, BT))
+        gate.disarm()
+        eng.catalog.conn = eng.catalog.conn.conn
+        assert eng.catalog.failed is not None
+        with pytest.raises(CatalogIOError, match="reopen"):
+            store_tokens(eng, b)
+    finally:
+        gate.disarm()
+        if isinstance(eng.catalog.conn, _UnreadableJournal):
+            eng.catalog.conn = eng.catalog.conn.conn
+        eng.close()
+    with Engine.open(root, L, CAP) as again:
+        assert again.audit().ok and not again.catalog.journal()
+        if label == "store.publish":
+            assert_restores(again, a, blocks=3)
+        else:  # the eviction had published: recovery finished it
+            assert not again.lookup(Prefix.from_tokens(a, BT)).hit
+        assert store_tokens(again, b).ok
+
+
 # --------------------------------------------------------------------------- index reload
 
 

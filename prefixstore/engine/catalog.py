@@ -272,13 +272,25 @@ class Catalog:
 
     # -- reads -----------------------------------------------------------------------
 
-    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+    @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """The connection for reads outside a write transaction: an I/O error of SQLite
+        in them (a failed page read can also look like corruption) raises CatalogIOError."""
         try:
-            return self.conn.execute(sql, args).fetchall()
+            yield self.conn
         except sqlite3.DatabaseError as exc:
             if not _io_error(exc):
                 raise
             raise CatalogIOError(f"catalog read failed: {exc}") from exc
+
+    def fail(self, reason: str) -> None:
+        """Refuse every later write until the engine is reopened (as a failed commit does)."""
+        if self.failed is None:
+            self.failed = reason
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self.reading() as c:
+            return c.execute(sql, args).fetchall()
 
     def charged(self) -> int:
         return self.query("SELECT coalesce(sum(size), 0) FROM files")[0][0]

@@ -40,7 +40,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
+from prefixstore.base.errors import (
+    CatalogIOError,
+    EngineClosedError,
+    InvalidInputError,
+    SimulatedCrash,
+)
 from prefixstore.engine import journal, lifecycle, loading, replace, retry, spans, store, validate
 from prefixstore.engine.driver import Txn
 from prefixstore.engine.results import DUPLICATE, QUEUED, REFUSED, StoreResult
@@ -178,14 +183,22 @@ def write_shard(eng: Engine, r: int, name: str, d: Any) -> None:
 
 def fail_txn(eng: Engine, txn: Txn, exc: BaseException) -> None:
     """End ``txn`` after an unexpected error in its flow, by its table's abort step:
-    forward if it had published, back otherwise. A simulated crash is left to recovery."""
+    forward if it had published, back otherwise. A simulated crash is left to recovery,
+    and so is a transaction the catalog can no longer read or end (it then refuses
+    writes until reopened); the caller raises ``exc`` either way, never this step's error."""
     if isinstance(exc, SimulatedCrash) or eng._closed:
         return
     with eng._lock:
-        step = eng.driver.abort(eng.catalog.conn, txn)
-        if step is None:
+        try:
+            with eng.catalog.reading() as c:
+                step = eng.driver.abort(c, txn)
+            if step is None:
+                return
+            journal.end(eng, txn, step)
+        except CatalogIOError as err:
+            eng.catalog.fail(f"{txn.kind} transaction {txn.id} left to recovery: {err}")
+            eng.counters.inc("faults", "txn_left_to_recovery")
             return
-        journal.end(eng, txn, step)
         if step.direction == "forward":
             loading.load(eng, keep=True)  # the publish committed; make the index agree with it
     eng.counters.inc("faults", "txn_error")

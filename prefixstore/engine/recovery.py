@@ -94,7 +94,8 @@ def recover(eng: Engine) -> RecoveryReport:
     if eng.disk.tight():
         _room_first(eng)
     for row in eng.catalog.journal():
-        txn, step = eng.driver.recover(eng.catalog.conn, row)
+        with eng.catalog.reading() as c:
+            txn, step = eng.driver.recover(c, row)
         journal.end(eng, txn, step)
         (rep.rolled_forward if step.direction == "forward" else rep.rolled_back).append(txn.id)
     # 'writing' rows whose transaction is gone cannot exist; treat any as garbage.

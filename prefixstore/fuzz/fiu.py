@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import traceback
 from collections import Counter
 from typing import Any
 
@@ -147,6 +148,12 @@ def _open(root: str, inj: Injector | None, res: Counter[str], examples: dict[str
         return Engine.open(root, soak_layout(RANKS), CAPACITY)
 
 
+def _where(exc: BaseException) -> str:
+    """The innermost project frames an exception passed through (``module:line`` each)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "prefixstore" in f.filename]
+    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames[-4:]))
+
+
 def _plant_swallow_write_errors() -> None:
     """A planted bug: a rank's shard write ignores I/O errors (reports success)."""
     orig = LocalRank.write_shard
@@ -219,7 +226,7 @@ def child_main(root: str, target: str, ops: int, probability: float, seed: int,
                 typed = isinstance(exc, PrefixStoreError)
                 kind = f"{'typed' if typed else 'untyped'} error {type(exc).__name__}"
                 out[kind] += 1
-                examples.setdefault(kind, str(exc)[:200])
+                examples.setdefault(kind, str(exc)[:200] + ("" if typed else f" at {_where(exc)}"))
                 if not typed or isinstance(exc, CatalogIOError | EngineClosedError):
                     with contextlib.suppress(Exception):
                         eng.close()
