@@ -11,6 +11,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -228,6 +229,42 @@ def test_sigstop_hang_lookup_and_restore_within_budget(redis_server, tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_a_write_through_put_waits_on_the_network_outside_the_engine_lock(redis_server, tmp_path):
+    """A store's write-through put hangs on a SIGSTOPped server (up to its write_timeout):
+    meanwhile the engine lock is free and a local checkpoint restores; once the server
+    resumes, the store returns stored and the audit is clean."""
+    eng = open_engine(tmp_path / "a", redis_server.url, write_timeout=3.0)
+    own, y = tokens_for(98, 4), tokens_for(2, 4)
+    out: list = []
+    try:
+        assert store_tokens(eng, own).ok
+        entered, put = threading.Event(), eng.remote.put
+
+        def put_seen(*args, **kwargs):
+            entered.set()
+            return put(*args, **kwargs)
+
+        eng.remote.put = put_seen
+        redis_server.pause()
+        try:
+            storer = threading.Thread(target=lambda: out.append(store_tokens(eng, y)))
+            storer.start()
+            assert entered.wait(GRACE)
+            free = eng._lock.acquire(timeout=1.0)
+            if free:
+                eng._lock.release()
+            assert free, "the put holds the engine lock"
+            assert storer.is_alive()  # still waiting on the server
+            local_unaffected(eng, own)
+        finally:
+            redis_server.resume()
+        storer.join(GRACE + 3.0)
+        assert not storer.is_alive() and out[0].ok, out
+        assert_clean(eng)
+    finally:
+        eng.close()
 
 
 def test_flushall_mid_restore_and_an_overwritten_blob_are_misses(redis_server, tmp_path):

@@ -1,7 +1,7 @@
 """The shared remote tier (``gpu/remote``, Redis) seen from the engine.
 
 Below the local tiers: a store's checkpoint goes to the remote after its local publish
-(``offer``, write-behind by default); a lookup the local tiers cannot answer in full
+(``prepare`` under the lock, ``send`` after it; write-behind by default); a lookup the local tiers cannot answer in full
 asks the remote for the deepest checkpoint of the chain (``extend``, one round trip),
 weighed by the cost rule with the remote's measured bandwidth and latency; ``restore``
 fetches, verifies every rank's blob through ``gpu/verify.py`` and keeps a local copy
@@ -105,28 +105,53 @@ def close_tier(eng: Engine, timeout: float) -> None:
 # -- store --------------------------------------------------------------------------------------
 
 
-def offer(eng: Engine, t: Any) -> None:
-    """After a store's publish (``store.InFlight`` ``t``): its checkpoint, each rank's
-    shard bytes with the catalog's checksums, to the remote. Never raises (a remote
-    that cannot take it counts a drop); a local copy of a remote checkpoint is not sent
-    back. Lock held: a write-behind put only copies the bytes into its queue."""
+@attrs.frozen(eq=False)
+class Offer:
+    """A published checkpoint on its way to the remote: its bytes (copied, so the
+    store's buffers may be reused), its manifest, and the ancestors never sent."""
+
+    key: bytes
+    manifest: Manifest
+    blobs: list[bytes]
+    ancestors: list[tuple[Node, dict]]
+
+
+def prepare(eng: Engine, t: Any) -> Offer | None:
+    """After a store's publish (``store.InFlight`` ``t``), lock held: what ``send``
+    puts, each rank's shard bytes with the catalog's checksums. None when there is no
+    remote, for a local copy of a remote checkpoint (not sent back), or on an error
+    (logged: the local store stands whatever the remote does)."""
     tier = eng.remote
     if tier is None or getattr(eng._local, "from_remote", False):
-        return
+        return None
     try:
         blobs = [bytes(d.buffer.mv()[: d.size]) if isinstance(d, Staged) else bytes(d) for d in t.datas]
         sums = [d.checksum() if isinstance(d, Staged) else shards.checksum(b)
                 for d, b in zip(t.datas, blobs, strict=True)]
         m = tier.manifest_for(t.key, blobs, start=t.plan.start, end=t.end, generation=t.gen,
                               snapshot=eng.layout.has_snapshot, checksums=sums)
-        tier.put(t.key, m, blobs)
         eng.remote_backfill.sent.add((t.key, t.gen))
         unsent = unsent_ancestors(eng, t.plan.parent)
-        if unsent:
-            rows = local_restore.file_rows(eng, unsent)
-            eng.remote_backfill.submit(send_nodes, eng, tier, [(x, rows[x.id]) for x in unsent])
-    except Exception as exc:  # the local store stands whatever the remote does
+        rows = local_restore.file_rows(eng, unsent) if unsent else {}
+        return Offer(t.key, m, blobs, [(x, rows[x.id]) for x in unsent])
+    except Exception as exc:
         log.warning("remote_offer_failed", key=t.key.hex()[:12], reason=f"{type(exc).__name__}: {exc}")
+        return None
+
+
+def send(eng: Engine, offer: Offer | None) -> None:
+    """Put a prepared checkpoint, outside the engine lock: a write-through put waits on
+    the network (within its ``write_timeout``) while other calls go on; write-behind
+    only queues it. The ancestors go through the backfill thread. Never raises."""
+    tier = eng.remote
+    if offer is None or tier is None:
+        return
+    try:
+        tier.put(offer.key, offer.manifest, offer.blobs)
+        if offer.ancestors:
+            eng.remote_backfill.submit(send_nodes, eng, tier, offer.ancestors)
+    except Exception as exc:
+        log.warning("remote_offer_failed", key=offer.key.hex()[:12], reason=f"{type(exc).__name__}: {exc}")
 
 
 def unsent_ancestors(eng: Engine, parent: Node | None) -> list[Node]:

@@ -230,13 +230,17 @@ def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     while True:
         with eng._lock:
             if existing is None or not eng._pins[existing.id]:
-                return published(eng, prefix, t)
+                res = published(eng, prefix, t)
+                offer = remote.prepare(eng, t)
+                break
             if time.monotonic() >= deadline or eng._request_pins[existing.id]:
                 journal.rollback(eng, t.txn, "failed")
                 res = StoreResult(SKIPPED, n, "pinned", t.needed)
                 count_skip(eng, res)
                 return res
         time.sleep(0.002)
+    remote.send(eng, offer)
+    return res
 
 
 def published(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
@@ -245,7 +249,6 @@ def published(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     digests = b"".join(prefix.digests[p.start:n])
     was_damaged = p.existing is not None and p.existing.state == "damaged"
     node = publish(eng, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed)
-    remote.offer(eng, t)
     status = REFILLED if p.existing is not None else STORED
     if was_damaged:
         eng.counters.inc("refills")
