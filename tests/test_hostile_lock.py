@@ -18,6 +18,7 @@ from conftest import make_layout, store_tokens, tokens_for
 
 from prefixstore.base import errors as E
 from prefixstore.base.keys import Prefix
+from prefixstore.engine import dirlock
 from prefixstore.engine.api import LOCK_NAME, Engine
 from prefixstore.engine.audit import engine_running
 from prefixstore.engine.repair import repair
@@ -96,3 +97,39 @@ def test_second_opener_is_locked_out_whatever_happened_to_lock(cache_dir):
     with Engine.open(cache_dir, L, CAP) as again:
         assert again.restore(again.lookup(Prefix.from_tokens(A, 4))) is not None
         assert again.audit().ok
+
+
+PROBER = """
+import sys, time
+from prefixstore.engine.audit import engine_running
+root, until = sys.argv[1], time.monotonic() + float(sys.argv[2])
+print("probing", flush=True)
+n = 0
+while time.monotonic() < until:
+    engine_running(root)
+    n += 1
+print(n, flush=True)
+"""
+
+
+def test_an_audit_probing_the_lock_never_locks_out_an_opener(cache_dir):
+    """``audit``'s probe (an instant's shared lock, in another process, in a tight loop)
+    never makes an open or a repair fail with LockedError: only an engine holds it."""
+    Engine.open(cache_dir, L, CAP).close()
+    prober = subprocess.Popen([sys.executable, "-c", PROBER, cache_dir, "60"], stdout=subprocess.PIPE,
+                              text=True, cwd=REPO)
+    try:
+        assert prober.stdout.readline().strip() == "probing"
+        for _ in range(500):
+            dirlock.acquire(cache_dir, "is open in another engine").release()
+        for _ in range(30):
+            Engine.open(cache_dir, L, CAP).close()
+        repair(cache_dir)
+        with Engine.open(cache_dir, L, CAP) as eng:  # an engine holding it is still seen
+            assert engine_running(cache_dir)
+            with pytest.raises(E.LockedError):
+                dirlock.acquire(cache_dir, "is open in another engine")
+            assert eng.audit().ok
+    finally:
+        prober.kill()
+        prober.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 
 from prefixstore.base.errors import LockedError
 
@@ -30,6 +31,12 @@ class DirLock:
             os.close(self.fds.pop())
 
 
+PROBE_GRACE_S = 0.5
+"""How long ``acquire`` tries again before it reports a lock as held: ``is_held``'s
+shared lock lasts an instant (a few microseconds, more if its process is descheduled),
+an engine's exclusive lock its whole life."""
+
+
 def _flock(fd: int, mode: int) -> bool:
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -38,15 +45,28 @@ def _flock(fd: int, mode: int) -> bool:
     return True
 
 
+def _flock_past_probes(fd: int) -> bool:
+    """Take ``fd``'s exclusive lock, waiting out probes for up to ``PROBE_GRACE_S``."""
+    deadline = time.monotonic() + PROBE_GRACE_S
+    pause = 0.0005
+    while not _flock(fd, fcntl.LOCK_EX):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return True
+
+
 def acquire(root: str, why: str) -> DirLock:
     """Lock ``root`` (then its ``LOCK`` file, created if missing) exclusively; raise
-    ``LockedError(f"{root} {why}")`` if another holder has either."""
+    ``LockedError(f"{root} {why}")`` if another holder has either (a probe's instant
+    lock is waited out)."""
     held = DirLock([])
     try:
         for path, flags in ((root, os.O_RDONLY | os.O_DIRECTORY), (os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT)):
             fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
             held.fds.append(fd)
-            if not _flock(fd, fcntl.LOCK_EX):
+            if not _flock_past_probes(fd):
                 raise LockedError(f"{root} {why}")
     except BaseException:
         held.release()
