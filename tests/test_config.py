@@ -222,7 +222,8 @@ BAD_PARAMS: list[tuple[str, Any]] = [
     ("tokens_from", lambda: StoreParams(PA, SEGS, SNAP, tokens_from=-4)),
     ("tokens_from", lambda: StoreParams(PA, SEGS, SNAP, tokens_from=1.0)),
     ("valid", lambda: StoreParams(PA, SEGS, SNAP, valid=5)),
-    ("prefix", lambda: params.store_params((StoreParams(PA, SEGS, SNAP), SEGS), {})),
+    ("prefix", lambda: params.store_arguments("store", StoreParams(PA, SEGS, SNAP), SEGS, None, 0, None)),
+    ("prefix", lambda: params.store_arguments("store", StoreParams(PA, SEGS, SNAP), None, None, BT, None)),
     ("prefix", lambda: LookupParams(A)),
     ("gpu_blocks", lambda: LookupParams(PA, gpu_blocks=-1)),
     ("gpu_blocks", lambda: LookupParams(PA, gpu_blocks=1.0)),
@@ -230,7 +231,7 @@ BAD_PARAMS: list[tuple[str, Any]] = [
     ("total_tokens", lambda: LookupParams(PA, total_tokens="x")),
     ("total_tokens", lambda: LookupParams(PA, total_tokens=-5)),
     ("total_tokens", lambda: LookupParams(PA, total_tokens=NAN)),
-    ("prefix", lambda: params.lookup_params((LookupParams(PA),), {"gpu_blocks": 1})),
+    ("prefix", lambda: params.alone("lookup", LookupParams(PA), 1, None)),
 ]
 
 
@@ -244,22 +245,27 @@ def test_bad_params_field_is_refused_naming_it(argument, build):
 
 def test_params_from_call_arguments():
     valid = lambda: True  # noqa: E731
-    sp = params.store_params((PA, SEGS), {"tokens_from": BT, "valid": valid})
-    assert (sp.prefix, sp.segments, sp.snapshot, sp.tokens_from, sp.valid) == (PA, SEGS, None, BT, valid)
-    sp = params.store_params((), {"prefix": PA, "segments": SEGS, "snapshot": SNAP})
-    assert (sp.snapshot, sp.tokens_from, sp.valid) == (SNAP, 0, None)
-    given = StoreParams(PA, SEGS, SNAP)
-    assert params.store_params((given,), {}) is given
-    assert params.lookup_params((PA,), {"gpu_blocks": 1, "total_tokens": 99}) == LookupParams(PA, 1, 99)
-    assert params.lookup_params((PA,), {}) == LookupParams(PA, 0, None)
-    lp = LookupParams(PA, 2)
-    assert params.lookup_params((lp,), {}) is lp
-    for args, kwargs in (((), {}), ((PA,), {}), ((PA, SEGS, SNAP, 0), {}), ((PA, SEGS), {"bogus": 1})):
+    args = (PA, SEGS, None, BT, valid)
+    assert params.store_arguments("store", *args) == args  # plain arguments pass through
+    given = StoreParams(PA, SEGS, SNAP, tokens_from=BT, valid=valid)
+    assert params.store_arguments("store", given, None, None, 0, None) == (PA, SEGS, SNAP, BT, valid)
+    params.alone("lookup", LookupParams(PA, 2), 0, None)  # nothing else given: accepted
+
+
+def test_calls_refuse_a_params_with_other_arguments_and_unknown_ones(tmp_path):
+    with Engine.open(tmp_path / "c", L, CAP) as eng:
+        for call in (eng.store, eng.store_async):
+            with pytest.raises(E.InvalidArgumentError, match="given alone"):
+                call(StoreParams(PA, SEGS, SNAP), SEGS)
+            with pytest.raises(TypeError):
+                call(PA, SEGS, SNAP, bogus=1)
+        with pytest.raises(E.InvalidArgumentError, match="given alone"):
+            eng.lookup(LookupParams(PA), gpu_blocks=1)
         with pytest.raises(TypeError):
-            params.store_params(args, kwargs)
-    for args, kwargs in (((), {}), ((PA, 1), {}), ((PA,), {"bogus": 1})):
+            eng.lookup(PA, 1)
         with pytest.raises(TypeError):
-            params.lookup_params(args, kwargs)
+            eng.lookup()
+        assert not eng.catalog.journal() and eng.audit().ok
 
 
 # ---------------------------------------------------------------------- on a real engine

@@ -5,9 +5,9 @@ engine (the layout's block size and tensor shapes) is checked by the call.
     eng.store(StoreParams(prefix, segments, snapshot, tokens_from=512))
     eng.lookup(LookupParams(prefix, gpu_blocks=2))
 
-The calls take today's arguments too: ``store_params`` / ``lookup_params`` turn a
-call's ``(args, kwargs)`` into the Params object, or pass one given alone through.
-Their results are ``StoreResult`` and ``Match`` (``engine/results.py``).
+The calls take their plain arguments too; a Params object is given alone
+(``store_arguments`` unpacks it, ``alone`` checks nothing else was given). Their
+results are ``StoreResult`` and ``Match`` (``engine/results.py``).
 """
 
 from __future__ import annotations
@@ -83,50 +83,6 @@ class LookupParams:
             raise InvalidArgumentError("gpu_blocks", f"{g} is more than the prefix's {len(self.prefix)} blocks")
         if self.total_tokens is not None:
             integer("total_tokens", self.total_tokens)
-
-
-_MISSING: Any = object()
-
-
-def _required(call: str, **fields: Any) -> None:
-    for name, value in fields.items():
-        if value is _MISSING:
-            raise TypeError(f"{call}() missing required argument: {name!r}")
-
-
-def store_fields(
-    prefix: Prefix = _MISSING,
-    segments: RankTensors | Sequence[RankTensors] = _MISSING,
-    snapshot: RankTensors | Sequence[RankTensors] | None = None,
-    *,
-    tokens_from: int = 0,
-    valid: Callable[[], bool] | None = None,
-) -> StoreParams:
-    """The StoreParams of ``store``'s arguments."""
-    _required("store", prefix=prefix, segments=segments)
-    return StoreParams(prefix, segments, snapshot, tokens_from, valid)
-
-
-def lookup_fields(prefix: Prefix = _MISSING, *, gpu_blocks: int = 0, total_tokens: int | None = None) -> LookupParams:
-    """The LookupParams of ``lookup``'s arguments."""
-    _required("lookup", prefix=prefix)
-    return LookupParams(prefix, gpu_blocks, total_tokens)
-
-
-def store_params(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> StoreParams:
-    """A ``store`` call's StoreParams: the one given alone, or built from its arguments
-    (``prefix, segments, snapshot=None, *, tokens_from=0, valid=None``)."""
-    if len(args) == 1 and not kwargs and isinstance(args[0], StoreParams):
-        return args[0]
-    return store_fields(*args, **kwargs)
-
-
-def lookup_params(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> LookupParams:
-    """A ``lookup`` call's LookupParams: the one given alone, or built from its arguments
-    (``prefix, *, gpu_blocks=0, total_tokens=None``)."""
-    if len(args) == 1 and not kwargs and isinstance(args[0], LookupParams):
-        return args[0]
-    return lookup_fields(*args, **kwargs)
 
 
 def alone(call: str, given: Any, *others: Any) -> None:
