@@ -15,8 +15,10 @@ from pathlib import Path
 
 import attrs
 import pytest
+from conftest import make_layout, node_at, store_tokens, tokens_for
 
 from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.keys import Prefix
 from prefixstore.cli import main
 from prefixstore.engine.api import Engine
 from prefixstore.replay.engine_replay import ReplayConfig, checkpoint_positions, replay
@@ -478,3 +480,27 @@ def test_bench_quick(tmp_path) -> None:
     assert res["catalog"]["FULL"]["ratio"] > 0 and res["lookup"][0]["nodes"] == 1000
     assert res["replay"]["audit_ok"] and res["replay"]["requests"] > 0
     assert "| store" in (out / "run_quick.md").read_text()
+
+
+def test_an_engine_opened_with_the_rule_orders_its_evictions_by_it(tmp_path) -> None:
+    """``Engine.open(policy='prefixstore', admission=RetentionAdmission(...))`` is all a
+    host does: the older request seen twice outlives the newer one seen once (recency
+    alone would evict the older), also when the heap is rebuilt by a reopen."""
+    L = make_layout(snapshot=False)
+    old, new = tokens_for(1, 2), tokens_for(2, 2)
+    for reopened in (False, True):
+        root = tmp_path / f"c{reopened}"
+        adm = RetentionAdmission(100)
+        eng = Engine.open(root, L, 1 << 20, policy="prefixstore", admission=adm)
+        try:
+            for tokens, sightings in ((old, 2), (new, 1)):
+                for _ in range(sightings):
+                    adm.observe(list(Prefix.from_tokens(tokens, L.block_tokens).keys), 0)
+                assert store_tokens(eng, tokens).ok
+            if reopened:
+                eng.close()
+                eng = Engine.open(root, L, 1 << 20, policy="prefixstore", admission=adm)
+            assert eng.evict(1) > 0  # one victim, by policy
+            assert node_at(eng, old) is not None and node_at(eng, new) is None
+        finally:
+            eng.close()

@@ -249,9 +249,6 @@ class PrefixStoreHiCache(HiCacheStorage):
             opts["admission"] = self.admission
         os.makedirs(self.root, exist_ok=True)
         p = _Pool(name, host, trailing, bt, opts)
-        if name == KV and self.admission is not None:
-            # The retention rule orders leaves through the victim heap, as `prefixstore replay` does.
-            p.engine.heap.set_retention(self.admission, p.engine.index)
         self.pools[name] = p
         return p
 

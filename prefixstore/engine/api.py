@@ -84,7 +84,8 @@ class Engine:
         rank directory may be a symlink; ``rankR/`` and ``lost+found/`` inside ``path``
         must be real directories, else UnsafeDirectoryError with nothing touched),
         ``registry`` (a prometheus CollectorRegistry), ``admission`` (callable
-        deciding whether to admit a store), ``inflight_wait_s`` (how long a store waits
+        deciding whether to admit a store; a ``RetentionAdmission`` under the
+        ``prefixstore`` policy also orders the eviction of leaves by its rule), ``inflight_wait_s`` (how long a store waits
         for an overlapping store in flight before it is skipped as 'in_flight'),
         ``compaction`` (True or a ``statemachine.compaction.CompactionPolicy``: run the
         background compaction worker; see ``engine/compaction.py``), ``backing``

@@ -173,6 +173,8 @@ def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     eng.compactor = None  # the background compaction worker, when enabled
     eng.index = Index()
     eng.heap = pol.VictimHeap(o.policy, layout.has_snapshot)
+    if pol.takes_retention(o.policy) and isinstance(o.admission, pol.Retention):
+        eng.heap.retention = o.admission  # its rule orders the leaves (the index load rebuilds the heap)
     eng.driver = journal.build(eng)  # an output with no handler fails here, at open
     stats.watch(eng)
 

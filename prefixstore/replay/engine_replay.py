@@ -308,8 +308,6 @@ class _Run:
                 root, cfg.layout(), self.cap["capacity_bytes_files"], synchronous=cfg.synchronous,
                 policy=cfg.policy, cost=self.model, admission=self.adms[k], **remote,
             ))
-            if self.adms[k] is not None:
-                eng.heap.set_retention(self.adms[k], eng.index)  # before any session starts
             self.engines.append(eng)
         self.adm = self.adms[0]
         self.eng = self.engines[0]

@@ -58,7 +58,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from prefixstore.base.errors import InvalidInputError
 
@@ -72,6 +72,7 @@ Key = tuple[int, float]  # (class, recency or retention priority): smaller goes 
 Entry = tuple[Key, int, int, str]  # (key, seq, node_id, action)
 
 
+@runtime_checkable
 class Retention(Protocol):
     """Leaf eviction keys replacing recency (see the module docstring)."""
 
