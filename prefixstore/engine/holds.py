@@ -41,6 +41,25 @@ def unfence(eng: Engine, ids: Iterable[int]) -> None:
     drop(eng._fences, ids)
 
 
+def reserve(eng: Engine, ids: Iterable[int]) -> None:
+    """A queued store's reservation on each of ``ids``: a fence that no transaction
+    holds yet (no eviction or merge removes the row; nothing waits for it). Lock held."""
+    fence(eng, ids)
+    take(eng._reserved, ids)
+
+
+def begin_reserved(eng: Engine, ids: Iterable[int]) -> None:
+    """The queued store's job begins: its reservations on ``ids`` become plain fences. Lock held."""
+    drop(eng._reserved, ids)
+
+
+def unreserve(eng: Engine, ids: Iterable[int]) -> None:
+    """Release reservations taken by ``reserve`` (their fences with them). Lock held."""
+    ids = list(ids)
+    unfence(eng, ids)
+    drop(eng._reserved, ids)
+
+
 def fenced_by_other(eng: Engine, nid: int, held: frozenset[int] = frozenset()) -> bool:
     """Whether a transaction other than the caller's fences node ``nid`` (the
     caller holds one fence on each node in ``held``; reservations do not count)."""

@@ -46,7 +46,17 @@ from prefixstore.base.errors import (
     InvalidInputError,
     SimulatedCrash,
 )
-from prefixstore.engine import journal, lifecycle, loading, replace, retry, spans, store, validate
+from prefixstore.engine import (
+    holds,
+    journal,
+    lifecycle,
+    loading,
+    replace,
+    retry,
+    spans,
+    store,
+    validate,
+)
 from prefixstore.engine.driver import Txn
 from prefixstore.engine.results import DUPLICATE, QUEUED, REFUSED, StoreResult
 from prefixstore.gpu import shards, verify
@@ -295,9 +305,7 @@ def _peek(eng: Engine, prefix: Any, tokens_from: int) -> StoreTicket | tuple[int
         first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
     else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
         gen, held, first = 1, [], tokens_from // bt
-    for nid in held:
-        eng._fences[nid] += 1
-        eng._reserved[nid] += 1
+    holds.reserve(eng, held)
     return gen, held, first
 
 
@@ -365,7 +373,7 @@ class _QueuedStore:
 def _start(eng: Engine, ids: list[int], started: threading.Event) -> None:
     """A queued store's job begins: its reservations on ``ids`` become plain fences."""
     with eng._lock:
-        _drop(eng._reserved, ids)
+        holds.begin_reserved(eng, ids)
         started.set()
 
 
@@ -374,17 +382,11 @@ def _unfence(eng: Engine, ids: list[int], reserved: bool) -> None:
     if not ids:
         return
     with eng._lock:
-        _drop(eng._fences, ids)
         if reserved:
-            _drop(eng._reserved, ids)
+            holds.unreserve(eng, ids)
+        else:
+            holds.unfence(eng, ids)
         eng._settled.notify_all()
-
-
-def _drop(counts: Any, ids: list[int]) -> None:
-    for nid in ids:
-        counts[nid] -= 1
-        if not counts[nid]:
-            del counts[nid]
 
 
 # ------------------------------------------------------------------------------ restore

@@ -40,7 +40,7 @@ import torch
 from prefixstore.base.errors import SimulatedCrash
 from prefixstore.base.keys import DIGEST_SIZE, ROOT
 from prefixstore.base.log import log
-from prefixstore.engine import health, journal, pipeline, restore, store
+from prefixstore.engine import health, holds, journal, pipeline, restore, store
 from prefixstore.engine import space as engine_space
 from prefixstore.engine.driver import Txn
 from prefixstore.engine.index import Node
@@ -241,8 +241,7 @@ def _prepare(
     for r in job.new:
         r.gen = next_generation(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
         r.name = shard_name(r.key, r.gen)
-    for n in job.old:
-        eng._fences[n.id] += 1
+    holds.fence(eng, [n.id for n in job.old])
     return rows, _Attempt(set(job.old_ids))
 
 
@@ -304,10 +303,7 @@ def _unfence(eng: Engine, job: Job, fenced: set[int], ids: set[int]) -> None:
     if not ids:
         return
     fenced.difference_update(ids)
-    for nid in ids:
-        eng._fences[nid] -= 1
-        if not eng._fences[nid]:
-            del eng._fences[nid]
+    holds.unfence(eng, ids)
     for n in job.old:
         if n.id in ids and eng.index.get(n.id) is n:
             eng.heap.offer(n)
