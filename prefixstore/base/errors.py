@@ -52,6 +52,11 @@ class CatalogIOError(PrefixStoreError):
     write the engine refuses further mutations until it is reopened (recovery)."""
 
 
+class CacheIOError(PrefixStoreError, OSError):
+    """A file system call failed while the cache was being opened (``errno`` says
+    which: EIO, ENOSPC, EACCES...); the next open recovers whatever it left."""
+
+
 class EngineClosedError(PrefixStoreError):
     """The engine was closed (or abandoned after a simulated crash)."""
 

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from prefixstore.base.errors import (
+    CacheIOError,
     CapacityError,
     CatalogIOError,
     DiskFullError,
@@ -109,7 +110,18 @@ def guard(eng: Engine) -> CallGuard:
 
 
 def start(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: EngineConfig) -> None:
-    """Open the cache at ``root``: the whole of ``Engine.__init__``."""
+    """Open the cache at ``root``: the whole of ``Engine.__init__``. A file system error
+    of the open is raised as ``CacheIOError`` (an ``OSError`` with its errno)."""
+    try:
+        open_cache(eng, root, layout, capacity_bytes, o)
+    except PrefixStoreError:
+        raise
+    except OSError as exc:
+        raise CacheIOError(exc.errno, f"cannot open the cache at {root}: {exc.strerror or exc}",
+                           exc.filename) from exc
+
+
+def open_cache(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: EngineConfig) -> None:
     init_state(eng, root, layout, capacity_bytes, o)
     check_root(eng, o.create)
     take_lock(eng)

@@ -14,10 +14,10 @@ effects), ``catalog`` (SQLite's I/O), ``all``.
 Setup (creating the cache, warm-up operations so no lazy import reads a file while
 armed) runs unarmed; then N operations run armed: stores, lookups with restores
 checked bit for bit, evictions of single checkpoints, reclaims, retries, and reopens
-(recovery under faults). Any exception is counted by type: a ``PrefixStoreError`` is
-a typed error; anything else is "untyped". After a catalog error (CatalogIOError: the
-engine refuses mutations until reopened) the engine is closed and reopened, as a
-server would. The child disarms before it prints its JSON result (printing while
+(recovery under faults). Any exception, of a call or of an open, is counted by type:
+a ``PrefixStoreError`` is a typed error; anything else is "untyped". After a catalog
+error (CatalogIOError: the engine refuses mutations until reopened) the engine is
+closed and reopened, as a server would. The child disarms before it prints its JSON result (printing while
 armed could itself fail), then exits without closing the engine.
 
 Then the parent, without faults, opens the cache (recovery), audits it with
@@ -138,10 +138,11 @@ def _open(root: str, inj: Injector | None, res: Counter[str], examples: dict[str
     for _ in range(8):
         try:
             return Engine.open(root, soak_layout(RANKS), CAPACITY)
-        except Exception as exc:  # recovery under faults may fail; it is retried
-            kind = f"open failed ({type(exc).__name__})"
+        except Exception as exc:  # recovery under faults may fail (with a typed error); it is retried
+            typed = isinstance(exc, PrefixStoreError)
+            kind = f"{'' if typed else 'untyped '}open failed ({type(exc).__name__})"
             res[kind] += 1
-            examples.setdefault(kind, f"{exc} ({getattr(exc, 'sqlite_errorname', '')})"[:200])
+            examples.setdefault(kind, str(exc)[:200] + ("" if typed else f" at {_where(exc)}"))
     assert inj is not None
     with inj.unarmed():
         res["open without faults after 8 failures"] += 1
