@@ -25,6 +25,7 @@ from prefixstore.base.errors import InvalidInputError
 from prefixstore.base.keys import Prefix
 from prefixstore.engine import replace
 from prefixstore.engine.api import Engine
+from prefixstore.engine.driver import Driver
 from prefixstore.engine.index import Index, Node
 from prefixstore.fuzz.faultfs import FaultFS, FaultPlan
 from prefixstore.gpu.fileio import FaultHook
@@ -546,6 +547,32 @@ class FailOnce(FaultHook):
         if op == "commit" and target == "compact.intent" and self.armed:
             self.armed = False
             raise RuntimeError("planted bug in a compaction")
+
+
+def test_an_invariant_violation_stops_the_background_worker(cache_dir, layout, monkeypatch):
+    """With the debug checks on, a compaction whose transaction breaks an invariant
+    stops the worker (no more background changes), counted and recorded, instead of
+    being logged and retried; recovery then leaves a clean cache."""
+    with Engine.open(cache_dir, layout, CAP) as eng:
+        chain(eng)
+    real = Driver.check
+
+    def planted(self, c, txn, state):
+        return ["planted breach"] if txn.kind == "compact" else real(self, c, txn, state)
+
+    monkeypatch.setattr(Driver, "check", planted)
+    with Engine.open(cache_dir, layout, CAP, compaction=CompactionPolicy(interval_s=0.02)) as eng:
+        worker = eng.compactor
+        deadline = time.monotonic() + 20
+        while worker.alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not worker.alive, "the worker went on after an invariant violation"
+        assert "planted breach" in (worker.violation or "") and worker.errors == 0
+        assert counters(eng)["replaces.invariant_violation"] == 1
+    monkeypatch.undo()
+    with Engine.open(cache_dir, layout, CAP) as eng:
+        clean(eng)
+        assert_restores(eng, CONV, blocks=12)
 
 
 def test_background_worker_merges_and_survives_a_failed_compaction(cache_dir, layout):

@@ -26,6 +26,7 @@ import attrs
 from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
 from prefixstore.base.log import log
 from prefixstore.engine import lifecycle, replace
+from prefixstore.engine.driver import InvariantViolation
 from prefixstore.statemachine.compaction import (
     CompactionPolicy,
     RunStats,
@@ -166,6 +167,7 @@ class Compactor:
         self.policy = policy
         self.passes = 0
         self.errors = 0
+        self.violation: str | None = None  # an InvariantViolation (debug checks) stopped it
         self.last_report: CompactionReport | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -208,6 +210,11 @@ class Compactor:
                 rep = compact(eng, self.policy, should_stop=self._stop.is_set)
             except (EngineClosedError, SimulatedCrash):
                 return  # closed, or died (the engine abandoned itself)
+            except InvariantViolation as exc:  # the debug check: no more background changes
+                self.violation = str(exc)
+                eng.counters.inc("replaces", "invariant_violation")
+                log.error("compaction_invariant_violation", error=str(exc))
+                return
             except Exception as exc:  # a failed pass fails its transaction, never the worker
                 self.errors += 1
                 eng.counters.inc("replaces", "worker_error")
