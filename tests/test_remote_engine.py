@@ -110,6 +110,8 @@ def test_one_engine_stores_another_restores_bit_for_bit_and_keeps_a_copy(redis_s
         assert store_tokens(b, family[:8]).ok  # b holds the first 2 blocks locally
         m = b.lookup(prefix(family))
         assert m.hit and m.source == "remote" and m.blocks == 6 and m.path == ()
+        remote_path = m.remote.hit.path  # builds on b's 2 blocks: only blocks 2-6 come from Redis
+        assert [(x.start, x.end) for x in remote_path] == [(2, 6)]
         r = b.restore(m)
         restored_exactly(b, family, r)
         assert node_at(b, family) is not None  # kept locally through the store path
@@ -117,13 +119,32 @@ def test_one_engine_stores_another_restores_bit_for_bit_and_keeps_a_copy(redis_s
         assert m2.source == "local" and m2.blocks == 6
         restored_exactly(b, family, b.restore(m2))
         s = b.stats()
-        assert s["remote"]["hits"] == 1 and s["remote"]["bytes_in"] == m.nbytes
+        assert s["remote"]["hits"] == 1 and s["remote"]["bytes_in"] == sum(x.nbytes for x in remote_path)
+        assert m.nbytes > s["remote"]["bytes_in"]  # the match counts the local part too
         assert s["counters"]["remote.restored"] == 1 and s["counters"]["remote.kept_local"] == 1
+        assert s["counters"]["remote.joined_local"] == 1
         assert s["remote"]["writes"] == 1  # its own store; the local copy is not sent back
         assert_clean(b)
         text = b.counters.registry.get_sample_value
         assert text("prefixstore_remote_hits_total") == 1
         assert text("prefixstore_remote_restores_total", {"result": "restored"}) == 1
+
+
+def test_a_remote_path_built_on_the_local_part_misses_when_that_part_goes(redis_server, tmp_path):
+    family = tokens_for(8, 6)
+    with open_engine(tmp_path / "a", redis_server.url) as a:
+        assert store_tokens(a, family[:8]).ok and store_tokens(a, family).ok
+    with open_engine(tmp_path / "b", redis_server.url) as b:
+        assert store_tokens(b, family[:8]).ok
+        m = b.lookup(prefix(family))
+        assert m.source == "remote" and m.remote.hit.path[0].start == 2
+        assert b.evict(prefix=prefix(family[:8])) > 0  # the local part goes before the restore
+        assert b.restore(m) is None
+        assert b.stats()["counters"]["remote.missed"] == 1
+        m = b.lookup(prefix(family))  # now the whole path comes from Redis
+        assert [x.start for x in m.remote.hit.path] == [0, 2]
+        restored_exactly(b, family, b.restore(m))
+        assert_clean(b)
 
 
 def test_the_cost_rule_weighs_the_remote_with_its_measured_bandwidth(redis_server, tmp_path):

@@ -71,6 +71,24 @@ def test_deepest_needs_a_covered_path_from_what_is_held(redis_server):
         assert t.stats()["misses"] == 1
 
 
+def test_a_path_builds_on_what_the_caller_reaches_and_names_the_copy_below(redis_server):
+    keys = chain(12)
+    with tier(redis_server.url, write_behind=False) as t:
+        for seed, (start, end) in enumerate([(0, 4), (4, 8), (8, 12)]):
+            store(t, keys, start, end, seed=seed)
+        full = t.deepest(keys)
+        assert [(m.start, m.end) for m in full.path] == [(0, 4), (4, 8), (8, 12)] and full.below == ()
+        hit = t.deepest(keys, reach=6)  # blocks [0, 6) readable locally: build on [4, 8)
+        assert [(m.start, m.end) for m in hit.path] == [(4, 8), (8, 12)]
+        assert [(m.start, m.end) for m in hit.below] == [(0, 4)]  # the remote's own copy of [0, 4)
+        hit = t.deepest(keys, have=4, reach=8)
+        assert [(m.start, m.end) for m in hit.path] == [(8, 12)] and [m.end for m in hit.below] == [8]
+        held = t.deepest(keys[:8], reach=8)  # nothing past what is reachable: the remote's own path
+        assert [(m.start, m.end) for m in held.path] == [(0, 4), (4, 8)] and held.below == ()
+        assert t.deepest(keys, have=9, reach=5) is not None  # reach below have counts as have
+        assert t.stats()["lookups"] == 5
+
+
 def test_a_reused_buffer_does_not_change_what_is_queued(redis_server):
     keys = chain(4)
     with tier(redis_server.url) as t:

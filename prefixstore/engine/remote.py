@@ -194,14 +194,16 @@ def extend(eng: Engine, prefix: Prefix, local: Match, gpu_blocks: int, total_tok
     held = local.blocks if local.outcome in ("hit", "gpu_resident") else gpu_blocks
     if tier is None or held >= n:
         return local
-    hit = tier.deepest(prefix.keys, have=gpu_blocks, need_snapshot=eng.layout.has_snapshot)
+    reach = local.blocks if local.hit else gpu_blocks  # a remote path may build on these
+    hit = tier.deepest(prefix.keys, have=gpu_blocks, reach=reach, need_snapshot=eng.layout.has_snapshot)
     if hit is None:
         return local
     if hit.blocks <= held:
-        tier.touch(hit)  # in use here: keep its blobs as fresh as its manifests in Redis
+        tier.touch(hit.path)  # in use here: keep its blobs as fresh as its manifests in Redis
         return local
+    tier.touch(hit.below)  # the remote's copy of the local part, read but not fetched
     bt = eng.layout.block_tokens
-    nbytes = sum(m.nbytes for m in hit.path)
+    nbytes = sum(m.nbytes for m in hit.path) + (local.nbytes if local_part(local, hit, gpu_blocks) else 0)
     total = total_tokens if total_tokens is not None else n * bt
     model = cost_model(eng, tier)
     decision = choose(model, [(hit.blocks * bt, nbytes, 1)], gpu_blocks * bt, total)
@@ -214,6 +216,14 @@ def extend(eng: Engine, prefix: Prefix, local: Match, gpu_blocks: int, total_tok
         nbytes=nbytes, transfer_s=est[1] if est else None, prefill_s=est[2] if est else None,
         source=SOURCE, remote=RemoteRef(hit, prefix[: hit.blocks], local),
     )
+
+
+def local_part(local: Match, hit: RemoteHit, gpu_blocks: int) -> bool:
+    """Whether the restore of ``hit`` reads its first blocks (from ``gpu_blocks`` to the
+    start of the remote path) from the local tiers' ``local`` hit: the remote path
+    starts past the GPU-resident blocks, where the local checkpoint reaches."""
+    start = hit.path[0].start
+    return start > gpu_blocks and local.hit and local.blocks >= start
 
 
 def cost_model(eng: Engine, tier: RemoteTier) -> CostModel | None:
@@ -238,9 +248,11 @@ def cost_model(eng: Engine, tier: RemoteTier) -> CostModel | None:
 
 
 def restore(eng: Engine, match: Match) -> Restored | None:
-    """Fetch and verify every rank's blob of ``match``'s remote path; the tensors. On a
-    miss (the server is down or slow, a blob is absent or does not verify) the local
-    tiers' shallower hit is restored instead (its ``Restored.match`` says so), else None.
+    """Fetch and verify every rank's blob of ``match``'s remote path; the tensors. A path
+    that starts past the GPU-resident blocks builds on the local tiers' hit: those first
+    blocks are restored locally (a miss if that fails meanwhile). On a remote miss (the
+    server is down or slow, a blob is absent or does not verify) the local tiers'
+    shallower hit is restored instead (its ``Restored.match`` says so), else None.
     A verified remote restore is also stored locally when the policy admits it."""
     tier, ref = eng.remote, match.remote
     got = tier.fetch_path(ref.hit.path) if tier is not None else []
@@ -249,6 +261,13 @@ def restore(eng: Engine, match: Match) -> Restored | None:
         eng.counters.inc("remote", "missed")
         return local_restore.restore(eng, ref.local) if ref.local.hit else None
     segments, snaps = assemble(eng, ref.hit.path, decoded, match.gpu_blocks)
+    if ref.hit.path[0].start > match.gpu_blocks:
+        below = local_restore.restore(eng, ref.local) if local_part(ref.local, ref.hit, match.gpu_blocks) else None
+        if below is None:
+            eng.counters.inc("remote", "missed")
+            return None
+        segments = join_below(eng, below, ref.hit.path[0].start - match.gpu_blocks, segments)
+        eng.counters.inc("remote", "joined_local")
     eng.counters.inc("remote", "restored")
     keep_local(eng, ref.prefix, segments, snaps, match.gpu_tokens)
     return Restored(match, segments, snaps, match.gpu_tokens, match.tokens,
@@ -288,6 +307,14 @@ def assemble(eng: Engine, path: tuple[Manifest, ...], decoded: list[list[verify.
         segments.append({name: torch.cat(ts) for name, ts in parts.items()})
         snaps.append({name: t.clone() for name, t in decoded[-1][r].snapshot.items()})
     return segments, snaps
+
+
+def join_below(eng: Engine, below: Restored, blocks: int, segments: list) -> list:
+    """Per rank: the first ``blocks`` blocks of the locally restored ``below`` followed
+    by the remote ``segments``."""
+    rows = blocks * eng.layout.block_tokens
+    return [{name: torch.cat([below.segments[r][name][:rows], t]) for name, t in seg.items()}
+            for r, seg in enumerate(segments)]
 
 
 def keep_local(eng: Engine, prefix: Prefix, segments: list, snaps: list, tokens_from: int) -> None:

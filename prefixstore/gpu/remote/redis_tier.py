@@ -39,6 +39,10 @@ class RemoteHit:
     ``[path[0].start, blocks)`` in chain order (the last one ends at ``blocks``)."""
 
     path: tuple[Manifest, ...]
+    below: tuple[Manifest, ...] = ()
+    """When ``path`` builds on blocks the caller holds (it starts past ``have``): the
+    remote's own copy of those blocks up to ``path[0].start``, if it has one (read, not
+    fetched: ``touch`` keeps its blobs fresh)."""
 
     @property
     def manifest(self) -> Manifest:
@@ -144,17 +148,22 @@ class RemoteTier:
         return ok
 
     def deepest(
-        self, chain_keys: Sequence[bytes], *, have: int = 0, need_snapshot: bool = False
+        self, chain_keys: Sequence[bytes], *, have: int = 0, reach: int | None = None,
+        need_snapshot: bool = False,
     ) -> RemoteHit | None:
         """The deepest checkpoint path over ``chain_keys`` (the request's chained keys from
-        the root), in one round trip. Blocks before ``have`` are already held locally, so a
-        path may start at any block ``<= have``. ``need_snapshot``: the deepest checkpoint
-        must hold a snapshot. None (a miss) when nothing beyond ``have`` is covered."""
+        the root), in one round trip. Blocks before ``have`` are already held, so a path
+        may start at any block ``<= have``; ``reach`` (``>= have``, default ``have``): the
+        blocks the caller can read elsewhere (its local tiers), so a path may also start
+        at any block ``<= reach`` and build on them. Every manifest from ``have`` on is
+        read. ``need_snapshot``: the deepest checkpoint must hold a snapshot. None (a
+        miss) when nothing beyond ``have`` is covered."""
         self.counts.add("lookups")
         names = [self.keys.manifest(k) for k in chain_keys[have:]]
         values = self._timed("lookup_seconds", clients.get_many, names, "lookup",
                              self.config.lookup_timeout)
-        hit = None if values is None else self._deepest_path(chain_keys, have, values, need_snapshot)
+        reach = have if reach is None else max(have, reach)
+        hit = None if values is None else self._deepest_path(chain_keys, have, reach, values, need_snapshot)
         self.counts.add("hits" if hit else "misses")
         return hit
 
@@ -320,31 +329,42 @@ class RemoteTier:
                 self._reconnecting = None
 
     def _deepest_path(
-        self, chain_keys: Sequence[bytes], have: int, values: list[Any], need_snapshot: bool
+        self, chain_keys: Sequence[bytes], have: int, reach: int, values: list[Any], need_snapshot: bool
     ) -> RemoteHit | None:
-        paths: dict[int, tuple[Manifest, ...]] = {}  # end block -> covering path
+        # end block -> its covering path from a start <= have (own), <= reach (joined)
+        own: dict[int, tuple[Manifest, ...]] = {}
+        joined: dict[int, tuple[Manifest, ...]] = {}
         best: tuple[Manifest, ...] | None = None
         failures = {id(v) for v in values if isinstance(v, Exception)}
         if failures:  # some cluster nodes failed: their keys are absent
             self.counts.add("errors", len(failures))
         for i, value in enumerate(values, start=have):
-            if not isinstance(value, bytes):
+            m = self._manifest_at(chain_keys, i, value)
+            if m is None:
                 continue
-            try:
-                m = manifest.decode(self.keys, chain_keys[i], value, self.ranks)
-            except ManifestError as exc:
-                self.counts.add("verify_failures")
-                log.warning("remote_bad_manifest", key=chain_keys[i].hex(), reason=str(exc))
-                continue
-            if m.end != i + 1:
-                continue
-            before = () if m.start <= have else paths.get(m.start)
-            if before is None:
-                continue
-            paths[m.end] = (*before, m)
-            if not need_snapshot or m.snapshot:
-                best = paths[m.end]
-        return RemoteHit(best) if best else None
+            for paths, limit in ((own, have), (joined, reach)):
+                before = () if m.start <= limit else paths.get(m.start)
+                if before is not None:
+                    paths[m.end] = (*before, m)
+            if m.end in joined and (not need_snapshot or m.snapshot):
+                best = joined[m.end]
+        if best is None:
+            return None
+        if best[-1].end <= reach:  # nothing past what the caller holds: the remote's own copy
+            return RemoteHit(own.get(best[-1].end, best))
+        return RemoteHit(best, own.get(best[0].start, ()) if best[0].start > have else ())
+
+    def _manifest_at(self, chain_keys: Sequence[bytes], i: int, value: Any) -> Manifest | None:
+        """The manifest stored for chain block ``i`` when it decodes and ends there."""
+        if not isinstance(value, bytes):
+            return None
+        try:
+            m = manifest.decode(self.keys, chain_keys[i], value, self.ranks)
+        except ManifestError as exc:
+            self.counts.add("verify_failures")
+            log.warning("remote_bad_manifest", key=chain_keys[i].hex(), reason=str(exc))
+            return None
+        return m if m.end == i + 1 else None
 
     def _verified(self, ref: manifest.BlobRef, value: Any) -> bytes | None:
         if value is None or not isinstance(value, bytes):
@@ -356,13 +376,13 @@ class RemoteTier:
         self.counts.add("bytes_in", len(value))
         return value
 
-    def touch(self, hit: RemoteHit) -> None:
-        """Mark, in the background, the blobs of a path found but not fetched (the caller
-        holds it already) as used: Redis's LRU then ages a checkpoint's blobs with its
-        manifest (which every lookup reads) instead of evicting blobs still in use."""
-        if not self._up or self._closed:
+    def touch(self, path: Sequence[Manifest]) -> None:
+        """Mark, in the background, the blobs of checkpoints found but not fetched (the
+        caller holds them already) as used: Redis's LRU then ages a checkpoint's blobs
+        with its manifest (which every lookup reads) instead of evicting blobs still in use."""
+        if not self._up or self._closed or not path:
             return
-        keys = [ref.key for m in hit.path for ref in m.blobs]
+        keys = [ref.key for m in path for ref in m.blobs]
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._calls.submit(self._quietly, clients.touch, keys)
 
