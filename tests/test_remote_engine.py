@@ -147,6 +147,27 @@ def test_a_remote_path_built_on_the_local_part_misses_when_that_part_goes(redis_
         assert_clean(b)
 
 
+def test_pinning_a_remote_path_built_on_the_local_part_holds_that_part(redis_server, tmp_path):
+    family = tokens_for(9, 6)
+    with open_engine(tmp_path / "a", redis_server.url) as a:
+        assert store_tokens(a, family[:8]).ok and store_tokens(a, family).ok
+        whole = a.lookup(prefix(family))
+    with open_engine(tmp_path / "b", redis_server.url) as b:
+        assert store_tokens(b, family[:8]).ok
+        m = b.lookup(prefix(family))
+        assert m.source == "remote" and m.remote.hit.path[0].start == 2
+        with b.pinned(m) as ok:
+            assert ok
+            assert b.evict(prefix=prefix(family[:8])) == 0  # pinned: refused
+            restored_exactly(b, family, b.restore(m))
+        assert whole.source == "local"
+    with open_engine(tmp_path / "c", redis_server.url) as c:
+        m = c.lookup(prefix(family))  # nothing local: the whole path from Redis, nothing to pin
+        assert m.source == "remote" and m.remote.hit.path[0].start == 0
+        assert not c.pin(m)
+        c.unpin(m)  # nothing pinned, nothing to release
+
+
 def test_the_cost_rule_weighs_the_remote_with_its_measured_bandwidth(redis_server, tmp_path):
     tokens = tokens_for(3, 5)
     with open_engine(tmp_path / "a", redis_server.url) as a:

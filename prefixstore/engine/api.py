@@ -210,23 +210,28 @@ class Engine:
             return restore.restore(self, match)
 
     def pin(self, match: Match) -> bool:
-        """Pin every node of ``match`` (never evicted or replaced until unpinned)."""
+        """Pin every local node a restore of ``match`` reads (never evicted or replaced
+        until unpinned): its path, or the local part a remote path builds on. False when
+        they changed meanwhile, or when the match reads nothing local."""
         validate.match(self, match)
+        local = remote.local_reads(match)
         with lifecycle.guard(self), self._lock:
-            if not lookup.path_current(self, match):
+            if local is None or not lookup.path_current(self, local):
                 return False
-            holds.pin_request(self, [nid for nid, _ in match.path])
+            holds.pin_request(self, [nid for nid, _ in local.path])
             return True
 
     def unpin(self, match: Match) -> None:
         """Release a pin taken by ``pin``; unpinning what is not pinned is an error."""
         validate.match(self, match)
+        local = remote.local_reads(match)
+        path = local.path if local is not None else ()
         with lifecycle.guard(self):
             with self._lock:
-                for nid, _ in match.path:
+                for nid, _ in path:
                     if self._request_pins[nid] <= 0:
                         raise InvalidInputError(f"node {nid} is not pinned")
-                holds.unpin_request(self, [nid for nid, _ in match.path])
+                holds.unpin_request(self, [nid for nid, _ in path])
             self.retry_pending()
 
     @contextmanager

@@ -226,6 +226,15 @@ def local_part(local: Match, hit: RemoteHit, gpu_blocks: int) -> bool:
     return start > gpu_blocks and local.hit and local.blocks >= start
 
 
+def local_reads(match: Match) -> Match | None:
+    """The local match whose nodes a restore of ``match`` reads: ``match`` itself, the
+    local hit a remote path builds on, or None (a remote path that reads nothing local)."""
+    ref = match.remote
+    if ref is None:
+        return match
+    return ref.local if local_part(ref.local, ref.hit, match.gpu_blocks) else None
+
+
 def cost_model(eng: Engine, tier: RemoteTier) -> CostModel | None:
     """The engine's cost model with the remote's calibration: its bandwidth measured as
     verified bytes over fetch seconds, its per-restore overhead the mean lookup seconds
