@@ -91,12 +91,14 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Mooncake conversation trace, first {meta['requests']:,} requests ({meta['unique_bytes_files']:,} "
         f"unique file bytes), round-robin over the instances; shares are of those unique bytes.",
         "",
-        "| setup | token hit ratio | prefill s saved (modeled) | restores (from the remote) | wrong bytes | audit |",
-        "|---|---:|---:|---:|---:|---|",
+        "| setup | token hit ratio | prefill s saved (modeled) | restores (from the remote) | bytes from Redis "
+        "| wrong bytes | audit |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        fetched = (r["remote"] or {}).get("bytes_in", 0)
         lines.append(f"| {r['label']} | {r['hit_ratio_tokens']:.4f} | {r['prefill_s_saved']:,.1f} of "
-                     f"{r['prefill_s_total']:,.1f} | {r['restores']:,} ({r['restores_remote']:,}) | "
+                     f"{r['prefill_s_total']:,.1f} | {r['restores']:,} ({r['restores_remote']:,}) | {fetched:,} | "
                      f"{r['wrong_bytes']} | {'clean' if r['audit_ok'] else 'FAILED'} |")
     if meta.get("redis"):
         lines += ["", f"Redis: maxmemory {meta['redis']['maxmemory']:,} bytes, {meta['redis']['evicted_keys']:,} "
