@@ -64,6 +64,29 @@ def test_cluster_node_killed_mid_run(redis_cluster):
     assert s["errors"] + s["timeouts"] >= 1 and s["verify_failures"] == 0
 
 
+def test_writes_failing_on_a_dead_node_leave_the_other_nodes_serving(redis_cluster):
+    """After a node dies, each write that needs it fails (counted), but does not take
+    the tier down: a lookup right after it still gets the live nodes' checkpoints."""
+    with tier(redis_cluster.url, write_timeout=SETUP_WRITE_S, write_behind=False, lookup_timeout=1.0,
+              restore_timeout=1.0) as t:
+        _store_all(t)
+        redis_cluster.nodes[1].stop()
+        deadline = time.monotonic() + 20  # until the client has seen the node go
+        while _read_all(t)[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        failed_writes = 0
+        for seed in range(100, 110):
+            keys = chain(6, seed=seed)
+            blobs = blobs_for(seed)
+            ok = t.put(keys[2], t.manifest_for(keys[2], blobs, start=0, end=3, generation=1, snapshot=False),
+                       blobs)
+            failed_writes += not ok
+            assert t.up, "a write that failed on one node took the whole tier down"
+            assert _read_all(t)[0] > 0  # the live nodes answer at once
+        assert failed_writes >= 1
+        assert t.stats()["dropped"] == failed_writes
+
+
 def test_cluster_node_stopped_mid_run(redis_cluster):
     """SIGSTOP on one node: calls that need it end within their budget as misses."""
     with tier(redis_cluster.url, write_timeout=SETUP_WRITE_S, write_behind=False, lookup_timeout=0.5,

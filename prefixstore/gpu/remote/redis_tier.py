@@ -292,8 +292,12 @@ class RemoteTier:
         return out
 
     def _failed(self, kind: str, purpose: str, why: str) -> None:
+        """Count a failed call and mark the tier down (calls are misses until the
+        background reconnect answers). On a cluster a failed write names one node's
+        slots only: it is counted, and the lookups find for themselves whether the
+        cluster still answers (they fail only when every node they need failed)."""
         self.counts.add(kind)
-        if self._closed:
+        if self._closed or (purpose == "write" and self.url.cluster):
             return
         with self._lock:
             was_up, self._up = self._up, False
