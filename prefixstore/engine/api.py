@@ -85,8 +85,9 @@ class Engine:
         must be real directories, else UnsafeDirectoryError with nothing touched),
         ``registry`` (a prometheus CollectorRegistry), ``admission`` (callable
         deciding whether to admit a store; a ``RetentionAdmission`` under the
-        ``prefixstore`` policy also orders the eviction of leaves by its rule), ``inflight_wait_s`` (how long a store waits
-        for an overlapping store in flight before it is skipped as 'in_flight'),
+        ``prefixstore`` policy also orders the eviction of leaves by its rule),
+        ``inflight_wait_s`` (how long a store waits for an overlapping store in flight
+        before it is skipped as 'in_flight'),
         ``compaction`` (True or a ``statemachine.compaction.CompactionPolicy``: run the
         background compaction worker; see ``engine/compaction.py``), ``backing``
         ('disk' default, 'memory', 'composite'; see ``gpu/backings.py``) with

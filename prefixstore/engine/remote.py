@@ -1,9 +1,10 @@
 """The shared remote tier (``gpu/remote``, Redis) seen from the engine.
 
 Below the local tiers: a store's checkpoint goes to the remote after its local publish
-(``prepare`` under the lock, ``send`` after it; write-behind by default); a lookup the local tiers cannot answer in full
-asks the remote for the deepest checkpoint of the chain (``extend``, one round trip),
-weighed by the cost rule with the remote's measured bandwidth and latency; ``restore``
+(``prepare`` under the lock, ``send`` after it; write-behind by default); a lookup the
+local tiers cannot answer in full asks the remote for the deepest checkpoint of the
+chain (``extend``, one round trip; the path may build on the local hit), weighed by the
+cost rule with the remote's measured bandwidth and latency; ``restore``
 fetches, verifies every rank's blob through ``gpu/verify.py`` and keeps a local copy
 through the normal store path when the policy admits it. Nothing here raises for a
 network fault, nor touches the local catalog's invariants: the remote's state is an
@@ -270,8 +271,8 @@ def restore(eng: Engine, match: Match) -> Restored | None:
         eng.counters.inc("remote", "missed")
         return local_restore.restore(eng, ref.local) if ref.local.hit else None
     segments, snaps = assemble(eng, ref.hit.path, decoded, match.gpu_blocks)
-    if ref.hit.path[0].start > match.gpu_blocks:
-        below = local_restore.restore(eng, ref.local) if local_part(ref.local, ref.hit, match.gpu_blocks) else None
+    if ref.hit.path[0].start > match.gpu_blocks:  # the path builds on the local hit
+        below = local_restore.restore(eng, ref.local) if local_reads(match) is not None else None
         if below is None:
             eng.counters.inc("remote", "missed")
             return None

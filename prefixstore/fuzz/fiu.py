@@ -17,8 +17,8 @@ checked bit for bit, evictions of single checkpoints, reclaims, retries, and reo
 (recovery under faults). Any exception, of a call or of an open, is counted by type:
 a ``PrefixStoreError`` is a typed error; anything else is "untyped". After a catalog
 error (CatalogIOError: the engine refuses mutations until reopened) the engine is
-closed and reopened, as a server would. The child disarms before it prints its JSON result (printing while
-armed could itself fail), then exits without closing the engine.
+closed and reopened, as a server would. The child disarms before it prints its JSON
+result (printing while armed could itself fail), then exits without closing the engine.
 
 Then the parent, without faults, opens the cache (recovery), audits it with
 checksums, checks that the journal is empty and that every store acknowledged
