@@ -100,3 +100,37 @@ def test_cluster_node_stopped_mid_run(redis_cluster):
             assert s["timeouts"] >= 1 and s["verify_failures"] == 0
         finally:
             redis_cluster.nodes[2].resume()
+
+
+def test_a_hung_node_costs_only_its_own_keys(redis_cluster):
+    """SIGSTOP on one node: the nodes are asked in parallel, so the checkpoints whose keys
+    all live on the other nodes are still hits (a lookup still asks the hung node for the
+    chain's other keys and waits for it up to its budget), and the tier stays up; the
+    hung node's keys are misses, counted as timeouts."""
+    with tier(redis_cluster.url, write_timeout=SETUP_WRITE_S, write_behind=False, lookup_timeout=0.5,
+              restore_timeout=0.5) as t:
+        _store_all(t)
+        held = {k.decode() for k in redis_cluster.nodes[2].client().keys("*")}
+        on_live = [seed for seed in range(REQUESTS) if not _keys(t, seed) & held]
+        assert on_live, "no request lies wholly on the other nodes: choose other seeds"
+        redis_cluster.nodes[2].pause()
+        try:
+            for seed in on_live:
+                t0 = time.monotonic()
+                hit = t.deepest(chain(6, seed=seed))
+                assert hit is not None and hit.blocks == 6, seed
+                got = t.fetch_path(hit.path)
+                assert got == [blobs_for(2 * seed), blobs_for(2 * seed + 1)]
+                assert time.monotonic() - t0 < 2 * 0.5 + GRACE
+                assert t.up
+            full, slowest = _read_all(t)
+            assert len(on_live) <= full < REQUESTS and slowest < 0.5 + GRACE
+            assert t.stats()["timeouts"] >= 1 and t.up
+        finally:
+            redis_cluster.nodes[2].resume()
+
+
+def _keys(t: RemoteTier, seed: int) -> set[str]:
+    """The keys of request ``seed``: its manifests and their blobs."""
+    hit = t.deepest(chain(6, seed=seed))
+    return {t.keys.manifest(m.prefix_key) for m in hit.path} | {ref.key for m in hit.path for ref in m.blobs}

@@ -3,6 +3,7 @@ on its own (the tier decides what a failure means)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import redis
@@ -52,9 +53,15 @@ def connect(url: RemoteURL, config: RemoteConfig, timeout: float) -> Any:
     )
 
 
-def get_many(client: Any, keys: list[str]) -> list[Any]:
+NODE_CALLS = concurrent.futures.ThreadPoolExecutor(16, "prefixstore-remote-node")
+"""The threads asking cluster nodes in parallel (shared by every tier of the process)."""
+
+
+def get_many(client: Any, keys: list[str], wait: float | None = None) -> list[Any]:
     """Values of ``keys`` in one round trip per server: bytes, None when absent, or the
-    exception that one key's cluster node failed with (raised only if every node failed)."""
+    exception that one key's cluster node failed with (raised only if every node failed).
+    A cluster's nodes are asked in parallel; one that has not answered within ``wait``
+    seconds counts as failed with a ``TimeoutError``, so a hung node costs only its keys."""
     if not keys:
         return []
     if not isinstance(client, RedisCluster):
@@ -65,22 +72,40 @@ def get_many(client: Any, keys: list[str]) -> list[Any]:
         node = client.get_node_from_key(k)
         nodes[node.name] = node
         by_node.setdefault(node.name, []).append(i)
+    asks = {name: NODE_CALLS.submit(_node_get, client, nodes[name], [keys[i] for i in idx])
+            for name, idx in by_node.items()}
+    concurrent.futures.wait(asks.values(), timeout=wait)
     out: list[Any] = [None] * len(keys)
-    failed = 0
+    errors: list[BaseException] = []
     for name, idx in by_node.items():
-        try:
-            pipe = client.get_redis_connection(nodes[name]).pipeline(transaction=False)
-            for i in idx:
-                pipe.get(keys[i])
-            values = pipe.execute(raise_on_error=False)
-        except NETWORK_ERRORS as exc:
-            failed += 1
-            values = [exc] * len(idx)
-            if failed == len(by_node):
-                raise
+        values = _answer(asks[name], name, wait)
+        if isinstance(values, BaseException):
+            errors.append(values)
+            values = [values] * len(idx)
         for i, v in zip(idx, values, strict=True):
             out[i] = v
+    if len(errors) == len(by_node):
+        raise errors[0]
     return out
+
+
+def _node_get(client: Any, node: Any, keys: list[str]) -> list[Any]:
+    pipe = client.get_redis_connection(node).pipeline(transaction=False)
+    for k in keys:
+        pipe.get(k)
+    return pipe.execute(raise_on_error=False)
+
+
+def _answer(ask: concurrent.futures.Future, name: str, wait: float | None) -> list[Any] | BaseException:
+    """A node's values, or the network error (or timeout) it failed with."""
+    if not ask.done():
+        return TimeoutError(f"cluster node {name} did not answer within {wait} s")
+    exc = ask.exception()
+    if exc is None:
+        return ask.result()
+    if not isinstance(exc, NETWORK_ERRORS):
+        raise exc
+    return exc
 
 
 def set_many(client: Any, items: list[tuple[str, bytes]], ttl_ms: int | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -160,8 +161,7 @@ class RemoteTier:
         miss) when nothing beyond ``have`` is covered."""
         self.counts.add("lookups")
         names = [self.keys.manifest(k) for k in chain_keys[have:]]
-        values = self._timed("lookup_seconds", clients.get_many, names, "lookup",
-                             self.config.lookup_timeout)
+        values = self._get("lookup_seconds", names, "lookup", self.config.lookup_timeout)
         reach = have if reach is None else max(have, reach)
         hit = None if values is None else self._deepest_path(chain_keys, have, reach, values, need_snapshot)
         self.counts.add("hits" if hit else "misses")
@@ -172,8 +172,7 @@ class RemoteTier:
         ``restore_timeout``."""
         self.counts.add("fetches")
         ref = m.blobs[rank]
-        values = self._timed("fetch_seconds", clients.get_many, [ref.key], "restore",
-                             self.config.restore_timeout)
+        values = self._get("fetch_seconds", [ref.key], "restore", self.config.restore_timeout)
         data = self._verified(ref, values[0]) if values else None
         if data is None:
             self.counts.add("fetch_misses")
@@ -185,8 +184,9 @@ class RemoteTier:
         blobs all verify (empty on a miss)."""
         refs = [ref for m in path for ref in m.blobs]
         self.counts.add("fetches", len(refs))
-        values = self._timed("fetch_seconds", clients.get_many, [r.key for r in refs], "restore",
-                             self.config.restore_timeout) or [None] * len(refs)
+        values = self._get("fetch_seconds", [r.key for r in refs], "restore",
+                           self.config.restore_timeout) or [None] * len(refs)
+        self._count_node_failures(values)
         out: list[list[bytes]] = []
         i = 0
         for m in path:
@@ -291,6 +291,11 @@ class RemoteTier:
             self.counts.add(counter, time.perf_counter() - t0)
         return out
 
+    def _get(self, counter: str, keys: list[str], purpose: str, budget: float) -> list[Any] | None:
+        """``clients.get_many`` of ``keys`` within ``budget`` (a cluster node that has not
+        answered by nine tenths of it fails alone, its keys absent), timed into ``counter``."""
+        return self._timed(counter, functools.partial(clients.get_many, wait=budget * 0.9), keys, purpose, budget)
+
     def _failed(self, kind: str, purpose: str, why: str) -> None:
         """Count a failed call and mark the tier down (calls are misses until the
         background reconnect answers). On a cluster a failed write names one node's
@@ -339,9 +344,7 @@ class RemoteTier:
         own: dict[int, tuple[Manifest, ...]] = {}
         joined: dict[int, tuple[Manifest, ...]] = {}
         best: tuple[Manifest, ...] | None = None
-        failures = {id(v) for v in values if isinstance(v, Exception)}
-        if failures:  # some cluster nodes failed: their keys are absent
-            self.counts.add("errors", len(failures))
+        self._count_node_failures(values)
         for i, value in enumerate(values, start=have):
             m = self._manifest_at(chain_keys, i, value)
             if m is None:
@@ -357,6 +360,16 @@ class RemoteTier:
         if best[-1].end <= reach:  # nothing past what the caller holds: the remote's own copy
             return RemoteHit(own.get(best[-1].end, best))
         return RemoteHit(best, own.get(best[0].start, ()) if best[0].start > have else ())
+
+    def _count_node_failures(self, values: list[Any]) -> None:
+        """Count the cluster nodes that failed (their keys' values are the exception):
+        as timeouts when they did not answer in time, else as errors."""
+        failed = {id(v): v for v in values if isinstance(v, Exception)}.values()
+        hung = sum(isinstance(v, clients.TIMEOUT_ERRORS) for v in failed)
+        if hung:
+            self.counts.add("timeouts", hung)
+        if len(failed) > hung:
+            self.counts.add("errors", len(failed) - hung)
 
     def _manifest_at(self, chain_keys: Sequence[bytes], i: int, value: Any) -> Manifest | None:
         """The manifest stored for chain block ``i`` when it decodes and ends there."""
