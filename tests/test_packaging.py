@@ -47,7 +47,8 @@ def test_pytest_and_hypothesis_are_extras_and_py_typed_ships():
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["prefixstore"]
     assert os.path.isfile(os.path.join(REPO, "prefixstore", "py.typed"))
     with open(os.path.join(REPO, ".ci", "run")) as f:
-        assert "test" in f.read().split("pip install -q -e")[1].split("\n")[0]
+        installs = [ln for ln in f if "pip install -q -e" in ln]
+    assert any("test" in ln for ln in installs), installs
 
 
 def test_library_and_commands_need_neither_pytest_nor_hypothesis(tmp_path):
@@ -113,3 +114,50 @@ def test_import_linter_is_a_test_extra_and_ci_runs_the_layers_contract():
     with open(os.path.join(REPO, ".ci", "run")) as f:
         lines = [ln.strip() for ln in f]
     assert "lint-imports" in lines and lines.index("lint-imports") < lines.index("$PY -m pytest -q")
+
+
+# Every package that only an extra installs; a plain `pip install -e .` has none of them.
+_EXTRAS_ONLY = "redis,transformers,matplotlib,sglang,pytest,hypothesis,importlinter,ruff"
+# Modules that exist to use an extra, and say which one when it is missing.
+_NEEDS_AN_EXTRA = {"prefixstore.fuzz.stateful", "prefixstore.adapters.hf", "prefixstore.adapters.hf_tiny",
+                   "prefixstore.adapters.hf_walk", "prefixstore.adapters.sglang"}
+
+
+def test_a_plain_install_imports_everything_else_and_runs_the_first_command(tmp_path):
+    code = f"""
+import importlib, pkgutil, sys
+import prefixstore
+for m in pkgutil.walk_packages(prefixstore.__path__, "prefixstore."):
+    if m.name not in {sorted(_NEEDS_AN_EXTRA)!r}:
+        importlib.import_module(m.name)
+from prefixstore.cli import main
+rc = main(["replay", sys.argv[1], "--limit", "40"])
+print("RC", rc)
+"""
+    trace = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+    p = _without(_EXTRAS_ONLY, code, trace)
+    assert p.returncode == 0 and "RC 0" in p.stdout, p.stdout[-1500:] + p.stderr[-3000:]
+    assert "hit ratio" in p.stdout.lower()
+
+
+def test_a_remote_tier_without_redis_names_the_extra_in_one_line(tmp_path):
+    code = "import sys; from prefixstore.cli import main; sys.exit(main(sys.argv[1:]))"
+    trace = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+    p = _without("redis", code, "replay", trace, "--limit", "5", "--remote", "redis://127.0.0.1:1")
+    assert p.returncode == 2, p.stdout[-1500:] + p.stderr[-3000:]
+    assert p.stderr.strip().splitlines() == [
+        "prefixstore replay: the Redis remote tier needs redis-py: pip install 'prefixstore[remote]'"]
+    api = """
+import tempfile
+from prefixstore import Layout, TensorSpec
+from prefixstore.base.errors import MissingExtraError
+from prefixstore.engine.api import Engine
+layout = Layout(segments=[TensorSpec("k", "float32", (2,))], block_tokens=4, ranks=1)
+try:
+    Engine.open(tempfile.mkdtemp(), layout, 1 << 20, remote="redis://127.0.0.1:1")
+except MissingExtraError as exc:
+    print("MISSING", exc)
+"""
+    p = _without("redis", api)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "MISSING the Redis remote tier needs redis-py: pip install 'prefixstore[remote]'"

@@ -31,6 +31,10 @@ class RankError(InvalidInputError):
     """Tensors were given for the wrong number of ranks, or an unknown rank was named."""
 
 
+class MissingExtraError(PrefixStoreError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra."""
+
+
 class NotACacheError(PrefixStoreError):
     """The directory exists but does not hold a prefixstore cache."""
 

@@ -6,33 +6,47 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-import redis
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import (
-    ClusterError,
-    RedisClusterException,
-    RedisError,
-    ResponseError,
-)
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
-
+from prefixstore.base.errors import MissingExtraError
 from prefixstore.gpu.remote.config import RemoteConfig
 from prefixstore.gpu.remote.urls import RemoteURL
 
-NETWORK_ERRORS = (RedisError, RedisClusterException, OSError)
-# The cluster lost slots or nodes: treated as unreachable, though a node answered.
-CLUSTER_ERRORS = (ClusterError,)
-# Other errors the server answered with (out of memory, ...): it is reachable.
-ANSWERED_ERRORS = (ResponseError,)
-TIMEOUT_ERRORS = (RedisTimeoutError, TimeoutError)
+try:  # the `remote` extra; without it no client is ever built, so OSError is all a call meets
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.retry import Retry
+except ModuleNotFoundError as exc:
+    if exc.name is None or exc.name.split(".")[0] != "redis":
+        raise
+    redis = None
+    NETWORK_ERRORS: tuple[type[BaseException], ...] = (OSError,)
+    CLUSTER_ERRORS: tuple[type[BaseException], ...] = ()
+    ANSWERED_ERRORS: tuple[type[BaseException], ...] = ()
+    TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError,)
+else:
+    NETWORK_ERRORS = (RedisError, RedisClusterException, OSError)
+    # The cluster lost slots or nodes: treated as unreachable, though a node answered.
+    CLUSTER_ERRORS = (ClusterError,)
+    # Other errors the server answered with (out of memory, ...): it is reachable.
+    ANSWERED_ERRORS = (ResponseError,)
+    TIMEOUT_ERRORS = (RedisTimeoutError, TimeoutError)
+
+MISSING = "the Redis remote tier needs redis-py: pip install 'prefixstore[remote]'"
+
+
+def require() -> None:
+    """Raise MissingExtraError when redis-py is not installed."""
+    if redis is None:
+        raise MissingExtraError(MISSING)
 
 
 def connect(url: RemoteURL, config: RemoteConfig, timeout: float) -> Any:
     """A client of ``url`` whose every socket wait (connecting included) is at most
     ``timeout`` seconds. A cluster client asks a startup node for the slot map now, so
     this may raise one of NETWORK_ERRORS."""
+    require()
     common: dict[str, Any] = {
         "username": config.username or url.username,
         "password": config.password or url.password,

@@ -70,6 +70,7 @@ class RemoteTier:
         self, url: str | RemoteURL, layout_json: str, ranks: int, config: RemoteConfig | None = None
     ) -> None:
         self.url = url if isinstance(url, RemoteURL) else parse(url)
+        clients.require()
         if config is not None and not isinstance(config, RemoteConfig):
             raise InvalidArgumentError("config", f"must be a RemoteConfig, got {type(config).__name__}")
         self.config = config or RemoteConfig()
