@@ -104,6 +104,8 @@ PROBES = [
                                                                      info()), r"pool_transfers\[0\].name"),
     ("batch_exists_v2 bad policy", lambda b, rk: b.batch_exists_v2(STORED, [mamba(STORED[-1:], None, policy="some")],
                                                                    info()), r"pool_transfers\[0\].hit_policy"),
+    ("batch_exists_v2 keys a str", lambda b, rk: b.batch_exists_v2(STORED, [mamba("abc", None)], info()),
+     r"pool_transfers\[0\].keys: need a list"),
     ("batch_set_v2 index past the pool", lambda b, rk: b.batch_set_v2([mamba(NEW[-1:], torch.tensor([64]))], info()),
      r"host_indices: pool 'mamba'"),
     ("batch_set_v2 keys a str", lambda b, rk: b.batch_set_v2([mamba("abc", torch.tensor([0, 1, 2]))], info()),

@@ -521,6 +521,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         transfers = check.transfers(pool_transfers, "pool_transfers")
         for i, t in enumerate(transfers):
             self._policy(t, f"pool_transfers[{i}]")
+            check.page_keys([] if t.keys is None else t.keys, f"pool_transfers[{i}].keys")
         kv_pages = self.batch_exists(keys, extra_info)
         hits: dict[str, int] = {KV: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
