@@ -432,3 +432,27 @@ def test_the_same_calls_hit_page_for_page_as_sglangs_file_backend(tmp_path):
         assert rk.backend.engine_stats()["kv"]["nodes"] == 4  # one checkpoint per call, never one per page
     finally:
         rk.close()
+
+
+def test_the_page_map_is_the_catalogs_after_a_rebuild_and_stays_bounded(tmp_path, monkeypatch):
+    from prefixstore.adapters import sglang_chains
+
+    monkeypatch.setattr(sglang_chains, "REBUILD_MIN", 64)
+    (rk,) = ranks(tmp_path, 1)
+    try:
+        keys = drv.page_keys(16, 40)
+        assert drv.write_back(rk, [], keys) == 40
+        chains = rk.backend.pools["kv"].chains
+        assert len(chains) == 40
+        rk.backend.clear()  # every checkpoint evicted: the map is rebuilt empty, nothing reads as a hit
+        assert len(chains) == 0 and rk.backend.batch_exists(keys) == 0
+        for s in range(5):  # 200 pages learned in all: the map is rebuilt when it passes 64 entries
+            seq = drv.page_keys(17 + s, 40)
+            assert drv.write_back(rk, [], seq) == 40
+            rk.backend.pools["kv"].engine.evict(rk.backend.pools["kv"].engine.capacity)
+        assert len(chains) <= 2 * 64
+        last = drv.page_keys(30, 10)
+        assert drv.write_back(rk, [], last) == 10
+        assert rk.backend.batch_exists(last[3:]) == 7  # found from its hash, mid-chain, no prefix keys
+    finally:
+        rk.close()
