@@ -18,13 +18,17 @@ trailing pools; in 0.5.23 even KV-only models get the hybrid controller), the ra
 Run as a script it is the process a crash test SIGKILLs:
 ``python tests/sglang_driver.py DIR [hybrid]`` reads batch numbers on stdin, writes each
 batch of ``CRASH_BATCH`` pages (and, hybrid, a Mamba state at its end) and prints
-``ACK <batch> <ok>`` once ``batch_set_v1`` returned.
+``ACK <batch> <ok>`` once ``batch_set_v1`` returned. A line ``<batch> stall`` writes that
+batch with the KV engine's fault hook armed: once the batch's shard is renamed into
+place (before the checkpoint is published) it prints ``STALL <shard path>`` and blocks,
+so the kill lands inside that batch's store, at a known point.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +42,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+from prefixstore.gpu.fileio import FaultHook
+
 PAGE = 4  # tokens per page in the functional tests
 CRASH_BATCH = 16
 
@@ -47,6 +53,7 @@ class HostPool:
 
     def __init__(self, slots: int, page_size: int, token_shape: Sequence[int], dtype=torch.bfloat16) -> None:
         self.page_size, self.layout, self.dtype = page_size, "page_first", dtype
+        self.size = slots  # host slots, as SGLang's pools count them
         self.token_shape = tuple(token_shape)
         self.kv_buffer = torch.zeros((slots, *self.token_shape), dtype=dtype)
 
@@ -102,11 +109,12 @@ class Rank:
     """One tensor-parallel rank: its backend (made by SGLang's factory) and host pools."""
 
     def __init__(self, root: str, rank: int = 0, size: int = 1, hybrid: bool = False,
-                 kv: HostPool | None = None, **extra) -> None:
+                 kv: HostPool | None = None, engine_options: dict | None = None, **extra) -> None:
         self.rank = rank
         self.kv = kv or kv_pool()
         self.mamba = mamba_pool() if hybrid else None
-        self.backend = StorageBackendFactory.create_backend("dynamic", config(root, rank, size, **extra), self.kv)
+        self.backend = StorageBackendFactory.create_backend(  # the factory hands **kwargs to the class
+            "dynamic", config(root, rank, size, **extra), self.kv, engine_options=engine_options or {})
         self.backend.register_mem_pool_host(self.kv)
         if self.mamba is not None:
             self.backend.register_mem_host_pool_v2(self.mamba, PoolName.MAMBA)
@@ -193,11 +201,26 @@ def fetch(rk: Rank, prefix: list[str], keys: list[str], pages: int):
     return got, rows, state
 
 
+class StallHook(FaultHook):
+    """When armed: after a KV shard is renamed into place, say so and block forever."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def after(self, op: str, target: str, rank: int | None) -> None:
+        if self.armed and op == "rename" and f"{PoolName.KV.value}/rank" in target:
+            print(f"STALL {target}", flush=True)
+            threading.Event().wait()
+
+
 def main(root: str, hybrid: bool) -> None:
-    rk = Rank(root, hybrid=hybrid)
+    hook = StallHook()
+    rk = Rank(root, hybrid=hybrid, engine_options={"hook": hook})
     keys = page_keys(7, 64 * CRASH_BATCH)
     for line in sys.stdin:
-        b = int(line)
+        b, *how = line.split()
+        b = int(b)
+        hook.armed = how == ["stall"]
         s = b * CRASH_BATCH
         ok = write_back(rk, keys[:s], keys[s: s + CRASH_BATCH], state_at_end=hybrid) == CRASH_BATCH
         print(f"ACK {b} {int(ok and (rk.state_ok or not hybrid))}", flush=True)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import prometheus_client
 import pytest
@@ -43,7 +42,7 @@ def test_factory_builds_it_before_pools_are_registered(tmp_path):
     backend = drv.StorageBackendFactory.create_backend("dynamic", cfg, None)
     try:
         assert isinstance(backend, PrefixStoreHiCache)
-        assert cfg.extra_config["interface_v1"] == 1  # the controller then passes prefix_keys
+        assert cfg.extra_config["interface_v1"] == 1  # the controller then calls batch_get_v1 / batch_set_v1
         assert backend.pools == {}  # nothing opened until a pool is registered and used
         with pytest.raises(InvalidInputError, match="no registered host pool"):
             backend.batch_exists(drv.page_keys(0, 2))
@@ -72,7 +71,7 @@ def test_attention_pages_read_back_bit_identical_and_hits_are_the_longest_prefix
         for rk in rks:
             assert drv.write_back(rk, [], keys) == 300
             assert rk.backend.engine_stats()["kv"]["nodes"] == 3  # one checkpoint per batch
-            assert rk.backend.get_stats().backup_pgs == [128, 128, 44]  # SGLang's storage metrics
+            assert rk.backend.take_metrics()["backup_pgs"] == [128, 128, 44]  # what get_stats hands SGLang
         assert drv.agree([drv.query(rk, [], keys) for rk in rks]) == 300
         for rk in rks:
             got, rows, _ = drv.fetch(rk, [], keys, 300)
@@ -195,13 +194,13 @@ def test_a_damaged_shard_answers_false_and_the_hit_shrinks(tmp_path):
         assert got == 128  # the second batch reads as a miss, never as other bytes
         assert all(torch.equal(r, drv.page_data(rk.kv, k, 0)) for r, k in zip(rows, keys, strict=False))
         assert drv.query(rk, [], keys) == (128, None)
-        assert rk.backend.get_stats().prefixstore["kv"]["nodes_damaged"] == 1
+        assert rk.backend.engine_stats()["kv"]["nodes_damaged"] == 1
     finally:
         rk.close()
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_acknowledged_pages_and_states_survive_sigkill(tmp_path, hybrid):
+def test_a_sigkill_inside_a_batch_keeps_every_acknowledged_page_and_none_of_that_batch(tmp_path, hybrid):
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(here)  # this checkout's prefixstore, not an installed one
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
@@ -214,23 +213,27 @@ def test_acknowledged_pages_and_states_survive_sigkill(tmp_path, hybrid):
             proc.stdin.flush()
             assert proc.stdout.readline().split() == ["ACK", str(b), "1"]
             acked += 1
-        proc.stdin.write("3\n")  # a fourth batch in flight when the process dies
+        proc.stdin.write("3 stall\n")  # the fourth batch stops inside its store
         proc.stdin.flush()
-        time.sleep(0.05)
+        word, shard = proc.stdout.readline().split()
+        assert word == "STALL" and os.path.isfile(shard)  # its shard is in place, not yet published
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+    assert acked == 3
     (rk,) = ranks(tmp_path, 1, hybrid=hybrid)
     try:
         keys = drv.page_keys(7, 64 * drv.CRASH_BATCH)
         pages = acked * drv.CRASH_BATCH
-        hit, restorable = drv.query(rk, [], keys[:pages])
-        assert hit == pages
-        got, rows, state = drv.fetch(rk, [], keys, pages)
+        hit, restorable = drv.query(rk, [], keys[: pages + drv.CRASH_BATCH])
+        assert hit == pages  # every acknowledged page, and none of the batch the kill cut
+        assert not os.path.exists(shard)  # recovery rolled the unpublished store back
+        got, rows, _ = drv.fetch(rk, [], keys, pages)
         assert got == pages
         assert all(torch.equal(r, drv.page_data(rk.kv, k, 0)) for r, k in zip(rows, keys, strict=False))
-        if hybrid:  # every acknowledged state, at its boundary
+        if hybrid:  # every acknowledged state, at its boundary, and none past the KV pages
             assert {(b + 1) * drv.CRASH_BATCH for b in range(acked)} <= restorable
+            assert max(restorable) == pages
             for b in range(acked):
                 end = (b + 1) * drv.CRASH_BATCH
                 _, _, state = drv.fetch(rk, [], keys, end)
@@ -342,5 +345,114 @@ def test_legacy_calls_without_prefix_context_round_trip(tmp_path):
         got = rk.backend.batch_get(keys, [rk.kv.get_dummy_flat_data_page() for _ in keys])
         assert all(torch.equal(g, p) for g, p in zip(got, pages, strict=True))
         assert rk.backend.get(drv.page_keys(12, 1)[0]) is None
+    finally:
+        rk.close()
+
+
+def test_a_damaged_checkpoint_costs_its_own_pages_not_the_intact_ones_before_it(tmp_path):
+    (rk,) = ranks(tmp_path, 1)
+    try:
+        keys = drv.page_keys(13, 300)
+        assert drv.write_back(rk, [], keys[:100]) == 100  # a node of pages 0..100
+        assert drv.write_back(rk, keys[:100], keys[100:]) == 200  # its child: 100..228, 228..300
+        kv_dir = tmp_path / "tp0of1" / "kv" / "rank0"
+        key = drv_prefix(keys[:228]).keys[-1].hex()
+        (shard,) = [p for p in kv_dir.iterdir() if p.name.startswith(key)]
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        # the first 128-page read covers the intact 0..100 and the damaged 100..228
+        got, rows, _ = drv.fetch(rk, [], keys, 300)
+        assert got == 100
+        assert all(torch.equal(r, drv.page_data(rk.kv, k, 0)) for r, k in zip(rows, keys, strict=False))
+        assert drv.query(rk, [], keys) == (100, None)
+        assert rk.backend.engine_stats()["kv"]["nodes_damaged"] == 1
+    finally:
+        rk.close()
+
+
+def test_the_extra_config_keys_sglang_adds_are_accepted(tmp_path):
+    cfg = drv.config(str(tmp_path / "unused"))
+    del cfg.extra_config["dir"]
+    cfg.extra_config.update(  # --file-storage-path, and what the decode offload path leaves in
+        file_storage_path=str(tmp_path / "fs"), prefetch_threshold=256, prefetch_timeout_base=1,
+        prefetch_timeout_per_ki_token=0.25, hicache_storage_pass_prefix_keys=True, tp_lcm_size=None)
+    backend = PrefixStoreHiCache(cfg)
+    try:
+        assert backend.root == str(tmp_path / "fs" / "tp0of1")  # no 'dir': SGLang's file_storage_path
+    finally:
+        backend.close()
+    with pytest.raises(InvalidInputError, match=r"unknown keys \['file_storage_pth'\]"):
+        PrefixStoreHiCache(drv.config(str(tmp_path), file_storage_pth="x"))
+
+
+def file_backend(root):
+    """SGLang's own ``file`` backend, as its factory builds it."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny",
+        extra_config={"file_storage_path": str(root)})
+    return drv.StorageBackendFactory.create_backend("file", cfg, None)
+
+
+def test_the_same_calls_hit_page_for_page_as_sglangs_file_backend(tmp_path):
+    (rk,) = ranks(tmp_path / "ours", 1)
+    theirs = file_backend(tmp_path / "theirs")
+    try:
+        a, b = drv.page_keys(14, 300), drv.page_keys(15, 5)
+        data = {k: drv.page_data(rk.kv, k, 0).flatten() for k in a + b}
+
+        def read(s, keys):
+            got = s.batch_get(keys, [rk.kv.get_dummy_flat_data_page() for _ in keys])
+            return [None if g is None else bool(torch.equal(g, data[k])) for g, k in zip(got, keys, strict=True)]
+
+        def calls(s):  # evaluated in order
+            return [
+                s.batch_set(a[100:228], [data[k] for k in a[100:228]]),  # a run whose prefix is not stored
+                s.batch_set(a[:100], [data[k] for k in a[:100]]),
+                s.batch_set(a[228:], [data[k] for k in a[228:]]),
+                s.batch_exists(a[50:]),  # across three runs stored apart
+                s.batch_exists(a),
+                s.batch_exists(a[150:160]),
+                s.batch_exists(a[100:], HiCacheStorageExtraInfo(prefix_keys=a[:100])),
+                s.batch_exists(a[290:] + b),
+                s.exists(a[299]), s.exists(b[0]),
+                s.batch_set(b[:3], [data[k] for k in b[:3]]),
+                s.batch_exists(b),
+                read(s, a[90:110]),  # across two runs stored apart
+                read(s, b),  # the pages after the stored ones miss
+            ]
+
+        expected = [True, True, True, 250, 300, 10, 200, 10, True, False, True, 3, [True] * 20,
+                    [True] * 3 + [None] * 2]
+        assert calls(theirs) == expected
+        assert calls(rk.backend) == expected
+        assert rk.backend.engine_stats()["kv"]["nodes"] == 4  # one checkpoint per call, never one per page
+    finally:
+        rk.close()
+
+
+def test_the_page_map_is_the_catalogs_after_a_rebuild_and_stays_bounded(tmp_path, monkeypatch):
+    from prefixstore.adapters import sglang_chains
+
+    monkeypatch.setattr(sglang_chains, "REBUILD_MIN", 64)
+    (rk,) = ranks(tmp_path, 1)
+    try:
+        keys = drv.page_keys(16, 40)
+        assert drv.write_back(rk, [], keys) == 40
+        chains = rk.backend.pools["kv"].chains
+        assert len(chains) == 40
+        rk.backend.clear()  # every checkpoint evicted: the map is rebuilt empty, nothing reads as a hit
+        assert len(chains) == 0 and rk.backend.batch_exists(keys) == 0
+        for s in range(5):  # 200 pages learned in all: the map is rebuilt when it passes 64 entries
+            seq = drv.page_keys(17 + s, 40)
+            assert drv.write_back(rk, [], seq) == 40
+            rk.backend.pools["kv"].engine.evict(rk.backend.pools["kv"].engine.capacity)
+        assert len(chains) <= 2 * 64
+        last = drv.page_keys(30, 10)
+        assert drv.write_back(rk, [], last) == 10
+        assert rk.backend.batch_exists(last[3:]) == 7  # found from its hash, mid-chain, no prefix keys
     finally:
         rk.close()
