@@ -187,3 +187,40 @@ def test_seed_scenario_removes_its_temp_dir(own_tmp, capsys):
     where = json.loads(cap.out)["directory"]
     assert where.startswith(str(own_tmp)) and f"removed {where}" in cap.err
     assert os.listdir(own_tmp) == []
+
+
+def test_fuzz_creates_a_missing_workdir(tmp_path, capsys):
+    work = tmp_path / "not" / "yet"
+    assert main(["fuzz", "--steps", "3", "--json", "--quiet", "--workdir", str(work),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
+    assert work.is_dir() and os.listdir(work) == []  # created; its run directory removed
+
+
+def test_fuzz_replay_creates_a_missing_workdir(tmp_path, capsys):
+    repro = os.path.join(REPO, "tests", "fuzz_regressions", "damage-of-a-missing-shard.json")
+    work = tmp_path / "w" / "x"
+    assert main(["fuzz", "--replay", repro, "--quiet", "--workdir", str(work)]) == 0
+    assert work.is_dir() and "no violation" in capsys.readouterr().out
+
+
+TRACE = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["fuzz", "--steps", "3", "--quiet", "--workdir", "{f}"], "--workdir"),
+    (["fuzz", "--steps", "3", "--quiet", "--workdir", "{f}/sub"], "--workdir"),
+    (["fuzz", "--steps", "3", "--quiet", "--out", "{f}"], "--out"),
+    (["soak", "--kills", "1", "--ranks", "1", "--dir", "{f}"], "--dir"),
+    (["fiu", "--ops", "5", "--dir", "{f}"], "--dir"),
+    (["demo", "{f}/sub"], "DIR"),
+    (["replay", TRACE, "--limit", "5", "--quiet", "--plots", "{f}"], "--plots"),
+], ids=["fuzz-workdir", "fuzz-workdir-below-a-file", "fuzz-out", "soak-dir", "fiu-dir", "demo-dir",
+        "replay-plots"])
+def test_a_path_option_naming_a_file_is_one_line_and_exit_2(tmp_path, capsys, argv, option):
+    """A directory option given a regular file (or a path below one) is refused before
+    any work, in one line naming the option; the file is untouched."""
+    f = tmp_path / "a-file"
+    f.write_text("mine")
+    _one_error_line(capsys, [a.replace("{f}", str(f)) for a in argv], wants=f"{option} {f}")
+    assert f.read_text() == "mine"

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from prefixstore.engine.api import Engine
+from prefixstore.engine.workdir import ensure_dir
 from prefixstore.fuzz import plants as plant_registry
 from prefixstore.fuzz.driver import Driver, RunConfig, Violation, replay
 from prefixstore.fuzz.faultfs import OPS
@@ -162,7 +163,10 @@ class OpGen:
 
 
 def _workdir(base: str | None) -> str:
-    if base is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+    """A new run directory under ``base`` (created when missing), else /dev/shm or the temp dir."""
+    if base is not None:
+        ensure_dir("workdir", base)
+    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         base = "/dev/shm"
     return tempfile.mkdtemp(prefix="prefixstore-fuzz-", dir=base)
 

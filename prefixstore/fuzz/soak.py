@@ -395,7 +395,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with work_dir("soak", args.dir, args.keep) as root:
+    with work_dir("soak", args.dir, args.keep, option="--dir") as root:
         return _run(args, root)
 
 
