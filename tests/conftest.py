@@ -122,10 +122,13 @@ def cache_dir(tmp_path) -> str:
 
 
 class Gate:
-    """A FaultHook that forwards to ``inner`` only while armed (setup runs unhooked)."""
+    """A FaultHook that forwards to ``inner`` only while armed (setup runs unhooked);
+    ``points`` counts the effect points it forwarded (each ``before`` and ``after``)."""
 
     def __init__(self) -> None:
         self.inner = None
+        self.points = 0
+        self.acked_at: int | None = None  # set by store_until_crash
 
     def arm(self, inner) -> None:
         self.inner = inner
@@ -135,26 +138,45 @@ class Gate:
 
     def before(self, op, target, rank):
         if self.inner is not None:
+            self.points += 1
             self.inner.before(op, target, rank)
 
     def after(self, op, target, rank):
         if self.inner is not None:
+            self.points += 1
             self.inner.after(op, target, rank)
 
 
-def store_until_crash(eng: Engine, gate: Gate, hook, tokens: list[int]):
-    """Store ``tokens`` with ``hook`` armed on ``gate``, then close ``eng``.
+# A store that follows the store under test, with the crash hook still armed: its
+# effect points are crash points that lie after the acknowledgement.
+FOLLOW_UP = tokens_for(99, 1)
 
-    Returns the store's result, or None when the hook crashed it (SimulatedCrash).
+
+def store_until_crash(eng: Engine, gate: Gate, hook, tokens: list[int]):
+    """Store ``tokens``, then ``FOLLOW_UP``, with ``hook`` armed on ``gate``; close ``eng``.
+
+    Returns the result of the store of ``tokens``, or None when the hook crashed it
+    (SimulatedCrash); a crash in the follow-up store comes after that result.
+    ``gate.acked_at`` is the number of effect points the hook saw until the result.
     """
     gate.arm(hook)
     result = None
+    gate.acked_at = None
     with contextlib.suppress(SimulatedCrash):
         result = store_tokens(eng, tokens)
+        gate.acked_at = gate.points
+        store_tokens(eng, FOLLOW_UP)
     gate.disarm()
     if not eng._closed:
         eng.close()
     return result
+
+
+def crash_points(total: int, acked_at: int) -> list[int]:
+    """Every effect point of the store under test (``0 .. acked_at - 1``) and three of
+    the follow-up store's (its first, middle and last): crashes after the acknowledgement."""
+    after = range(acked_at, total)
+    return [*range(acked_at), *sorted({after[0], after[len(after) // 2], after[-1]})]
 
 
 class BugAtFirstUnlink(FaultHook):
