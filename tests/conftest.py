@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from ci_mode import CI, pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 from hypothesis import HealthCheck, settings
 
 from prefixstore.base.errors import SimulatedCrash
@@ -26,7 +27,9 @@ settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("campaign", max_examples=5000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE", "dev"))
+# PREFIXSTORE_HYPOTHESIS_PROFILE picks one; by default CI runs "ci", anything else "dev".
+HYPOTHESIS_PROFILE = os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE") or ("ci" if CI else "dev")
+settings.load_profile(HYPOTHESIS_PROFILE)
 # The driver's per-state invariant checks are on for the whole suite (and in the rank
 # processes and CLI subprocesses it starts, which inherit the environment).
 os.environ.setdefault(DEBUG_ENV, "1")

@@ -2,7 +2,8 @@
 model's own checks, pinned regressions, and a CI-sized campaign.
 
 The machines (``prefixstore.fuzz.stateful``) run under the Hypothesis profile that
-tests/conftest.py loads (PREFIXSTORE_HYPOTHESIS_PROFILE: dev, ci or campaign).
+tests/conftest.py loads (PREFIXSTORE_HYPOTHESIS_PROFILE: dev, ci or campaign; by
+default ci under CI, dev elsewhere).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 
 import pytest
+from conftest import HYPOTHESIS_PROFILE
 from hypothesis import HealthCheck, Phase, settings
 
 from prefixstore.cli import main
@@ -22,7 +24,7 @@ from prefixstore.fuzz.driver import Driver, RunConfig, Violation
 from prefixstore.fuzz.stateful import machine
 
 HERE = os.path.dirname(__file__)
-STEPS = {"dev": 25, "ci": 40, "campaign": 100}.get(os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE", "dev"), 25)
+STEPS = {"dev": 25, "ci": 40, "campaign": 100}.get(HYPOTHESIS_PROFILE, 25)
 
 
 def _settings(**kw) -> settings:
