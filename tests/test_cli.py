@@ -5,6 +5,7 @@ unless --keep, and a fuzz campaign saves one reproducer per kind of failure."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -128,9 +129,8 @@ def test_interrupted_fuzz_prints_its_summary(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored as in a background job
     try:
         deadline = time.monotonic() + 60
-        while not os.listdir(work) and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the first run's directory exists
-        time.sleep(0.5)
+        while not glob.glob(str(work / "*" / "cache" / "rank*" / "*.st")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the first run stored a shard: a step ran
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
     finally:
