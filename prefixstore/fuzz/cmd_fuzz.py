@@ -1,6 +1,6 @@
-"""Fuzz the engine: seeded runs of stores, restores, evictions, pins, crashes, power
-loss, lost commits, per-rank I/O errors, full disks and bit rot, with every invariant
-checked after every step and every recovery.
+"""Fuzz the engine: seeded runs of stores (sync and async), restores, evictions, pins,
+crashes, power loss, lost commits, per-rank I/O errors, full disks and bit rot, with
+every invariant checked after every step and every recovery.
 
 One seed replays a whole campaign. The first failure of each kind is shrunk to a short
 op list and saved as a JSON reproducer under --out (--all-reproducers: every failure);
