@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from ci_mode import CI, pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 from hypothesis import HealthCheck, settings
 
 from prefixstore.base.errors import SimulatedCrash
@@ -26,7 +27,9 @@ settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("campaign", max_examples=5000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE", "dev"))
+# PREFIXSTORE_HYPOTHESIS_PROFILE picks one; by default CI runs "ci", anything else "dev".
+HYPOTHESIS_PROFILE = os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE") or ("ci" if CI else "dev")
+settings.load_profile(HYPOTHESIS_PROFILE)
 # The driver's per-state invariant checks are on for the whole suite (and in the rank
 # processes and CLI subprocesses it starts, which inherit the environment).
 os.environ.setdefault(DEBUG_ENV, "1")
@@ -122,10 +125,13 @@ def cache_dir(tmp_path) -> str:
 
 
 class Gate:
-    """A FaultHook that forwards to ``inner`` only while armed (setup runs unhooked)."""
+    """A FaultHook that forwards to ``inner`` only while armed (setup runs unhooked);
+    ``points`` counts the effect points it forwarded (each ``before`` and ``after``)."""
 
     def __init__(self) -> None:
         self.inner = None
+        self.points = 0
+        self.acked_at: int | None = None  # set by store_until_crash
 
     def arm(self, inner) -> None:
         self.inner = inner
@@ -135,26 +141,45 @@ class Gate:
 
     def before(self, op, target, rank):
         if self.inner is not None:
+            self.points += 1
             self.inner.before(op, target, rank)
 
     def after(self, op, target, rank):
         if self.inner is not None:
+            self.points += 1
             self.inner.after(op, target, rank)
 
 
-def store_until_crash(eng: Engine, gate: Gate, hook, tokens: list[int]):
-    """Store ``tokens`` with ``hook`` armed on ``gate``, then close ``eng``.
+# A store that follows the store under test, with the crash hook still armed: its
+# effect points are crash points that lie after the acknowledgement.
+FOLLOW_UP = tokens_for(99, 1)
 
-    Returns the store's result, or None when the hook crashed it (SimulatedCrash).
+
+def store_until_crash(eng: Engine, gate: Gate, hook, tokens: list[int]):
+    """Store ``tokens``, then ``FOLLOW_UP``, with ``hook`` armed on ``gate``; close ``eng``.
+
+    Returns the result of the store of ``tokens``, or None when the hook crashed it
+    (SimulatedCrash); a crash in the follow-up store comes after that result.
+    ``gate.acked_at`` is the number of effect points the hook saw until the result.
     """
     gate.arm(hook)
     result = None
+    gate.acked_at = None
     with contextlib.suppress(SimulatedCrash):
         result = store_tokens(eng, tokens)
+        gate.acked_at = gate.points
+        store_tokens(eng, FOLLOW_UP)
     gate.disarm()
     if not eng._closed:
         eng.close()
     return result
+
+
+def crash_points(total: int, acked_at: int) -> list[int]:
+    """Every effect point of the store under test (``0 .. acked_at - 1``) and three of
+    the follow-up store's (its first, middle and last): crashes after the acknowledgement."""
+    after = range(acked_at, total)
+    return [*range(acked_at), *sorted({after[0], after[len(after) // 2], after[-1]})]
 
 
 class BugAtFirstUnlink(FaultHook):

@@ -5,6 +5,7 @@ unless --keep, and a fuzz campaign saves one reproducer per kind of failure."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -128,9 +129,8 @@ def test_interrupted_fuzz_prints_its_summary(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored as in a background job
     try:
         deadline = time.monotonic() + 60
-        while not os.listdir(work) and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the first run's directory exists
-        time.sleep(0.5)
+        while not glob.glob(str(work / "*" / "cache" / "rank*" / "*.st")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the first run stored a shard: a step ran
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
     finally:
@@ -187,3 +187,40 @@ def test_seed_scenario_removes_its_temp_dir(own_tmp, capsys):
     where = json.loads(cap.out)["directory"]
     assert where.startswith(str(own_tmp)) and f"removed {where}" in cap.err
     assert os.listdir(own_tmp) == []
+
+
+def test_fuzz_creates_a_missing_workdir(tmp_path, capsys):
+    work = tmp_path / "not" / "yet"
+    assert main(["fuzz", "--steps", "3", "--json", "--quiet", "--workdir", str(work),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
+    assert work.is_dir() and os.listdir(work) == []  # created; its run directory removed
+
+
+def test_fuzz_replay_creates_a_missing_workdir(tmp_path, capsys):
+    repro = os.path.join(REPO, "tests", "fuzz_regressions", "damage-of-a-missing-shard.json")
+    work = tmp_path / "w" / "x"
+    assert main(["fuzz", "--replay", repro, "--quiet", "--workdir", str(work)]) == 0
+    assert work.is_dir() and "no violation" in capsys.readouterr().out
+
+
+TRACE = os.path.join(REPO, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["fuzz", "--steps", "3", "--quiet", "--workdir", "{f}"], "--workdir"),
+    (["fuzz", "--steps", "3", "--quiet", "--workdir", "{f}/sub"], "--workdir"),
+    (["fuzz", "--steps", "3", "--quiet", "--out", "{f}"], "--out"),
+    (["soak", "--kills", "1", "--ranks", "1", "--dir", "{f}"], "--dir"),
+    (["fiu", "--ops", "5", "--dir", "{f}"], "--dir"),
+    (["demo", "{f}/sub"], "DIR"),
+    (["replay", TRACE, "--limit", "5", "--quiet", "--plots", "{f}"], "--plots"),
+], ids=["fuzz-workdir", "fuzz-workdir-below-a-file", "fuzz-out", "soak-dir", "fiu-dir", "demo-dir",
+        "replay-plots"])
+def test_a_path_option_naming_a_file_is_one_line_and_exit_2(tmp_path, capsys, argv, option):
+    """A directory option given a regular file (or a path below one) is refused before
+    any work, in one line naming the option; the file is untouched."""
+    f = tmp_path / "a-file"
+    f.write_text("mine")
+    _one_error_line(capsys, [a.replace("{f}", str(f)) for a in argv], wants=f"{option} {f}")
+    assert f.read_text() == "mine"

@@ -206,22 +206,30 @@ def test_split_of_a_row_held_by_pin_is_skipped_at_once_until_unpinned(cache_dir,
 
 
 class _BlockReads(FaultHook):
-    """Holds the first shard read (a restore in progress) until ``go`` is set."""
+    """Holds the first shard read (a restore in progress) until ``go`` is set;
+    ``written`` is set once ``writes`` directory fsyncs (new shards in place) ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, writes: int) -> None:
         self.armed, self.reached, self.go = False, threading.Event(), threading.Event()
+        self.written, self.left = threading.Event(), writes
 
     def before(self, op, target, rank):
         if self.armed and op == "read" and not self.reached.is_set():
             self.reached.set()
-            self.go.wait(10)
+            self.go.wait(30)
+
+    def after(self, op, target, rank):
+        if self.armed and op == "fsync_dir":
+            self.left -= 1
+            if self.left == 0:
+                self.written.set()
 
 
 @pytest.mark.parametrize("pin_wait_s", [5.0, 0.2])
 def test_split_of_a_row_a_restore_pins_waits_for_the_restore(cache_dir, layout, pin_wait_s):
     """The split is prepared beside a row a running restore pins and swapped once the
     restore ends (it got the old generation's bytes); past pin_wait_s it is skipped."""
-    hook = _BlockReads()
+    hook = _BlockReads(writes=2 * layout.ranks)  # the split writes two rows: 0-4 and 4-6
     with Engine.open(cache_dir, layout, CAP, hook=hook) as eng:
         eng.pin_wait_s = pin_wait_s
         chain(eng, ends=(6,), retire=())
@@ -230,14 +238,19 @@ def test_split_of_a_row_a_restore_pins_waits_for_the_restore(cache_dir, layout, 
         got = {}
         reader = threading.Thread(target=lambda: got.setdefault("restored", eng.restore(m)))
         reader.start()
-        assert hook.reached.wait(5)  # the restore holds its pin, mid-read
+        assert hook.reached.wait(10)  # the restore holds its pin, mid-read
         out = {}
         writer = threading.Thread(target=lambda: out.setdefault("res", store_tokens(eng, CONV[:16])))
         writer.start()
-        time.sleep(0.4)
+        assert hook.written.wait(10)  # the split's rows are written: it waits for the pin now
+        if pin_wait_s < 1:
+            writer.join(10)  # it gives up by itself while the restore still pins the row
+        else:
+            assert writer.is_alive()  # waiting for the pin (up to 5 s), not done under it
         hook.go.set()
         reader.join(10)
         writer.join(10)
+        assert not reader.is_alive() and not writer.is_alive()
         r = got["restored"]
         assert r is not None and r.end_tokens == 24  # the old generation, whole
         if pin_wait_s > 1:

@@ -128,7 +128,6 @@ def test_bad_option_is_refused_naming_it(argument, kw):
             build()
         assert err.value.argument == argument, err.value
         assert str(err.value).startswith(f"{argument}: ")
-        assert isinstance(err.value, E.InvalidInputError)
 
 
 @pytest.mark.parametrize("kw", GOOD_OPTIONS, ids=[repr(sorted(k)) for k in GOOD_OPTIONS])

@@ -11,12 +11,15 @@ import os
 import threading
 import time
 import tracemalloc
+from collections import Counter
 
 import pytest
 import torch
 from conftest import (
+    FOLLOW_UP,
     Gate,
     assert_restores,
+    crash_points,
     make_layout,
     node_at,
     seg_tensors,
@@ -458,6 +461,8 @@ def test_async_stores_queued_behind_a_crash_fail_typed_and_give_back_what_they_h
 
 
 def _async_scenario(root, ranks, backing, hook):
+    """An async store under ``hook``, then a follow-up store (crash points after the
+    async store's result). Returns (layout, a, b, the result or None, points until it)."""
     L = make_layout(ranks=ranks)
     b = tokens_for(21, 6)
     a = b[:8]
@@ -470,37 +475,53 @@ def _async_scenario(root, ranks, backing, hook):
         t = eng.store_async(Prefix.from_tokens(b[:16], 4), [{k: v[8:] for k, v in s.items()} for s in seg_tensors(L, b[:16])],
                             snap_tensors(L, b[:16]), tokens_from=8)
         result = t.result(10)
+        gate.acked_at = gate.points
+        eng.transfers.drain(10)  # the retry it schedules: no effect runs beside the follow-up
+        store_tokens(eng, FOLLOW_UP)
     except E.SimulatedCrash:
         pass
     gate.disarm()
     if not eng._closed:
         eng.close()
-    return L, a, b, result
+    return L, a, b, result, gate.acked_at
 
 
 @pytest.mark.parametrize(("ranks", "backing"), [(1, "disk"), (2, "disk"), (2, "composite"), (2, "memory")])
 def test_crash_at_every_effect_of_an_async_store(tmp_path, ranks, backing):
     counter = CountingHook()
-    _async_scenario(str(tmp_path / "count"), ranks, backing, counter)
-    assert counter.count >= 4
-    for i in range(counter.count):
+    *_, acked_at = _async_scenario(str(tmp_path / "count"), ranks, backing, counter)
+    assert acked_at >= 4 and counter.count > acked_at
+    cases = Counter()
+    for i in crash_points(counter.count, acked_at):
         root = str(tmp_path / f"c{i}")
         hook = CrashAt(i)
-        L, a, b, result = _async_scenario(root, ranks, backing, hook)
+        L, a, b, result, _ = _async_scenario(root, ranks, backing, hook)
         assert hook.fired is not None
+        assert (result is not None) == (i >= acked_at), (i, acked_at, result)
         with Engine.open(root, L, CAP, backing=backing, **fast()) as eng:
             rep = eng.audit()
             assert rep.ok, (i, hook.fired, rep.to_dict())
             assert not eng.catalog.journal()
             if backing == "memory":
-                assert len(eng.index) == 0
+                assert len(eng.index) == 0  # volatile rows are dropped by the restart
+                cases["acknowledged" if result is not None else "not acknowledged"] += 1
                 continue
             assert_restores(eng, a, blocks=2)
             m = eng.lookup(Prefix.from_tokens(b[:16], 4))
             if result is not None and result.ok:
-                assert m.blocks == 4
-            if m.hit and m.blocks == 4:  # published before the crash: whole and right
+                assert m.blocks == 4, (i, hook.fired, m)  # acknowledged: it survives the crash
                 assert_restores(eng, b[:16], blocks=4)
+                cases["acknowledged"] += 1
+            elif m.hit and m.blocks == 4:  # published before the crash: whole and right
+                assert_restores(eng, b[:16], blocks=4)
+                cases["published"] += 1
+            else:
+                cases["absent"] += 1
+    # Each case's check ran: crashes after the result, and before it (published or not).
+    if backing == "memory":
+        assert cases["acknowledged"] == 3 and cases["not acknowledged"], cases
+    else:
+        assert cases["acknowledged"] == 3 and cases["published"] and cases["absent"], cases
 
 
 def test_async_stores_commit_in_order_and_restage_when_the_plan_moved(tmp_path):

@@ -2,7 +2,8 @@
 model's own checks, pinned regressions, and a CI-sized campaign.
 
 The machines (``prefixstore.fuzz.stateful``) run under the Hypothesis profile that
-tests/conftest.py loads (PREFIXSTORE_HYPOTHESIS_PROFILE: dev, ci or campaign).
+tests/conftest.py loads (PREFIXSTORE_HYPOTHESIS_PROFILE: dev, ci or campaign; by
+default ci under CI, dev elsewhere).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 
 import pytest
+from conftest import HYPOTHESIS_PROFILE
 from hypothesis import HealthCheck, Phase, settings
 
 from prefixstore.cli import main
@@ -22,7 +24,7 @@ from prefixstore.fuzz.driver import Driver, RunConfig, Violation
 from prefixstore.fuzz.stateful import machine
 
 HERE = os.path.dirname(__file__)
-STEPS = {"dev": 25, "ci": 40, "campaign": 100}.get(os.environ.get("PREFIXSTORE_HYPOTHESIS_PROFILE", "dev"), 25)
+STEPS = {"dev": 25, "ci": 40, "campaign": 100}.get(HYPOTHESIS_PROFILE, 25)
 
 
 def _settings(**kw) -> settings:
@@ -42,7 +44,7 @@ TestFourRanksNormal = machine(4, "NORMAL").TestCase
 TestFourRanksNormal.settings = _settings()
 
 
-@pytest.mark.parametrize("name", ["evict-pinned", "skip-dir-fsync"])
+@pytest.mark.parametrize("name", ["evict-pinned", "skip-dir-fsync", "async-ack-before-publish"])
 def test_the_state_machine_finds_a_plant(name):
     """The Hypothesis machine, not just the campaign, catches planted bugs."""
     cls = machine(1, plants.get(name).config.get("synchronous", "FULL"), plant=plants.get(name))
@@ -174,6 +176,45 @@ def test_ci_campaign_is_clean(tmp_path, capsys):
     assert rc == 0 and d["violations"] == [], json.dumps(d["violations"], indent=1)
     assert d["steps"] == steps
     assert d["crashes"] > 50 and d["power_losses"] > 20 and d["recoveries"] == d["crashes"]
+    assert d["ops"]["store_async"] > 500 and d["crashes_by_op"]["store_async"] > 5, d["crashes_by_op"]
     kinds = {k.split(":")[0] for k in d["faults"]}
     assert {"write", "fsync", "unlink", "read", "damage", "power_loss", "crash"} <= kinds, d["faults"]
     assert {"ranks=1", "ranks=2", "ranks=4"} <= {c.split()[0] for c in d["configs"]}
+
+
+# -- async stores: the result is the acknowledgement ---------------------------------------------------
+
+
+def test_an_async_store_is_required_once_its_result_came_back(tmp_path):
+    """A crash in the commit worker (at each commit point of the async store) leaves it
+    unacknowledged: the model does not require it, and recovery keeps it if it had
+    published. Once its result came back it is required, through a later crash and
+    power loss, as a sync store would be."""
+    published = set()
+    for n in range(4):
+        with Driver(RunConfig(ranks=2, capacity=40_000, seed=3), str(tmp_path / f"c{n}")) as d:
+            d.apply({"op": "store", "seq": 1, "blocks": 2})
+            d.apply({"op": "store_async", "seq": 1, "blocks": 3, "crash": {"lane": "commit", "n": n}})
+            key = d.uni.key(1, 3)
+            assert d.counts["crashes"] == d.counts["recoveries"] == 1 and key not in d.must
+            published.add(key in d.observer.nodes)
+    assert published == {False, True}  # before and after its publish commit
+    with _driver(tmp_path) as d:
+        d.apply({"op": "store_async", "seq": 1, "blocks": 3})
+        key = d.uni.key(1, 3)
+        assert key in d.must and d.counts["store.stored"] == 1
+        d.apply({"op": "store", "seq": 2, "blocks": 2,
+                 "crash": {"lane": 0, "n": 1, "power": "garble", "snap": 0.0}})
+        assert d.counts["recoveries"] == 1 and key in d.must and d.counts["restore.ok"] >= 1
+
+
+def test_an_async_store_acknowledged_before_its_commit_is_lost(tmp_path):
+    """The same crash in the commit worker, against an engine whose ticket says "stored"
+    before the commit: the acknowledged store is not in the catalog after recovery."""
+    plant = plants.get("async-ack-before-publish")
+    with Driver(RunConfig(ranks=2, capacity=40_000, seed=3), str(tmp_path / "c"), plant) as d:
+        d.apply({"op": "store", "seq": 1, "blocks": 2})
+        with pytest.raises(Violation) as e:
+            d.apply({"op": "store_async", "seq": 1, "blocks": 3, "crash": {"lane": "commit", "n": 0}})
+        assert e.value.kind == "lost" and "acknowledged seq 1 blocks 3" in e.value.detail
+        assert d.counts["crashes"] == 1

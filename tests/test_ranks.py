@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections import Counter
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from conftest import (
     BT,
     Gate,
     assert_restores,
+    crash_points,
     make_layout,
     node_at,
     seg_tensors,
@@ -490,7 +492,8 @@ def separate_ranks(base, ranks: int, hook, fs=None) -> list[LocalRank]:
 
 
 def _crash_scenario(base, ranks: int, hook, kind: str):
-    """Acknowledge two checkpoints, then run the store under test with ``hook``."""
+    """Acknowledge two checkpoints, then run the store under test with ``hook`` (and a
+    follow-up store: crash points after its result)."""
     L = make_layout(ranks=ranks)
     a, b = tokens_for(11, 6), tokens_for(12, 4)
     plan = FaultPlan()
@@ -503,10 +506,13 @@ def _crash_scenario(base, ranks: int, hook, kind: str):
     if kind == "failing":  # the last rank fails: the crash points run through the rollback
         plan.fail_nth("rename", 1, "EIO", rank=ranks - 1)
     result = store_until_crash(eng, gate, hook, a)
-    return L, acked, a, result
+    return L, acked, a, result, gate.acked_at
 
 
-def _check_recovered(base, L, acked, target, result) -> None:
+def _check_recovered(base, L, acked, target, result) -> str:
+    """Recover and check; returns the interrupted store's case: 'acknowledged' (stored
+    before the crash), 'published' (no result, but it had published) or 'rolled back'
+    (no result, or a failed one)."""
     with Engine.open(os.path.join(base, "cache"), L, CAP, ranks=separate_ranks(base, L.ranks, None)) as eng:
         assert_clean(eng)
         for t, blocks in acked:
@@ -514,27 +520,36 @@ def _check_recovered(base, L, acked, target, result) -> None:
         m = eng.lookup(Prefix.from_tokens(target, BT))
         if result is not None and result.ok:
             assert_restores(eng, target, blocks=6)
-        elif m.blocks == 6:
+            return "acknowledged"
+        if m.blocks == 6:
+            assert result is None  # a store that returned a failure never publishes
             assert_restores(eng, target, blocks=6)  # it had published before the crash
-        else:
-            # rolled back: no rank directory holds a file of it
-            names = {e for r in eng.ranks for e in os.listdir(r.directory)}
-            key = Prefix.from_tokens(target, BT).keys[-1].hex()
-            assert not [e for e in names if e.startswith(key)]
+            return "published"
+        # rolled back: no rank directory holds a file of it
+        names = {e for r in eng.ranks for e in os.listdir(r.directory)}
+        key = Prefix.from_tokens(target, BT).keys[-1].hex()
+        assert not [e for e in names if e.startswith(key)]
+        return "rolled back"
 
 
 @pytest.mark.parametrize("kind", ["child", "failing"])
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_coordinator_crash_at_every_effect_ranks_in_separate_dirs(tmp_path, ranks, kind):
     counter = CountingHook()
-    _crash_scenario(str(tmp_path / "count"), ranks, counter, kind)
-    per_rank = {r for _, op, _, r in counter.points if op == "write"}
+    *_, acked_at = _crash_scenario(str(tmp_path / "count"), ranks, counter, kind)
+    per_rank = {r for _, op, _, r in counter.points[:acked_at] if op == "write"}
     assert per_rank == set(range(ranks))
-    total = counter.count
-    assert total >= 2 * (4 * ranks + 2)
-    for i in range(total):
+    assert acked_at >= 2 * (4 * ranks + 2) and counter.count > acked_at
+    cases = Counter()
+    for i in crash_points(counter.count, acked_at):
         base = str(tmp_path / f"c{i}")
         hook = CrashAt(i)
-        L, acked, target, result = _crash_scenario(base, ranks, ChainHook(hook), kind)
+        L, acked, target, result, _ = _crash_scenario(base, ranks, ChainHook(hook), kind)
         assert hook.fired is not None, f"point {i} not reached"
-        _check_recovered(base, L, acked, target, result)
+        assert (result is not None) == (i >= acked_at), (i, acked_at, result)
+        cases[_check_recovered(base, L, acked, target, result)] += 1
+    # Each case's check ran, crashes after the result included (a failed store's: rolled back).
+    if kind == "child":
+        assert cases["acknowledged"] == 3 and cases["published"] and cases["rolled back"], cases
+    else:
+        assert cases["rolled back"] == len(crash_points(counter.count, acked_at)), cases

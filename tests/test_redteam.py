@@ -39,8 +39,9 @@ from prefixstore.base.errors import (
     SimulatedCrash,
 )
 from prefixstore.base.keys import Prefix
-from prefixstore.engine import replace
+from prefixstore.engine import lifecycle, replace
 from prefixstore.engine.api import Engine
+from prefixstore.fuzz.faultfs import ChainHook
 from prefixstore.gpu import shards
 from prefixstore.gpu.fileio import FaultHook
 
@@ -81,6 +82,28 @@ class _BlockOnce(FaultHook):
         ):
             self.reached.set()
             self.go.wait(WAIT)
+
+
+class _HoldFileEffects(FaultHook):
+    """Once ``armed``, every shard file effect waits for ``event`` (effects that run
+    outside the engine lock: a commit's hook runs under it)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event, self.armed = event, False
+
+    def before(self, op, target, rank):
+        if self.armed and op != "commit":
+            self.event.wait(WAIT)
+
+
+def _until(cond, timeout: float = WAIT) -> bool:
+    """Whether ``cond()`` came true within ``timeout`` (checked every millisecond)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 # --------------------------------------------------------------------------- invariant 6
@@ -449,8 +472,8 @@ def test_close_waits_for_an_in_flight_store_and_refuses_new_calls(cache_dir):
     assert hook.reached.wait(WAIT)
     closer = threading.Thread(name="closer", target=eng.close)
     closer.start()
-    closer.join(0.3)
-    waited = closer.is_alive()
+    assert _until(lambda: eng._closing or not closer.is_alive()), "close() never began"
+    waited = closer.is_alive()  # it refuses new calls now, and waits for the store
     refused = None
     if waited:
         try:
@@ -472,7 +495,7 @@ def test_close_waits_for_an_in_flight_store_and_refuses_new_calls(cache_dir):
 
 
 @pytest.mark.parametrize(("ranks", "op"), [(1, "write"), (2, "commit")])
-def test_a_call_outliving_close_gets_a_typed_error_and_loses_nothing(cache_dir, ranks, op):
+def test_a_call_outliving_close_gets_a_typed_error_and_loses_nothing(cache_dir, ranks, op, monkeypatch):
     """Blocked in its write (the catalog closes under it) or at its intent commit
     under the engine lock (close waits for the lock; the rank pool is then shut
     down under the store's writes, or the catalog under its publish)."""
@@ -482,13 +505,23 @@ def test_a_call_outliving_close_gets_a_typed_error_and_loses_nothing(cache_dir, 
     a, b = tokens_for(1, 4), tokens_for(2, 4)
     assert store_tokens(eng, a).ok
     eng.close_wait_s = 0.2  # close gives up waiting for the blocked store
+    gave_up, shutting = threading.Event(), threading.Event()
+    quiesce, shutdown = lifecycle.quiesce, lifecycle.shutdown
+    monkeypatch.setattr(lifecycle, "quiesce", lambda e, deadline: (quiesce(e, deadline), gave_up.set()))
+    monkeypatch.setattr(lifecycle, "shutdown", lambda e: (shutting.set(), shutdown(e)))
     hook = _BlockOnce("storer", op)
-    gate.arm(hook)
+    hold = _HoldFileEffects(shutting)  # after its intent: the store's files wait for the shutdown
+    gate.arm(ChainHook(hook, hold))
     storer, out = _store_on_a_thread(eng, b)
     assert hook.reached.wait(WAIT)
     closer = threading.Thread(name="closer", target=eng.close)
     closer.start()
-    time.sleep(0.4)  # past close_wait_s: close gave up waiting (and may wait for the lock)
+    assert gave_up.wait(WAIT) and closer.is_alive()  # past close_wait_s: close gave up waiting
+    if op == "write":
+        closer.join(WAIT)  # and closed the engine under the blocked write
+        assert not closer.is_alive()
+    else:
+        hold.armed = True  # close waits for the lock the store holds at its intent commit
     hook.go.set()
     closer.join(WAIT)
     storer.join(WAIT)

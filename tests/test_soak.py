@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+from prefixstore.fuzz.soak import SoakStats, check_round
+
 
 def _soak(tmp_path, *args: str) -> dict:
     cmd = [sys.executable, "-m", "prefixstore.fuzz.soak", "--dir", str(tmp_path), "--json", *args]
@@ -60,3 +62,17 @@ def test_soak_reports_a_write_acknowledged_before_it_happens(tmp_path):
     st = _soak(tmp_path, "--kills", "16", "--ranks", "1", "--plant", "lazy-write", "--seed", "3")
     assert st["rc"] == 1 and st["violations"]
     assert any("missing" in v or "restores only" in v or "damaged" in v for v in st["violations"])
+
+
+def test_a_kill_before_the_cache_existed_is_no_violation(tmp_path):
+    """The last check of a rank count whose children were all killed before one created
+    the cache (nothing acknowledged) opens it, as an operator would: no violation."""
+    root, log = tmp_path / "ranks4", tmp_path / "ranks4.acks"
+    log.write_bytes(b"")
+    st = SoakStats()
+    check_round(str(root), 4, str(log), recover=True, st=st, where="ranks=4 final")
+    assert st.violations == [] and st.recoveries == 1
+    assert (root / "catalog.sqlite").is_file()
+    log.write_text("S 1 3\n")  # one acknowledged store, and no cache: that is a violation
+    check_round(str(tmp_path / "none"), 4, str(log), recover=True, st=st, where="ranks=4 final")
+    assert st.violations == ["ranks=4 final: the cache cannot be read after the kill"]

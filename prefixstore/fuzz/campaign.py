@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from prefixstore.engine.api import Engine
+from prefixstore.engine.workdir import ensure_dir
 from prefixstore.fuzz import plants as plant_registry
 from prefixstore.fuzz.driver import Driver, RunConfig, Violation, replay
 from prefixstore.fuzz.faultfs import OPS
@@ -60,7 +61,7 @@ PROFILES: dict[str, Profile] = {
 }
 
 _OP_WEIGHTS = {
-    "store": 30, "restore": 20, "evict": 3, "evict_key": 4, "pin": 5, "unpin": 5, "reclaim": 2,
+    "store": 30, "store_async": 10, "restore": 20, "evict": 3, "evict_key": 4, "pin": 5, "unpin": 5, "reclaim": 2,
     "retry": 1, "compact": 3, "damage": 3, "reopen": 2, "power": 3, "rank_down": 1,
 }
 _FAULT_OPS = {"write": 3, "fsync": 2, "rename": 1, "fsync_dir": 1, "unlink": 2, "read": 2}
@@ -126,9 +127,9 @@ class OpGen:
         kinds = [k for k in _OP_WEIGHTS if k != "compact" or self.compact]
         kind = rng.choices(kinds, [_OP_WEIGHTS[k] for k in kinds])[0]
         op: dict[str, Any] = {"op": kind}
-        if kind in ("store", "restore", "evict_key", "pin"):
+        if kind in ("store", "store_async", "restore", "evict_key", "pin"):
             op.update(self._where())
-        if kind == "store":
+        if kind in ("store", "store_async"):
             if rng.random() < 0.1:
                 op["from"] = rng.randrange(op["blocks"])
             if rng.random() < 0.15:
@@ -162,7 +163,10 @@ class OpGen:
 
 
 def _workdir(base: str | None) -> str:
-    if base is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+    """A new run directory under ``base`` (created when missing), else /dev/shm or the temp dir."""
+    if base is not None:
+        ensure_dir("workdir", base)
+    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         base = "/dev/shm"
     return tempfile.mkdtemp(prefix="prefixstore-fuzz-", dir=base)
 
@@ -301,6 +305,7 @@ class CampaignResult:
             "steps": self.steps,
             "runs": self.runs,
             "crashes": c["crashes"],
+            "crashes_by_op": {k[9:]: v for k, v in sorted(c.items()) if k.startswith("crash_op.")},
             "power_losses": c["power_losses"],
             "recoveries": c["recoveries"],
             "recovery_crashes": c["recovery_crashes"],

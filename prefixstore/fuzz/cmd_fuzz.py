@@ -1,14 +1,15 @@
-"""Fuzz the engine: seeded runs of stores, restores, evictions, pins, crashes, power
-loss, lost commits, per-rank I/O errors, full disks and bit rot, with every invariant
-checked after every step and every recovery.
+"""Fuzz the engine: seeded runs of stores (sync and async), restores, evictions, pins,
+crashes, power loss, lost commits, per-rank I/O errors, full disks and bit rot, with
+every invariant checked after every step and every recovery.
 
 One seed replays a whole campaign. The first failure of each kind is shrunk to a short
 op list and saved as a JSON reproducer under --out (--all-reproducers: every failure);
 `prefixstore fuzz --replay FILE` replays it. Interrupted (Ctrl-C), it prints the
 summary of what ran. It needs no extra (the Hypothesis machines in `stateful.py`
 need the `fuzz` extra).
-Exit status: 0 clean, 1 a violation was found (or replayed), 2 bad arguments,
-130 interrupted without a violation.
+Exit status: 0 clean, 1 a violation was found (or replayed), 2 bad arguments (a
+--workdir that is not a directory or cannot be created, one that is missing is
+created), 130 interrupted without a violation.
 
 Examples:
   prefixstore fuzz --minutes 30 --json > campaign.json
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -54,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from prefixstore.base.errors import InvalidArgumentError
+    from prefixstore.engine.workdir import ensure_dir
     from prefixstore.fuzz import plants
 
     if args.list_plants:
@@ -65,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps([{"name": pl.name, "summary": pl.summary, "found_by": pl.found_by,
                                "config": pl.config} for pl in plants.PLANTS.values()]))
         return 0
+    if args.workdir is not None:
+        ensure_dir("--workdir", args.workdir)  # created now: a bad one is exit 2, not a violation's 1
+    if os.path.lexists(args.out) and not os.path.isdir(args.out):
+        raise InvalidArgumentError(f"--out {args.out}", "not a directory")
     plant = None
     if args.plant:
         try:

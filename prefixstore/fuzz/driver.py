@@ -11,9 +11,18 @@ reproducers, the Hypothesis machines and the pinned regressions all feed ``apply
                "again": {"lane": 0, "n": 2},          # then a crash during recovery
                "rfaults": [...]}}                     # faults armed during recovery
 
-Ops: store, restore, evict, evict_key, pin, unpin, reclaim, retry, compact (when the
-engine has one), damage (at rest), reopen, power (idle power loss), rank_down (every
-op of one rank fails for the next ``ops`` ops). Faults and crashes attach to any op.
+Ops: store, store_async, restore, evict, evict_key, pin, unpin, reclaim, retry,
+compact (when the engine has one), damage (at rest), reopen, power (idle power loss),
+rank_down (every op of one rank fails for the next ``ops`` ops). Faults and crashes
+attach to any op.
+
+``store_async`` overwrites the caller's tensors once the ticket says the copies are
+done, then waits for the ticket's result and for the engine's workers to be idle. Its
+result is its acknowledgement, with a sync store's meaning: an acknowledged store is
+as durable as one ``store`` acknowledged under the same synchronous mode (kept through
+any crash, lost only with commits a power loss may take under NORMAL); one whose
+result never came (the engine died in its commit worker) may be there or not, and is
+then checked like any row the durable catalog holds.
 
 Crash points are counted in one *lane* (the catalog's commits, or one rank's file
 effects) so that a run replays exactly although ranks write in parallel threads.
@@ -65,6 +74,7 @@ STORE_STATUSES = frozenset({"stored", "refilled", "duplicate", "queued", "refuse
 LOOKUP_OUTCOMES = frozenset({"hit", "gpu_resident", "miss", "rejected_cost", "damaged"})
 DAMAGE = ("flip", "flip_data", "truncate", "delete", "zero")
 _NODE_RE = re.compile(r"\bnode (\d+)\b")
+ASYNC_WAIT_S = 60.0  # an async store's copies and commit: far beyond what a run's take
 
 
 class Violation(AssertionError):
@@ -113,6 +123,14 @@ class Gate(FaultHook):
     def after(self, op: str, target: str, rank: int | None) -> None:
         if self.inner is not None:
             self.inner.after(op, target, rank)
+
+
+def _overwrite(segments: list[dict[str, Any]], snapshot: list[dict[str, Any]] | None) -> None:
+    """Scribble over a caller's tensors (reused device blocks): what the engine stores
+    must be what it copied before it said the copies were done."""
+    for d in [*segments, *(snapshot or ())]:
+        for t in d.values():
+            t.fill_(-7.0)
 
 
 def crash_hook(spec: dict[str, Any], ranks: int) -> CrashAt:
@@ -275,12 +293,13 @@ class Driver:
             self._tick_windows()
         if crashed:
             self.counts["crashes"] += 1
+            self.counts[f"crash_op.{kind}"] += 1
             self._after_crash(crash)
         if self.auto_check:
             self.check()
 
-    def _op_store(self, op: dict[str, Any]) -> None:
-        assert self.eng is not None
+    def _store_call(self, op: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
+        """(seq, blocks, the keyword arguments of ``store`` / ``store_async``) of a store op."""
         seq, blocks = int(op["seq"]) % self.uni.count, max(1, min(int(op["blocks"]), self.cfg.max_blocks))
         bt = self.layout.block_tokens
         tf = max(0, min(int(op.get("from", 0)), blocks - 1))
@@ -292,16 +311,55 @@ class Driver:
                 left[0] -= 1
                 return left[0] >= 0
 
+        return seq, blocks, dict(
+            prefix=self.uni.prefix(seq, blocks), segments=self.uni.segments(seq, tf * bt, blocks * bt),
+            snapshot=self.uni.snapshot(seq, blocks), tokens_from=tf * bt, valid=valid,
+        )
+
+    def _op_store(self, op: dict[str, Any]) -> None:
+        assert self.eng is not None
+        seq, blocks, call = self._store_call(op)
         try:
-            res = self.eng.store(
-                self.uni.prefix(seq, blocks), self.uni.segments(seq, tf * bt, blocks * bt),
-                self.uni.snapshot(seq, blocks), tokens_from=tf * bt, valid=valid,
-            )
+            res = self.eng.store(**call)
         except InvalidInputError:
-            if tf == 0:
+            if call["tokens_from"] == 0:
                 raise
             self.counts["store.invalid"] += 1
             return
+        self._stored(seq, blocks, res)
+
+    def _op_store_async(self, op: dict[str, Any]) -> None:
+        """``store_async``: once the ticket says the copies are done, the caller's tensors
+        are overwritten (the device blocks are reused); the result is the acknowledgement.
+        The op ends when the engine's workers are idle (the commit and the retry it
+        schedules), so that no effect of it runs beside the next op."""
+        eng = self.eng
+        assert eng is not None
+        seq, blocks, call = self._store_call(op)
+        try:
+            ticket = eng.store_async(**call)
+        except InvalidInputError:
+            if call["tokens_from"] == 0:
+                raise
+            self.counts["store.invalid"] += 1
+            return
+        try:
+            if not ticket.wait_released(ASYNC_WAIT_S):
+                raise Violation("exception", f"store_async: copies not done in {ASYNC_WAIT_S} s")
+            _overwrite(call["segments"], call["snapshot"])
+            try:
+                res = ticket.result(ASYNC_WAIT_S)
+            except TimeoutError:
+                raise Violation("exception", f"store_async: no result in {ASYNC_WAIT_S} s") from None
+        finally:
+            eng.transfers.drain(ASYNC_WAIT_S)
+        self.counts["store_async.acknowledged"] += 1
+        self._stored(seq, blocks, res)
+        if lifecycle.is_closed(eng):  # a worker died after the result (the acknowledgement stands)
+            raise SimulatedCrash("the engine died in its commit or retry worker")
+
+    def _stored(self, seq: int, blocks: int, res: Any) -> None:
+        """Count a store's result; an acknowledged one joins ``must``."""
         self.counts[f"store.{res.status}"] += 1
         if res.status not in STORE_STATUSES:
             raise Violation("exception", f"store returned unknown status {res.status!r}")

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     if not fiu_available():
         print("fiu-run is not installed (apt-get install fiu-utils)", file=sys.stderr)
         return 2
-    with work_dir("fiu", args.dir, args.keep) as root:
+    with work_dir("fiu", args.dir, args.keep, option="--dir") as root:
         return _run(args, root)
 
 

@@ -16,13 +16,25 @@ import contextlib
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
 
-from prefixstore.engine import health, holds, journal, recovery, replace, restore, space, store
+from prefixstore.engine import (
+    health,
+    holds,
+    journal,
+    pipeline,
+    recovery,
+    replace,
+    restore,
+    space,
+    store,
+)
 from prefixstore.engine.api import Engine
 from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.results import STORED, StoreResult
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import TMP_SUFFIX, LocalRank, rank_dir_name
 
@@ -277,6 +289,27 @@ def _trusting_restore() -> contextlib.AbstractContextManager[None]:
     return _patched(restore, "read_node", read_node)
 
 
+# -- acknowledge an async store before its commit ------------------------------------------------
+
+
+class _EarlyAck(Engine):
+    """Its async stores say "stored" once the copies are queued (``_ack_before_publish``)."""
+
+
+def _ack_before_publish() -> contextlib.AbstractContextManager[None]:
+    orig = pipeline.store_async
+
+    def store_async(eng: Engine, prefix, *a: Any, **k: Any) -> pipeline.StoreTicket:
+        ticket = orig(eng, prefix, *a, **k)
+        if not isinstance(eng, _EarlyAck) or ticket.done():
+            return ticket
+        early: Future = Future()  # the commit worker stores the bytes later (or fails, or dies)
+        early.set_result(StoreResult(STORED, len(prefix)))
+        return pipeline.StoreTicket(ticket.released, early)
+
+    return _patched(pipeline, "store_async", store_async)
+
+
 # -- the registry ------------------------------------------------------------------------------
 
 _SNAP_RETIRE = {"snapshot": True, "policy": "prefixstore"}
@@ -343,6 +376,13 @@ PLANTS: dict[str, Plant] = {
             "bit rot at rest is served: the model's byte comparison (invariant 5)",
             engine_cls=_TrustingRestore,
             patch=_trusting_restore,
+        ),
+        Plant(
+            "async-ack-before-publish",
+            "an async store's ticket resolves as stored once its copies are queued, before the commit",
+            "a crash or fault in the commit worker: an acknowledged store is not in the catalog",
+            engine_cls=_EarlyAck,
+            patch=_ack_before_publish,
         ),
         Plant(
             "skip-barrier",

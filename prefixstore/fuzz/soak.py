@@ -52,7 +52,7 @@ from typing import Any
 import attrs
 import torch
 
-from prefixstore.base.errors import NotACacheError
+from prefixstore.base.errors import NotACacheError, PrefixStoreError
 from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.api import Engine
@@ -253,7 +253,9 @@ def _kill_round(root: str, ranks: int, seed: int, log_path: str, delay: float, s
     return status
 
 
-def _check(root: str, ranks: int, log_path: str, recover: bool, st: SoakStats, where: str) -> None:
+def check_round(root: str, ranks: int, log_path: str, recover: bool, st: SoakStats, where: str) -> None:
+    """The checks after a kill (module doc), their findings added to ``st``: the
+    read-only audit, then with ``recover`` recovery, the audit and the restores."""
     layout = soak_layout(ranks)
     last, _, _, bad = parse_log(log_path)
     st.violations += [f"{where}: child reported {b[:300]}" for b in bad]
@@ -263,9 +265,11 @@ def _check(root: str, ranks: int, log_path: str, recover: bool, st: SoakStats, w
     try:
         rep = audit_dir(root, expected=acked, quiescent=False)
     except NotACacheError:
-        if acked or recover:
+        if acked:
             st.violations.append(f"{where}: the cache cannot be read after the kill")
-        return  # killed before the first child created its catalog
+        elif recover:  # killed before a child created its catalog: an open must still take it
+            _recover_and_check(root, layout, acked, st, where)
+        return
     if rep.journal:
         st.unfinished_at_kill += 1
         for j in rep.journal:
@@ -279,9 +283,19 @@ def _check(root: str, ranks: int, log_path: str, recover: bool, st: SoakStats, w
     for k, (c, b) in acked.items():
         if states.get(k, "ready") != "ready":
             st.violations.append(f"{where}: acknowledged conversation {c} at {b} blocks is {states[k]}")
-    if not recover:
+    if recover:
+        _recover_and_check(root, layout, acked, st, where)
+
+
+def _recover_and_check(root: str, layout: Layout, acked: dict[bytes, tuple[int, int]], st: SoakStats,
+                       where: str) -> None:
+    """Open (recovery), audit, and restore every acknowledged checkpoint bit for bit."""
+    try:
+        eng = Engine.open(root, layout, CAPACITY)
+    except PrefixStoreError as exc:
+        st.violations.append(f"{where}: the cache cannot be opened after the kill: {exc}")
         return
-    with Engine.open(root, layout, CAPACITY) as eng:
+    with eng:
         st.recoveries += 1
         st.rolled_back += len(eng.recovery_report.rolled_back)
         st.rolled_forward += len(eng.recovery_report.rolled_forward)
@@ -342,7 +356,7 @@ def soak(
         else:
             code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
             st.violations.append(f"{where}: the child ended by itself (status {code})")
-        _check(dirs[nranks], nranks, logs[nranks], recover=i % 2 == 1 and i > 2, st=st, where=where)
+        check_round(dirs[nranks], nranks, logs[nranks], recover=i % 2 == 1 and i > 2, st=st, where=where)
         if progress and (i + 1) % 50 == 0:
             print(f"  ranks={nranks}: {i + 1} kills, {len(st.violations)} violations", file=sys.stderr)
 
@@ -360,7 +374,7 @@ def soak(
         st.acked_stores += s
         st.acked_by_ranks[nranks] = s
         st.evictions_announced += e
-        _check(dirs[nranks], nranks, logs[nranks], recover=True, st=st, where=f"ranks={nranks} final")
+        check_round(dirs[nranks], nranks, logs[nranks], recover=True, st=st, where=f"ranks={nranks} final")
     st.seconds = round(time.monotonic() - t0, 1)
     return st
 
@@ -395,7 +409,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with work_dir("soak", args.dir, args.keep) as root:
+    with work_dir("soak", args.dir, args.keep, option="--dir") as root:
         return _run(args, root)
 
 

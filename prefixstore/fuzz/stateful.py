@@ -1,6 +1,6 @@
 """Hypothesis state machines over the public API, checked by the fuzz ``Driver``.
 
-``EngineMachine`` draws ops (stores, restores, evictions, pins, compaction, process
+``EngineMachine`` draws ops (stores, async stores, restores, evictions, pins, compaction, process
 crashes at a random effect point of an operation, power loss with lost commits, one
 rank failing, a full disk, I/O errors, bit rot) and feeds them to a ``Driver``, which
 applies them through the public API and checks the reference model. Keys live in a
@@ -124,6 +124,12 @@ class EngineMachine(RuleBasedStateMachine):
         self._do({"op": "store", "seq": seq, "blocks": blocks, "from": from_, "valid": valid})
         return (seq, blocks)
 
+    @rule(target=keys, seq=SEQS, blocks=BLOCKS, from_=st.sampled_from([0, 0, 0, 1, 3]),
+          valid=st.sampled_from([0, 0, 0, 2]))
+    def store_async(self, seq: int, blocks: int, from_: int, valid: int) -> tuple[int, int]:
+        self._do({"op": "store_async", "seq": seq, "blocks": blocks, "from": from_, "valid": valid})
+        return (seq, blocks)
+
     @rule(key=keys, gpu=st.integers(0, 7))
     def restore(self, key: tuple[int, int], gpu: int) -> None:
         self._do({"op": "restore", "seq": key[0], "blocks": key[1], "gpu": min(gpu, key[1] - 1)})
@@ -159,8 +165,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- faults ------------------------------------------------------------------------------
 
-    @rule(seq=SEQS, blocks=BLOCKS, op=st.sampled_from(["store", "store", "restore", "evict_key", "evict",
-                                                       "compact", "reopen"]), data=st.data())
+    @rule(seq=SEQS, blocks=BLOCKS, op=st.sampled_from(["store", "store", "store_async", "restore", "evict_key",
+                                                       "evict", "compact", "reopen"]), data=st.data())
     def crash_during(self, seq: int, blocks: int, op: str, data: st.DataObject) -> None:
         """Process death at a random effect point of an operation (maybe power loss too)."""
         spec = data.draw(_crash(self.ranks))
@@ -181,8 +187,8 @@ class EngineMachine(RuleBasedStateMachine):
         self._do({"op": "store", "seq": seq, "blocks": blocks, "faults": [
             {"op": "write", "err": "ENOSPC", "rank": None, "at": 1, "persistent": True}]})
 
-    @rule(seq=SEQS, blocks=BLOCKS, op=st.sampled_from(["store", "store", "restore", "evict_key", "evict",
-                                                       "compact"]), data=st.data())
+    @rule(seq=SEQS, blocks=BLOCKS, op=st.sampled_from(["store", "store", "store_async", "restore", "evict_key",
+                                                       "evict", "compact"]), data=st.data())
     def io_error(self, seq: int, blocks: int, op: str, data: st.DataObject) -> None:
         """EIO or ENOSPC at the nth call of one effect on one rank, during an operation."""
         faults = data.draw(st.lists(_fault(self.ranks), min_size=1, max_size=2))

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from prefixstore.base.errors import InvalidInputError
+from prefixstore.engine.workdir import ensure_dir
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,6 +93,7 @@ def run_trace(args: argparse.Namespace) -> int:
             print("replay: --plots needs matplotlib: install the plots extra "
                   "(pip install 'prefixstore[plots]')", file=sys.stderr)
             return 2
+        ensure_dir("--plots", args.plots)  # before the replay, not after it
     try:
         cfg = ReplayConfig(
             policy=args.policy, capacity=args.capacity, concurrency=args.concurrency,
