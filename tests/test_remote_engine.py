@@ -331,10 +331,47 @@ def test_flushall_mid_restore_and_an_overwritten_blob_are_misses(redis_server, t
         client.delete(next(k for k in client.keys(f"*{prefix(z).keys[-1].hex()}*:b:0:*")))
         m = b.lookup(prefix(z))
         assert m.source == "remote" and b.restore(m) is None
-        assert wait_until(lambda: b.stats()["remote"]["forgotten"] == 2)  # x (flushed) and z
+        assert wait_until(lambda: b.stats()["remote"]["forgotten"] == 1)  # z (x's was flushed already)
         assert not b.lookup(prefix(z)).hit  # later lookups miss at once
         local_unaffected(b, own)
         assert_clean(b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reader_s_clean_up_never_deletes_another_engine_s_new_checkpoint(redis_server, tmp_path):
+    """Engine A finds a checkpoint (manifests [0, 2) and [2, 5)) whose last blob Redis has
+    lost; between A's read of that manifest and A's clean-up of it, engine B writes a new,
+    whole checkpoint of the same prefix at the same key ([0, 5)). A deletes only the
+    manifest it read: B's stays, and a third engine restores B's checkpoint bit for bit."""
+    family = tokens_for(10, 5)
+    client = redis_server.client()
+    with open_engine(tmp_path / "w", redis_server.url) as w:
+        assert store_tokens(w, family[:8]).ok and store_tokens(w, family).ok
+    a, b = open_engine(tmp_path / "a", redis_server.url), open_engine(tmp_path / "b", redis_server.url)
+    try:
+        m = a.lookup(prefix(family))
+        assert [(x.start, x.end) for x in m.remote.hit.path] == [(0, 2), (2, 5)]
+        read = m.remote.hit.path[-1]
+        key = a.remote.keys.manifest(read.prefix_key)
+        client.delete(read.blobs[0].key)  # as Redis evicts
+        before, forget = client.get(key), a.remote._forget
+
+        def b_writes_first(manifest):  # A has read the manifest and found the blob gone
+            assert store_tokens(b, family).ok
+            assert client.get(key) != before  # B's manifest is there now
+            forget(manifest)
+
+        a.remote._forget = b_writes_first
+        assert a.restore(m) is None
+        assert wait_until(lambda: a.stats()["remote"]["forgotten"] + a.stats()["remote"].get("superseded", 0) == 1)
+        with open_engine(tmp_path / "c", redis_server.url) as c:
+            m = c.lookup(prefix(family))
+            assert m.source == "remote" and [(x.start, x.end) for x in m.remote.hit.path] == [(0, 5)]
+            restored_exactly(c, family, c.restore(m))
+        s = a.stats()["remote"]
+        assert s["forgotten"] == 0 and s["superseded"] == 1
     finally:
         a.close()
         b.close()
@@ -361,9 +398,11 @@ def test_maxmemory_evicting_constantly_never_gives_wrong_bytes(tmp_path):
     server = RedisServer(tmp_path / "redis", "--maxmemory-policy", "allkeys-lru").start()
     a = b = None
     try:
-        client = server.client()  # room for about 40 of the 80 checkpoints: Redis evicts constantly
-        client.config_set("maxmemory", client.info("memory")["used_memory"] + 400_000)
         a, b, own = two_engines(server.url, tmp_path)
+        client = server.client()  # room for about 50 of the 80 checkpoints beside the engines'
+        # connections (their buffers, ~150 KiB, count too): Redis evicts constantly
+        assert wait_until(lambda: client.info("clients")["connected_clients"] >= 7)
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 600_000)
         requests = [tokens_for(200 + i, 40) for i in range(80)]  # ~8 KiB per checkpoint
         for t in requests:
             assert store_tokens(a, t).ok
