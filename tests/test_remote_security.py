@@ -184,6 +184,33 @@ def test_acl_user(tmp_path):
         server.stop()
 
 
+def test_an_acl_user_without_scripts_reads_with_getrange(tmp_path):
+    """Scripts refused by the ACL (NOPERM): reads fall back to one GETRANGE per key, still
+    bounded (an oversized manifest is that key's miss); the clean-up script is refused,
+    so a checkpoint whose blob is gone stays a miss."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        server.client().acl_setuser("engine", enabled=True, passwords=[f"+{SECRET}"],
+                                    keys=["ps:*"], commands=["+@all", "-@scripting"])
+        url = f"redis://engine:{SECRET}@127.0.0.1:{server.port}/0"
+        r = server.client()
+        with tier(url, write_behind=False) as t:
+            keys, other = chain(4), chain(4, seed=1)
+            blobs = store(t, keys, 0, 4, seed=3)
+            store(t, other, 0, 2, seed=4)
+            r.setrange(t.keys.manifest(other[3]), 1 << 20, b"x")
+            assert t.fetch_path(t.deepest(keys).path) == [blobs]
+            assert t.deepest(other).blocks == 2 and t.stats()["oversized"] == 1
+            hit = t.deepest(other)
+            r.delete(hit.manifest.blobs[0].key)
+            assert t.fetch_path(hit.path) == [] and t.deepest(other).blocks == 2
+            s = t.stats()
+            assert s["up"] == 1 and s["timeouts"] == 0 and s["errors"] == 0 and s["forgotten"] == 0
+            assert r.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0) > 0
+    finally:
+        server.stop()
+
+
 def test_tls(tmp_path):
     server = RedisServer(tmp_path / "redis", tls=True).start()
     try:
