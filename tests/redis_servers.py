@@ -8,11 +8,13 @@ Use the fixtures by importing them into a test module:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -196,3 +198,112 @@ def redis_cluster_fixture(tmp_path):
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+class HostileRedis:
+    """A RESP server on loopback that answers a client's handshake (``HELLO`` with
+    ``hello``, ``CLIENT``, ``PING``, ``SCRIPT``...) like Redis, and every read (``EVALSHA``, ``EVAL``, ``GET``, ``MGET``,
+    ``GETRANGE``) with ``header`` (say ``$4000000000\\r\\n``), then ``flood`` bytes as fast
+    as the client takes them, then one byte per ``interval`` seconds until the client
+    closes the connection. ``closed`` is set (and ``closed_at`` holds ``time.monotonic()``)
+    when a connection that got the header is closed by the client; ``sent`` counts the
+    bytes sent after headers."""
+
+    HELLO = b"%1\r\n+proto\r\n:3\r\n"  # redis-py asks for RESP3
+
+    def __init__(self, header: bytes, flood: int = 0, interval: float = 0.02, hello: bytes = HELLO) -> None:
+        self.header, self.flood, self.interval, self.hello = header, flood, interval, hello
+        self.sent = 0
+        self.closed = threading.Event()
+        self.closed_at: float | None = None
+        self._stop = threading.Event()
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self._listener.settimeout(0.1)
+        self.port = self._listener.getsockname()[1]
+        self._conns: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._threads[0].join(10)
+        for conn in self._conns:  # wake every connection's thread
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for t in self._threads[1:]:
+            t.join(10)
+        self._listener.close()
+
+    def __enter__(self) -> HostileRedis:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            self._conns.append(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            reader = conn.makefile("rb")
+            try:
+                while not self._stop.is_set():
+                    command = _read_command(reader)
+                    if command is None:
+                        return
+                    if command[0].upper() in (b"EVALSHA", b"EVAL", b"GET", b"MGET", b"GETRANGE"):
+                        self._hostile(conn)
+                        return
+                    name = command[0].upper()
+                    conn.sendall(self.hello if name == b"HELLO" else b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
+            except OSError:
+                return
+
+    def _hostile(self, conn: socket.socket) -> None:
+        conn.sendall(self.header)
+        chunk = bytes(1 << 16)
+        try:
+            while self.sent < self.flood and not self._stop.is_set():
+                n = conn.send(chunk[: self.flood - self.sent])
+                self.sent += n
+            conn.settimeout(self.interval)
+            while not self._stop.is_set():
+                conn.sendall(b"x")
+                self.sent += 1
+                try:
+                    if conn.recv(1) == b"":
+                        break  # the client closed the connection
+                except TimeoutError:
+                    continue
+        except OSError:
+            pass  # reset by the client
+        if not self._stop.is_set():
+            self.closed_at = time.monotonic()
+            self.closed.set()
+
+
+def _read_command(reader) -> list[bytes] | None:
+    """One RESP array of bulk strings from a client (None at EOF)."""
+    line = reader.readline()
+    if not line:
+        return None
+    count = int(line[1:])
+    parts = []
+    for _ in range(count):
+        size = int(reader.readline()[1:])
+        parts.append(reader.read(size + 2)[:-2])
+    return parts

@@ -12,6 +12,15 @@ from prefixstore.gpu.remote import RemoteConfig, RemoteTier
 
 LAYOUT = make_layout(ranks=2)
 
+SLACK = 0.25
+"""Seconds a call may run past its own budget in these tests. A call that times out
+returns within milliseconds of its budget: over the 1,932 timed calls of two runs of
+test_remote_faults, _engine, _cluster and _bounds under a load average of 10 on the
+2-core machine, no call ran more than 4 ms past its budget, and the slowest event
+measured (a trickling server seeing its connection closed, polled every 20 ms) 88 ms.
+0.25 s is three times that, yet below every budget the tests use (0.3 s and up): a
+timeout twice as long as configured fails them."""
+
 
 def chain(n: int, seed: int = 0) -> tuple[bytes, ...]:
     """The chained keys of an ``n``-block request."""
@@ -39,6 +48,18 @@ def store(t: RemoteTier, keys, start: int, end: int, seed: int, generation: int 
                        snapshot=snapshot)
     assert t.put(keys[end - 1], m, blobs)
     return blobs
+
+
+def timed(fn, *args, **kw):
+    """``fn(*args, **kw)`` and the seconds it took."""
+    t0 = time.monotonic()
+    out = fn(*args, **kw)
+    return out, time.monotonic() - t0
+
+
+def within(took: float, budget: float) -> None:
+    """Assert that a call that took ``took`` seconds kept to ``budget`` (plus SLACK)."""
+    assert took <= budget + SLACK, f"{took:.3f} s against a budget of {budget} s (+{SLACK} s)"
 
 
 def wait_until(cond, timeout: float = 10.0) -> bool:

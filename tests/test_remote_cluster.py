@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 from redis_servers import redis_cluster_fixture  # noqa: F401
-from remote_helpers import blobs_for, chain, store, tier
+from remote_helpers import blobs_for, chain, store, tier, timed, within
 
 from prefixstore.gpu.remote import RemoteTier
 
-GRACE = 5.0
 SETUP_WRITE_S = 10.0  # the stores before a fault: a loaded machine must not fail them
 REQUESTS = 24
 
@@ -21,26 +20,27 @@ def _store_all(t: RemoteTier) -> None:
         store(t, keys, 3, 6, seed=2 * seed + 1)
 
 
-def _read_all(t: RemoteTier) -> tuple[int, float]:
-    """Full hits among the requests (every byte read checked); the slowest call's seconds."""
-    full, slowest = 0, 0.0
+def _read_all(t: RemoteTier) -> int:
+    """Full hits among the requests (every byte read checked, every call within its own
+    budget)."""
+    full = 0
     for seed in range(REQUESTS):
-        t0 = time.monotonic()
-        hit = t.deepest(chain(6, seed=seed))
-        got = t.fetch_path(hit.path) if hit else []
-        slowest = max(slowest, time.monotonic() - t0)
+        hit, took = timed(t.deepest, chain(6, seed=seed))
+        within(took, t.config.lookup_timeout)
+        got, took = timed(t.fetch_path, hit.path) if hit else ([], 0.0)
+        within(took, t.config.restore_timeout)
         if hit:
             want = [blobs_for(2 * seed + (m.start > 0)) for m in hit.path]
             assert got == want[: len(got)]
             full += len(got) == 2
-    return full, slowest
+    return full
 
 
 def test_cluster_round_trip_across_slots(redis_cluster):
     with tier(redis_cluster.url) as t:
         _store_all(t)
         assert t.flush(20)
-        assert _read_all(t)[0] == REQUESTS
+        assert _read_all(t) == REQUESTS
         s = t.stats()
     assert s["writes"] == 2 * REQUESTS and s["errors"] == 0 and s["verify_failures"] == 0
     holders = [n.client().dbsize() for n in redis_cluster.nodes]
@@ -51,15 +51,15 @@ def test_cluster_node_killed_mid_run(redis_cluster):
     with tier(redis_cluster.url, write_timeout=SETUP_WRITE_S, write_behind=False, lookup_timeout=1.0,
               restore_timeout=1.0) as t:
         _store_all(t)
-        assert _read_all(t)[0] == REQUESTS
+        assert _read_all(t) == REQUESTS
         redis_cluster.nodes[1].stop()
-        full, slowest = _read_all(t)  # no exception, no wrong bytes
-        assert full < REQUESTS and slowest < 1.0 + GRACE
+        full = _read_all(t)  # no exception, no wrong bytes, each call within its budget
+        assert full < REQUESTS
         deadline = time.monotonic() + 20  # the other nodes keep serving their slots
         while full == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
-            full, slowest = _read_all(t)
-        assert 0 < full < REQUESTS and slowest < 1.0 + GRACE
+            full = _read_all(t)
+        assert 0 < full < REQUESTS
         s = t.stats()
     assert s["errors"] + s["timeouts"] >= 1 and s["verify_failures"] == 0
 
@@ -72,7 +72,7 @@ def test_writes_failing_on_a_dead_node_leave_the_other_nodes_serving(redis_clust
         _store_all(t)
         redis_cluster.nodes[1].stop()
         deadline = time.monotonic() + 20  # until the client has seen the node go
-        while _read_all(t)[0] == 0 and time.monotonic() < deadline:
+        while _read_all(t) == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
         failed_writes = 0
         for seed in range(100, 110):
@@ -82,7 +82,7 @@ def test_writes_failing_on_a_dead_node_leave_the_other_nodes_serving(redis_clust
                        blobs)
             failed_writes += not ok
             assert t.up, "a write that failed on one node took the whole tier down"
-            assert _read_all(t)[0] > 0  # the live nodes answer at once
+            assert _read_all(t) > 0  # the live nodes answer at once
         assert failed_writes >= 1
         assert t.stats()["dropped"] == failed_writes
 
@@ -94,8 +94,8 @@ def test_cluster_node_stopped_mid_run(redis_cluster):
         _store_all(t)
         redis_cluster.nodes[2].pause()
         try:
-            full, slowest = _read_all(t)  # no exception, no wrong bytes
-            assert full < REQUESTS and slowest < 0.5 + GRACE
+            full = _read_all(t)  # no exception, no wrong bytes, each call within its budget
+            assert full < REQUESTS
             s = t.stats()
             assert s["timeouts"] >= 1 and s["verify_failures"] == 0
         finally:
@@ -116,15 +116,15 @@ def test_a_hung_node_costs_only_its_own_keys(redis_cluster):
         redis_cluster.nodes[2].pause()
         try:
             for seed in on_live:
-                t0 = time.monotonic()
-                hit = t.deepest(chain(6, seed=seed))
+                hit, took = timed(t.deepest, chain(6, seed=seed))
+                within(took, 0.5)
                 assert hit is not None and hit.blocks == 6, seed
-                got = t.fetch_path(hit.path)
+                got, took = timed(t.fetch_path, hit.path)
+                within(took, 0.5)
                 assert got == [blobs_for(2 * seed), blobs_for(2 * seed + 1)]
-                assert time.monotonic() - t0 < 2 * 0.5 + GRACE
                 assert t.up
-            full, slowest = _read_all(t)
-            assert len(on_live) <= full < REQUESTS and slowest < 0.5 + GRACE
+            full = _read_all(t)
+            assert len(on_live) <= full < REQUESTS
             assert t.stats()["timeouts"] >= 1 and t.up
         finally:
             redis_cluster.nodes[2].resume()

@@ -19,7 +19,7 @@ import pytest
 from conftest import node_at, store_tokens, tokens_for
 from redis_servers import RedisServer, redis_cluster_fixture, redis_server_fixture  # noqa: F401
 from remote_engine_worker import LAYOUT, request, restored_exactly
-from remote_helpers import wait_until
+from remote_helpers import timed, wait_until, within
 
 from prefixstore.base import errors as E
 from prefixstore.base.keys import Prefix
@@ -28,7 +28,6 @@ from prefixstore.engine.config import EngineConfig
 from prefixstore.gpu.remote import RemoteConfig
 from prefixstore.statemachine.cost import CostModel
 
-GRACE = 5.0  # generous room for a loaded CI machine: the point is that a call returns
 BUDGET = {"lookup_timeout": 0.3, "restore_timeout": 0.6, "write_timeout": 0.6, "reconnect_interval": 0.05}
 WORKER = Path(__file__).with_name("remote_engine_worker.py")
 
@@ -42,21 +41,17 @@ def prefix(tokens) -> Prefix:
     return Prefix.from_tokens(tokens, LAYOUT.block_tokens)
 
 
-def timed(fn, *args):
-    t0 = time.monotonic()
-    out = fn(*args)
-    return out, time.monotonic() - t0
-
-
-def restore_or_miss(eng: Engine, tokens, budget: float = 1.0):
-    """Look up and restore ``tokens`` within ``budget`` (+ GRACE) each; the restored
-    tensors (checked bit for bit against what was stored) or None."""
+def restore_or_miss(eng: Engine, tokens):
+    """Look up and restore ``tokens``, each call within its own budget (``lookup_timeout``,
+    ``restore_timeout``, plus SLACK); the restored tensors (checked bit for bit against
+    what was stored) or None."""
+    options = eng.remote.config
     m, took = timed(eng.lookup, prefix(tokens))
-    assert took < budget + GRACE, took
+    within(took, options.lookup_timeout)
     if not m.hit:
         return None
     r, took = timed(eng.restore, m)
-    assert took < budget + GRACE, took
+    within(took, options.restore_timeout)
     if r is not None:
         restored_exactly(eng, tokens, r)
     return r
@@ -222,7 +217,8 @@ def two_engines(server_url: str, tmp_path):
 
 def local_unaffected(b: Engine, own) -> None:
     m, took = timed(b.lookup, prefix(own))
-    assert m.source == "local" and took < GRACE
+    assert m.source == "local"
+    within(took, 0.0)  # no network wait
     restored_exactly(b, own, b.restore(m))
 
 
@@ -259,8 +255,9 @@ def test_sigstop_hang_lookup_and_restore_within_budget(redis_server, tmp_path):
         redis_server.pause()
         try:
             r, took = timed(b.restore, m)  # hangs in the server: the budget answers
-            assert r is None and took < BUDGET["restore_timeout"] + GRACE
-            assert restore_or_miss(b, z, BUDGET["lookup_timeout"]) is None
+            assert r is None
+            within(took, BUDGET["restore_timeout"])
+            assert restore_or_miss(b, z) is None
             local_unaffected(b, own)
             assert b.stats()["remote"]["timeouts"] >= 1
             assert_clean(b)
@@ -293,7 +290,7 @@ def test_a_write_through_put_waits_on_the_network_outside_the_engine_lock(redis_
         try:
             storer = threading.Thread(target=lambda: out.append(store_tokens(eng, y)))
             storer.start()
-            assert entered.wait(GRACE)
+            assert entered.wait(10.0)
             free = eng._lock.acquire(timeout=1.0)
             if free:
                 eng._lock.release()
@@ -302,7 +299,7 @@ def test_a_write_through_put_waits_on_the_network_outside_the_engine_lock(redis_
             local_unaffected(eng, own)
         finally:
             redis_server.resume()
-        storer.join(GRACE + 3.0)
+        storer.join(10.0)
         assert not storer.is_alive() and out[0].ok, out
         assert_clean(eng)
     finally:
@@ -331,10 +328,47 @@ def test_flushall_mid_restore_and_an_overwritten_blob_are_misses(redis_server, t
         client.delete(next(k for k in client.keys(f"*{prefix(z).keys[-1].hex()}*:b:0:*")))
         m = b.lookup(prefix(z))
         assert m.source == "remote" and b.restore(m) is None
-        assert wait_until(lambda: b.stats()["remote"]["forgotten"] == 2)  # x (flushed) and z
+        assert wait_until(lambda: b.stats()["remote"]["forgotten"] == 1)  # z (x's was flushed already)
         assert not b.lookup(prefix(z)).hit  # later lookups miss at once
         local_unaffected(b, own)
         assert_clean(b)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reader_s_clean_up_never_deletes_another_engine_s_new_checkpoint(redis_server, tmp_path):
+    """Engine A finds a checkpoint (manifests [0, 2) and [2, 5)) whose last blob Redis has
+    lost; between A's read of that manifest and A's clean-up of it, engine B writes a new,
+    whole checkpoint of the same prefix at the same key ([0, 5)). A deletes only the
+    manifest it read: B's stays, and a third engine restores B's checkpoint bit for bit."""
+    family = tokens_for(10, 5)
+    client = redis_server.client()
+    with open_engine(tmp_path / "w", redis_server.url) as w:
+        assert store_tokens(w, family[:8]).ok and store_tokens(w, family).ok
+    a, b = open_engine(tmp_path / "a", redis_server.url), open_engine(tmp_path / "b", redis_server.url)
+    try:
+        m = a.lookup(prefix(family))
+        assert [(x.start, x.end) for x in m.remote.hit.path] == [(0, 2), (2, 5)]
+        read = m.remote.hit.path[-1]
+        key = a.remote.keys.manifest(read.prefix_key)
+        client.delete(read.blobs[0].key)  # as Redis evicts
+        before, forget = client.get(key), a.remote._forget
+
+        def b_writes_first(manifest):  # A has read the manifest and found the blob gone
+            assert store_tokens(b, family).ok
+            assert client.get(key) != before  # B's manifest is there now
+            forget(manifest)
+
+        a.remote._forget = b_writes_first
+        assert a.restore(m) is None
+        assert wait_until(lambda: a.stats()["remote"]["forgotten"] + a.stats()["remote"].get("superseded", 0) == 1)
+        with open_engine(tmp_path / "c", redis_server.url) as c:
+            m = c.lookup(prefix(family))
+            assert m.source == "remote" and [(x.start, x.end) for x in m.remote.hit.path] == [(0, 5)]
+            restored_exactly(c, family, c.restore(m))
+        s = a.stats()["remote"]
+        assert s["forgotten"] == 0 and s["superseded"] == 1
     finally:
         a.close()
         b.close()
@@ -361,9 +395,11 @@ def test_maxmemory_evicting_constantly_never_gives_wrong_bytes(tmp_path):
     server = RedisServer(tmp_path / "redis", "--maxmemory-policy", "allkeys-lru").start()
     a = b = None
     try:
-        client = server.client()  # room for about 40 of the 80 checkpoints: Redis evicts constantly
-        client.config_set("maxmemory", client.info("memory")["used_memory"] + 400_000)
         a, b, own = two_engines(server.url, tmp_path)
+        client = server.client()  # room for about 50 of the 80 checkpoints beside the engines'
+        # connections (their buffers, ~150 KiB, count too): Redis evicts constantly
+        assert wait_until(lambda: client.info("clients")["connected_clients"] >= 7)
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 600_000)
         requests = [tokens_for(200 + i, 40) for i in range(80)]  # ~8 KiB per checkpoint
         for t in requests:
             assert store_tokens(a, t).ok
@@ -389,7 +425,7 @@ def test_cluster_node_killed_mid_run(redis_cluster, tmp_path):
         first = [restore_or_miss(b, t) for t in reqs[:6]]
         assert all(r is not None and r.match.source == "remote" for r in first)
         redis_cluster.nodes[1].stop()
-        rest = [restore_or_miss(b, t, BUDGET["restore_timeout"]) for t in reqs[6:]]
+        rest = [restore_or_miss(b, t) for t in reqs[6:]]
         assert any(r is None for r in rest)  # that node's keys are gone: misses
         for t in reqs[:6]:  # the copies kept locally still serve
             m = b.lookup(prefix(t))

@@ -1,22 +1,13 @@
 """The remote tier under faults of a real redis-server: a miss and a reconnect, never an
-exception, never wrong bytes, never a call far past its budget."""
+exception, never wrong bytes, never a call past its own budget (plus the SLACK of
+remote_helpers)."""
 
 from __future__ import annotations
 
 import time
 
 from redis_servers import RedisServer, redis_server_fixture  # noqa: F401
-from remote_helpers import blobs_for, chain, store, tier, wait_until
-
-# A call answers within its budget; GRACE is generous room for a loaded CI machine (the
-# point is that it returns, not how fast).
-GRACE = 5.0
-
-
-def timed(fn, *args, **kw):
-    t0 = time.monotonic()
-    out = fn(*args, **kw)
-    return out, time.monotonic() - t0
+from remote_helpers import blobs_for, chain, store, tier, timed, wait_until, within
 
 
 def test_server_killed_then_restarted_empty(redis_server):
@@ -46,10 +37,12 @@ def test_sigstop_hang_returns_within_the_budget(redis_server):
         redis_server.pause()
         try:
             out, took = timed(t.deepest, keys)
-            assert out is None and took < 0.3 + GRACE
+            assert out is None
+            within(took, 0.3)
             assert t.stats()["timeouts"] == 1 and not t.up
             out, took = timed(t.fetch_path, hit.path)  # down: answered at once
-            assert out == [] and took < GRACE and t.stats()["skipped"] >= 1
+            assert out == [] and t.stats()["skipped"] >= 1
+            within(took, 0.0)
         finally:
             redis_server.resume()
         assert wait_until(lambda: t.up)
@@ -65,10 +58,11 @@ def test_sigstop_during_restore_and_close_are_bounded(redis_server):
         hit = t.deepest(keys)
         redis_server.pause()
         out, took = timed(t.fetch, hit.manifest, 1)
-        assert out is None and took < 0.5 + GRACE and t.stats()["timeouts"] == 1
+        assert out is None and t.stats()["timeouts"] == 1
+        within(took, 0.5)
         store(t, keys, 0, 4, seed=2)  # queued: the caller does not wait
         done, took = timed(t.close, 0.5)
-        assert took < 0.5 + GRACE
+        within(took, 0.5)
         assert done is False or t.stats()["dropped"] == 1
     finally:
         redis_server.resume()

@@ -9,6 +9,7 @@ from remote_helpers import blobs_for, chain
 
 from prefixstore.base.errors import InvalidArgumentError
 from prefixstore.gpu.remote import manifest
+from prefixstore.gpu.remote.auth import SharedKey
 from prefixstore.gpu.remote.keys import KeySpace, check_namespace, layout_id
 from prefixstore.gpu.remote.manifest import ManifestError
 
@@ -84,3 +85,57 @@ def test_bad_namespaces_are_refused(bad):
     with pytest.raises(InvalidArgumentError) as e:
         check_namespace(bad)
     assert e.value.argument == "namespace"
+
+
+KEY = SharedKey(b"a shared key of this deployment")
+
+
+def _signed() -> tuple[manifest.Manifest, bytes]:
+    blobs = blobs_for(1)
+    m = manifest.sign(KEY, manifest.build(SPACE, KEYS[7], blobs, start=4, end=8, generation=3, snapshot=True), blobs)
+    return m, manifest.encode(SPACE, m, KEY)
+
+
+def test_a_signed_manifest_round_trips_and_every_altered_byte_is_refused():
+    m, data = _signed()
+    got = manifest.decode(SPACE, KEYS[7], data, ranks=2, key=KEY)
+    assert got == m and got.stored == data and all(len(b.mac) == 64 for b in got.blobs)
+    assert "sum" not in json.loads(data)
+    for i in range(len(data)):
+        bad = data[:i] + bytes([data[i] ^ 1]) + data[i + 1:]
+        with pytest.raises(ManifestError):
+            manifest.decode(SPACE, KEYS[7], bad, ranks=2, key=KEY)
+
+
+def test_a_manifest_is_refused_unsigned_by_another_key_or_without_one():
+    m, signed = _signed()
+    _, unsigned = _encoded()
+    with pytest.raises(ManifestError, match="not signed"):
+        manifest.decode(SPACE, KEYS[7], unsigned, ranks=2, key=KEY)
+    with pytest.raises(ManifestError, match="signature"):
+        manifest.decode(SPACE, KEYS[7], signed, ranks=2, key=SharedKey(b"another tenant's key"))
+    with pytest.raises(ManifestError, match="key this reader does not hold"):
+        manifest.decode(SPACE, KEYS[7], signed, ranks=2)
+    resealed = json.loads(signed)  # a MAC moved into an unkeyed manifest's body is refused too
+    del resealed["mac"]
+    resealed["sum"] = manifest.shards.checksum(json.dumps(resealed, sort_keys=True, separators=(",", ":")).encode())
+    with pytest.raises(ManifestError):
+        manifest.decode(SPACE, KEYS[7], json.dumps(resealed).encode(), ranks=2)
+    with pytest.raises(ValueError):
+        manifest.encode(SPACE, manifest.build(SPACE, KEYS[7], blobs_for(1), start=4, end=8, generation=3,
+                                              snapshot=True), KEY)  # its blobs not signed
+
+
+def test_a_blob_mac_binds_its_key_name_and_bytes():
+    data = blobs_for(2)[0]
+    a, b = SPACE.blob(KEYS[0], 0, "0" * 32), SPACE.blob(KEYS[1], 0, "0" * 32)
+    assert KEY.blob_mac(a, data) != KEY.blob_mac(b, data) != KEY.blob_mac(b, data[:-1])
+    assert KEY.blob_mac(a, data) != SharedKey(b"another tenant's key").blob_mac(a, data)
+    assert repr(KEY) == "SharedKey(***)"
+
+
+def test_a_manifest_longer_than_its_maximum_is_refused():
+    _, data = _encoded()
+    assert len(data) <= manifest.max_bytes(2) < len(data) + 4096
+    with pytest.raises(ManifestError, match="longer"):
+        manifest.decode(SPACE, KEYS[7], data + b" " * manifest.max_bytes(2), ranks=2)

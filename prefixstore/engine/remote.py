@@ -266,7 +266,7 @@ def restore(eng: Engine, match: Match) -> Restored | None:
     A verified remote restore is also stored locally when the policy admits it."""
     tier, ref = eng.remote, match.remote
     got = tier.fetch_path(ref.hit.path) if tier is not None else []
-    decoded = decode_path(eng, ref.hit.path, got) if len(got) == len(ref.hit.path) else None
+    decoded = decode_path(eng, tier, ref.hit.path, got) if len(got) == len(ref.hit.path) else None
     if decoded is None:
         eng.counters.inc("remote", "missed")
         return local_restore.restore(eng, ref.local) if ref.local.hit else None
@@ -284,9 +284,11 @@ def restore(eng: Engine, match: Match) -> Restored | None:
                     sum(len(m.blobs) for m in ref.hit.path))
 
 
-def decode_path(eng: Engine, path: tuple[Manifest, ...], blobs: list[list[bytes]]) -> list[list[verify.Shard]] | None:
+def decode_path(eng: Engine, tier: RemoteTier, path: tuple[Manifest, ...],
+                blobs: list[list[bytes]]) -> list[list[verify.Shard]] | None:
     """Each manifest's per-rank shards, checked by ``verify.check`` (size, checksum and
-    the header naming this checkpoint, span and rank); None if any fails."""
+    the header naming this checkpoint, span and rank); None if any fails (a verify
+    failure of the tier, counted)."""
     L = eng.layout
     out: list[list[verify.Shard]] = []
     for m, datas in zip(path, blobs, strict=True):
@@ -296,7 +298,7 @@ def decode_path(eng: Engine, path: tuple[Manifest, ...], blobs: list[list[bytes]
             header = verify.Header(L, (m.end - m.start) * L.block_tokens, m.snapshot, {**meta, "rank": str(r)})
             got = verify.check(data, ref.size, ref.checksum, header, ref.key)
             if isinstance(got, verify.Damage):
-                log.warning("remote_bad_shard", key=m.prefix[:12], rank=r, reason=got.why)
+                tier.refused(m, r, got.why)
                 return None
             row.append(got)
         out.append(row)

@@ -59,6 +59,14 @@ class RemoteConfig:
     ``ttl``: seconds a stored key lives (None: until Redis evicts it). ``username`` /
     ``password`` override the URL's. ``tls``: redis-py ``ssl_*`` options
     (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``...).
+
+    ``auth_key_env`` / ``auth_key_file``: the name of an environment variable, or the path
+    of a file, holding a key (16-4096 bytes; a trailing newline is not part of it) that
+    every engine sharing the namespace holds: manifests and blobs then carry HMAC-SHA256
+    MACs under it, and a checkpoint without them, or with another key's, is a verify
+    failure (a miss, counted). At most one of the two; never in the URL; the key itself
+    is read when the tier is built and never shown. Engines with and without a key do
+    not read each other's checkpoints.
     """
 
     namespace: str = attrs.field(default="default", validator=_namespace)
@@ -76,3 +84,9 @@ class RemoteConfig:
     username: str | None = attrs.field(default=None, validator=_optional_text)
     password: str | None = attrs.field(default=None, validator=_optional_text, repr=False)
     tls: dict = attrs.field(factory=dict, validator=_tls, repr=False)
+    auth_key_env: str | None = attrs.field(default=None, validator=_optional_text)
+    auth_key_file: str | None = attrs.field(default=None, validator=_optional_text)
+
+    def __attrs_post_init__(self) -> None:
+        if self.auth_key_env is not None and self.auth_key_file is not None:
+            raise InvalidArgumentError("auth_key_env", "give the key in auth_key_env or auth_key_file, not both")

@@ -3,7 +3,7 @@
 Every key starts with ``ps:<namespace>:<layout id>:`` so that two caches (namespaces) or
 two layouts never read each other's keys. A checkpoint's keys share one Redis Cluster
 hash tag, ``{<prefix key hex>}``: its manifest and its blobs live in one slot, so one
-node holds (or loses) the whole checkpoint and one ``MGET`` reads all its blobs.
+node holds (or loses) the whole checkpoint and one read (on that node) gets all its blobs.
 
     ps:<ns>:<layout>:{<prefix>}:m                     the manifest (JSON)
     ps:<ns>:<layout>:{<prefix>}:b:<rank>:<checksum>   one rank's shard bytes

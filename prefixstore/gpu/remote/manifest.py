@@ -1,22 +1,35 @@
 """A checkpoint's manifest in the remote tier: which blobs make it, and how to verify them.
 
-JSON (never pickle), written after every blob it names. It carries its own checksum over
-its canonical body, and ``decode`` checks that it names the namespace, layout and prefix
-key it was read for and that every blob key is the one derived from its rank and
-checksum: a manifest that was altered, truncated or written for another cache is refused.
+JSON (never pickle), written after every blob it names, at most ``max_bytes(ranks)``
+long. It carries its own checksum over its canonical body (with a shared key, ``auth``:
+that body's MAC, and each blob's MAC in its entry), and ``decode`` checks that it names
+the namespace, layout and prefix key it was read for and that every blob key is the one
+derived from its rank and checksum: a manifest that was altered, truncated, forged or
+written for another cache is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 
 import attrs
 
 from prefixstore.gpu import shards
+from prefixstore.gpu.remote.auth import SharedKey
 from prefixstore.gpu.remote.keys import CHECKSUM_RE, KeySpace
 
 VERSION = 1
+MAC_RE = re.compile(r"[0-9a-f]{64}")
+BASE_BYTES = 1024
+RANK_BYTES = 256
+
+
+def max_bytes(ranks: int) -> int:
+    """The longest manifest of a ``ranks``-rank checkpoint: 1 KiB plus 256 bytes per rank
+    (a longer value at a manifest key is refused unread)."""
+    return BASE_BYTES + RANK_BYTES * ranks
 
 
 class ManifestError(ValueError):
@@ -25,11 +38,13 @@ class ManifestError(ValueError):
 
 @attrs.frozen
 class BlobRef:
-    """One rank's blob: its key, size in bytes and content checksum."""
+    """One rank's blob: its key, size in bytes, content checksum and, with a shared
+    key, its MAC (``SharedKey.blob_mac``)."""
 
     key: str
     size: int
     checksum: str
+    mac: str | None = None
 
     def verify(self, data: bytes | None) -> bool:
         """Whether ``data`` is this blob's bytes (right size and checksum)."""
@@ -47,6 +62,8 @@ class Manifest:
     generation: int
     snapshot: bool
     blobs: tuple[BlobRef, ...] = attrs.field(converter=tuple)
+    stored: bytes | None = attrs.field(default=None, eq=False, repr=False)
+    """The bytes this manifest was decoded from (None: built here)."""
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +104,7 @@ def _body(keys: KeySpace, m: Manifest) -> dict:
         "end": m.end,
         "generation": m.generation,
         "snapshot": m.snapshot,
-        "blobs": [[b.size, b.checksum] for b in m.blobs],
+        "blobs": [[b.size, b.checksum] if b.mac is None else [b.size, b.checksum, b.mac] for b in m.blobs],
     }
 
 
@@ -95,31 +112,56 @@ def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def encode(keys: KeySpace, m: Manifest) -> bytes:
-    """The manifest's stored bytes: its canonical body plus that body's checksum."""
+def sign(key: SharedKey, m: Manifest, blobs: Sequence[bytes]) -> Manifest:
+    """``m`` with each blob's MAC under ``key`` (``blobs``: the bytes ``m`` names)."""
+    refs = [attrs.evolve(r, mac=key.blob_mac(r.key, b)) for r, b in zip(m.blobs, blobs, strict=True)]
+    return attrs.evolve(m, blobs=refs)
+
+
+def encode(keys: KeySpace, m: Manifest, key: SharedKey | None = None) -> bytes:
+    """The manifest's stored bytes: its canonical body plus that body's checksum, or
+    with ``key`` its MAC (``m`` then ``sign``-ed: every blob carries its MAC)."""
     body = _body(keys, m)
-    return _canonical({**body, "sum": shards.checksum(_canonical(body))})
+    if key is None:
+        return _canonical({**body, "sum": shards.checksum(_canonical(body))})
+    if any(b.mac is None for b in m.blobs):
+        raise ValueError("sign the manifest's blobs before encoding it with a key")
+    return _canonical({**body, "mac": key.manifest_mac(_canonical(body))})
 
 
-def decode(keys: KeySpace, prefix_key: bytes, data: bytes, ranks: int) -> Manifest:
+def decode(keys: KeySpace, prefix_key: bytes, data: bytes, ranks: int, key: SharedKey | None = None) -> Manifest:
     """The manifest in ``data``, read at ``prefix_key``'s manifest key; ManifestError unless
-    it is intact and describes a ``ranks``-rank checkpoint of this key space at that key."""
+    it is intact (with ``key``: signed under it) and describes a ``ranks``-rank checkpoint
+    of this key space at that key."""
+    if len(data) > max_bytes(ranks):
+        raise ManifestError(f"longer than {max_bytes(ranks)} bytes")
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ManifestError(f"not JSON: {type(exc).__name__}") from None
-    if not isinstance(body, dict) or not isinstance(body.get("sum"), str):
+    if not isinstance(body, dict):
         raise ManifestError("no checksum")
-    claimed = body.pop("sum")
-    if shards.checksum(_canonical(body)) != claimed:
-        raise ManifestError("checksum mismatch")
-    m = _parse(keys, prefix_key, body, ranks)
+    if key is None:
+        if "mac" in body:
+            raise ManifestError("signed with a key this reader does not hold")
+        claimed = body.pop("sum", None)
+        if not isinstance(claimed, str):
+            raise ManifestError("no checksum")
+        if shards.checksum(_canonical(body)) != claimed:
+            raise ManifestError("checksum mismatch")
+    else:
+        claimed = body.pop("mac", None)
+        if not isinstance(claimed, str):
+            raise ManifestError("not signed")
+        if not SharedKey.same(key.manifest_mac(_canonical(body)), claimed):
+            raise ManifestError("signature mismatch (another key, or altered)")
+    m = _parse(keys, prefix_key, body, ranks, signed=key is not None)
     if _body(keys, m) != body:
         raise ManifestError("unexpected fields")
-    return m
+    return attrs.evolve(m, stored=data)
 
 
-def _parse(keys: KeySpace, prefix_key: bytes, body: dict, ranks: int) -> Manifest:
+def _parse(keys: KeySpace, prefix_key: bytes, body: dict, ranks: int, signed: bool) -> Manifest:
     if body.get("v") != VERSION or body.get("space") != keys.base:
         raise ManifestError("another version or key space")
     if body.get("prefix") != prefix_key.hex():
@@ -132,10 +174,13 @@ def _parse(keys: KeySpace, prefix_key: bytes, body: dict, ranks: int) -> Manifes
     blobs = body.get("blobs")
     if not isinstance(blobs, list) or len(blobs) != ranks:
         raise ManifestError(f"names {len(blobs) if isinstance(blobs, list) else 'no'} blobs, want {ranks}")
-    refs = []
-    for rank, entry in enumerate(blobs):
-        if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
-                and entry[0] >= 0 and isinstance(entry[1], str) and CHECKSUM_RE.fullmatch(entry[1])):
-            raise ManifestError(f"bad blob entry for rank {rank}")
-        refs.append(BlobRef(keys.blob(prefix_key, rank, entry[1]), entry[0], entry[1]))
-    return Manifest(body["prefix"], start, end, gen, body["snapshot"], refs)
+    return Manifest(body["prefix"], start, end, gen, body["snapshot"],
+                    [_blob(keys, prefix_key, rank, entry, signed) for rank, entry in enumerate(blobs)])
+
+
+def _blob(keys: KeySpace, prefix_key: bytes, rank: int, entry: object, signed: bool) -> BlobRef:
+    if not (isinstance(entry, list) and len(entry) == 2 + signed and type(entry[0]) is int
+            and entry[0] >= 0 and isinstance(entry[1], str) and CHECKSUM_RE.fullmatch(entry[1])
+            and (not signed or isinstance(entry[2], str) and MAC_RE.fullmatch(entry[2]))):
+        raise ManifestError(f"bad blob entry for rank {rank}")
+    return BlobRef(keys.blob(prefix_key, rank, entry[1]), entry[0], entry[1], entry[2] if signed else None)

@@ -6,6 +6,9 @@ else is a miss, counted, never wrong bytes. No call waits on the network past it
 budget: ``deepest`` within ``lookup_timeout``, ``fetch`` / ``fetch_path`` within
 ``restore_timeout``. A failed or timed-out call marks the server down: later calls are
 misses at once while a background thread reconnects. No call raises for a network fault.
+No call reads more than it can use (``clients``, ``guard``): a value longer than that, or
+not a string, is that key's miss (counted as ``oversized``), and a call past its budget
+has its connection shut so that its thread stops reading too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import attrs
 
 from prefixstore.base.errors import InvalidArgumentError
 from prefixstore.base.log import log
-from prefixstore.gpu.remote import clients, manifest
+from prefixstore.gpu.remote import auth, clients, guard, manifest
 from prefixstore.gpu.remote.config import RemoteConfig
 from prefixstore.gpu.remote.keys import KeySpace, layout_id
 from prefixstore.gpu.remote.manifest import Manifest, ManifestError
@@ -32,6 +35,10 @@ from prefixstore.gpu.remote.writeback import WriteBehind
 
 T = TypeVar("T")
 PURPOSES = ("lookup", "restore", "write")
+BACKGROUND_BUDGETS = 10
+"""A call no caller waits for (connecting ahead, reconnecting, touch, forget) may take
+this many times its purpose's timeout (a TLS handshake on a loaded host takes a while);
+each socket wait stays within the timeout itself."""
 
 
 @attrs.frozen
@@ -78,6 +85,8 @@ class RemoteTier:
             raise InvalidArgumentError("ranks", f"must be a positive integer, got {ranks!r}")
         self.ranks = ranks
         self.keys = KeySpace(self.config.namespace, layout_id(layout_json))
+        self._key = auth.load(self.config.auth_key_env, self.config.auth_key_file)
+        self._manifest_limit = manifest.max_bytes(ranks)
         self._ttl_ms = None if self.config.ttl is None else max(1, int(self.config.ttl * 1000))
         self._lock = threading.Lock()
         self._clients: dict[str, Any] = {}
@@ -162,7 +171,8 @@ class RemoteTier:
         miss) when nothing beyond ``have`` is covered."""
         self.counts.add("lookups")
         names = [self.keys.manifest(k) for k in chain_keys[have:]]
-        values = self._get("lookup_seconds", names, "lookup", self.config.lookup_timeout)
+        values = self._get("lookup_seconds", names, [self._manifest_limit] * len(names), "lookup",
+                           self.config.lookup_timeout)
         reach = have if reach is None else max(have, reach)
         hit = None if values is None else self._deepest_path(chain_keys, have, reach, values, need_snapshot)
         self.counts.add("hits" if hit else "misses")
@@ -173,7 +183,7 @@ class RemoteTier:
         ``restore_timeout``."""
         self.counts.add("fetches")
         ref = m.blobs[rank]
-        values = self._get("fetch_seconds", [ref.key], "restore", self.config.restore_timeout)
+        values = self._get("fetch_seconds", [ref.key], [ref.size], "restore", self.config.restore_timeout)
         data = self._verified(ref, values[0]) if values else None
         if data is None:
             self.counts.add("fetch_misses")
@@ -185,7 +195,7 @@ class RemoteTier:
         blobs all verify (empty on a miss)."""
         refs = [ref for m in path for ref in m.blobs]
         self.counts.add("fetches", len(refs))
-        values = self._get("fetch_seconds", [r.key for r in refs], "restore",
+        values = self._get("fetch_seconds", [r.key for r in refs], [r.size for r in refs], "restore",
                            self.config.restore_timeout) or [None] * len(refs)
         self._count_node_failures(values)
         out: list[list[bytes]] = []
@@ -201,6 +211,13 @@ class RemoteTier:
             out.append(datas)  # type: ignore[arg-type]
         self.counts.add("fetch_misses", len(refs) - sum(len(d) for d in out))
         return out
+
+    def refused(self, m: Manifest, rank: int, why: str) -> None:
+        """Count a blob of ``m`` that verified here but that the caller's own check
+        refused (its shard header names another checkpoint, span or rank): a verify
+        failure, logged."""
+        self.counts.add("verify_failures")
+        log.warning("remote_bad_blob", key=m.blobs[rank].key, reason=why)
 
     def flush(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds for queued writes; True if none is left."""
@@ -242,32 +259,42 @@ class RemoteTier:
         with self._lock:
             c = self._clients.get(purpose)
         if c is None:
-            timeout = {"lookup": self.config.lookup_timeout, "restore": self.config.restore_timeout,
-                       "write": self.config.write_timeout}[purpose]
-            c = clients.connect(self.url, self.config, timeout)
+            c = clients.connect(self.url, self.config, self._timeout(purpose))
             with self._lock:
                 c = self._clients.setdefault(purpose, c)
         return c
 
+    def _timeout(self, purpose: str) -> float:
+        return {"lookup": self.config.lookup_timeout, "restore": self.config.restore_timeout,
+                "write": self.config.write_timeout}[purpose]
+
+    def _background(self, purpose: str) -> guard.CallBudget:
+        return guard.CallBudget(BACKGROUND_BUDGETS * self._timeout(purpose), clients.CALL_ALLOWANCE)
+
     def _warm(self, purpose: str) -> None:
         try:
-            clients.ping(self._client(purpose))
-        except clients.NETWORK_ERRORS as exc:
+            with guard.running(self._background(purpose)):
+                clients.prepare(self._client(purpose))
+        except Exception as exc:  # a fault or an unreadable reply: reconnect later
             self._failed("errors", purpose, type(exc).__name__)
 
-    def _call(self, fn: Callable[[Any, T], Any], arg: T, purpose: str, budget: float) -> Any:
-        """``fn(client, arg)`` within ``budget`` seconds; None (counted) on any network
-        fault, a timeout, or while the server is down."""
+    def _call(self, fn: Callable[[Any, T], Any], arg: T, purpose: str, seconds: float,
+              nbytes: int = clients.CALL_ALLOWANCE) -> Any:
+        """``fn(client, arg)`` within ``seconds``, reading at most ``nbytes``; None
+        (counted) on any network fault, a timeout, or while the server is down. A call
+        past its budget has its sockets shut: its thread stops reading too."""
         if not self._up or self._closed:
             self.counts.add("skipped")
             return None
+        budget = guard.CallBudget(seconds, nbytes)
         try:
-            fut = self._calls.submit(lambda: fn(self._client(purpose), arg))
+            fut = self._calls.submit(self._run, fn, arg, purpose, budget)
         except RuntimeError:  # closed meanwhile
             return None
         try:
-            return fut.result(timeout=budget)
+            return fut.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
+            budget.abort()
             self._failed("timeouts", purpose, "no answer within the budget")
         except clients.CLUSTER_ERRORS as exc:
             self._failed("errors", purpose, type(exc).__name__)
@@ -276,26 +303,32 @@ class RemoteTier:
             log.warning("remote_refused", remote=self.url.redacted(), call=purpose,
                         reason=type(exc).__name__)
         except clients.NETWORK_ERRORS as exc:
-            kind = "timeouts" if isinstance(exc, clients.TIMEOUT_ERRORS) else "errors"
-            self._failed(kind, purpose, type(exc).__name__)
-        except ValueError:  # redis-py reading a connection that close() shut under it
+            if budget.overran:  # the server sent more than anything asked for can be
+                self.counts.add("oversized")
+                self._failed("errors", purpose, f"a reply of more than {nbytes} bytes")
+            else:
+                kind = "timeouts" if isinstance(exc, clients.TIMEOUT_ERRORS) else "errors"
+                self._failed(kind, purpose, type(exc).__name__)
+        except Exception as exc:  # a reply redis-py could not make sense of (or close() shut it)
             if not self._closed:
-                raise
+                self._failed("errors", purpose, f"unreadable reply ({type(exc).__name__})")
         return None
 
-    def _timed(self, counter: str, fn: Callable[[Any, T], Any], arg: T, purpose: str,
-               budget: float) -> Any:
-        """``_call``, adding its seconds to ``counter`` when the server answered."""
+    def _run(self, fn: Callable[[Any, T], Any], arg: T, purpose: str, budget: guard.CallBudget) -> Any:
+        with guard.running(budget):
+            return fn(self._client(purpose), arg)
+
+    def _get(self, counter: str, keys: list[str], limits: list[int], purpose: str,
+             seconds: float) -> list[Any] | None:
+        """``clients.get_many`` of ``keys`` (each value at most its ``limits`` entry) within
+        ``seconds`` (a cluster node that has not answered by nine tenths of it fails alone,
+        its keys absent), its time added to ``counter`` when the server answered."""
+        fn = functools.partial(clients.get_many, limits=limits, wait=seconds * 0.9)
         t0 = time.perf_counter()
-        out = self._call(fn, arg, purpose, budget)
+        out = self._call(fn, keys, purpose, seconds, clients.reply_bytes(limits))
         if out is not None:
             self.counts.add(counter, time.perf_counter() - t0)
         return out
-
-    def _get(self, counter: str, keys: list[str], purpose: str, budget: float) -> list[Any] | None:
-        """``clients.get_many`` of ``keys`` within ``budget`` (a cluster node that has not
-        answered by nine tenths of it fails alone, its keys absent), timed into ``counter``."""
-        return self._timed(counter, functools.partial(clients.get_many, wait=budget * 0.9), keys, purpose, budget)
 
     def _failed(self, kind: str, purpose: str, why: str) -> None:
         """Count a failed call and mark the tier down (calls are misses until the
@@ -324,9 +357,10 @@ class RemoteTier:
                 if self._closed:
                     return
                 try:
-                    if clients.ping(self._client("lookup")):
-                        break
-                except (*clients.NETWORK_ERRORS, ValueError):  # ValueError: closed under it
+                    with guard.running(self._background("lookup")):
+                        if clients.prepare(self._client("lookup")):
+                            break
+                except Exception:  # a fault, an unreadable reply, or closed under it: try again
                     continue
             else:
                 return
@@ -374,10 +408,13 @@ class RemoteTier:
 
     def _manifest_at(self, chain_keys: Sequence[bytes], i: int, value: Any) -> Manifest | None:
         """The manifest stored for chain block ``i`` when it decodes and ends there."""
+        if isinstance(value, clients.Refused):
+            self._oversized(self.keys.manifest(chain_keys[i]), value)
+            return None
         if not isinstance(value, bytes):
             return None
         try:
-            m = manifest.decode(self.keys, chain_keys[i], value, self.ranks)
+            m = manifest.decode(self.keys, chain_keys[i], value, self.ranks, self._key)
         except ManifestError as exc:
             self.counts.add("verify_failures")
             log.warning("remote_bad_manifest", key=chain_keys[i].hex(), reason=str(exc))
@@ -385,14 +422,23 @@ class RemoteTier:
         return m if m.end == i + 1 else None
 
     def _verified(self, ref: manifest.BlobRef, value: Any) -> bytes | None:
+        if isinstance(value, clients.Refused):
+            self._oversized(ref.key, value)
+            return None
         if value is None or not isinstance(value, bytes):
             return None
-        if not ref.verify(value):
+        if not ref.verify(value) or (
+                self._key is not None and not auth.SharedKey.same(self._key.blob_mac(ref.key, value), ref.mac)):
             self.counts.add("verify_failures")
             log.warning("remote_bad_blob", key=ref.key, size=len(value), want=ref.size)
             return None
         self.counts.add("bytes_in", len(value))
         return value
+
+    def _oversized(self, key: str, value: clients.Refused) -> None:
+        """Count a value refused unread (that key's miss; the server is fine)."""
+        self.counts.add("oversized")
+        log.warning("remote_refused_value", key=key, reason=value.why)
 
     def touch(self, path: Sequence[Manifest]) -> None:
         """Mark, in the background, the blobs of checkpoints found but not fetched (the
@@ -404,31 +450,34 @@ class RemoteTier:
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._calls.submit(self._quietly, clients.touch, keys)
 
-    def _quietly(self, fn: Callable[[Any, Any], Any], arg: Any) -> None:
-        with contextlib.suppress(*clients.NETWORK_ERRORS, ValueError):
-            fn(self._client("write"), arg)
+    def _quietly(self, fn: Callable[[Any, Any], Any], arg: Any) -> Any:
+        """``fn(client, arg)`` in a call no caller waits for (``BACKGROUND_BUDGETS``); None on a fault."""
+        with guard.running(self._background("write")), contextlib.suppress(Exception):
+            return fn(self._client("write"), arg)
+        return None
 
     def _forget(self, m: Manifest) -> None:
         """Delete, in the background, the manifest of a checkpoint a blob of which Redis
-        evicted: later lookups stop finding a checkpoint that cannot be read (an altered
-        blob is a miss each time, counted, and left for its writer to put again)."""
-        if not self._up or self._closed:
+        evicted, if it still holds the bytes it was read from: later lookups stop finding
+        a checkpoint that cannot be read, and a manifest another engine has written there
+        since stays (an altered blob is a miss each time, counted, and left for its
+        writer to put again)."""
+        if not self._up or self._closed or m.stored is None:
             return
-        key = self.keys.manifest(m.prefix_key)
         with contextlib.suppress(RuntimeError):  # closed meanwhile
-            self._calls.submit(self._delete, key)
+            self._calls.submit(self._delete, self.keys.manifest(m.prefix_key), m.stored)
 
-    def _delete(self, key: str) -> None:
-        try:
-            clients.delete(self._client("write"), key)
-            self.counts.add("forgotten")
-        except (*clients.NETWORK_ERRORS, ValueError):
-            pass  # a miss stays a miss; the next failed fetch tries again
+    def _delete(self, key: str, stored: bytes) -> None:
+        got = self._quietly(lambda client, arg: clients.delete_if(client, *arg), (key, stored))
+        if got:  # None (a fault): a miss stays a miss, the next failed fetch tries again
+            self.counts.add("forgotten" if got > 0 else "superseded")
 
     def _write(self, client: Any, item: tuple[bytes, Manifest, tuple[bytes, ...]]) -> bool:
         prefix_key, m, blobs = item
         clients.set_many(client, [(r.key, b) for r, b in zip(m.blobs, blobs, strict=True)], self._ttl_ms)
-        body = manifest.encode(self.keys, m)
+        if self._key is not None:
+            m = manifest.sign(self._key, m, blobs)
+        body = manifest.encode(self.keys, m, self._key)
         clients.set_many(client, [(self.keys.manifest(prefix_key), body)], self._ttl_ms)
         self.counts.add("bytes_out", m.nbytes + len(body))
         return True

@@ -6,11 +6,13 @@ Prometheus names (counters end in ``_total`` when exposed):
     prefixstore_remote_fetches, _fetch_misses             blob reads and failed ones
     prefixstore_remote_bytes_in, _bytes_out               verified bytes read, bytes written
     prefixstore_remote_verify_failures                    manifests or blobs that failed checks
+    prefixstore_remote_oversized                          values or replies longer than usable
     prefixstore_remote_timeouts, _errors                  calls past their budget, other failures
     prefixstore_remote_skipped                            calls answered "miss" while down
     prefixstore_remote_writes, _write_retries, _dropped   checkpoints written, retried, given up
     prefixstore_remote_reconnects                         background reconnects that succeeded
     prefixstore_remote_forgotten                          manifests deleted: a blob was evicted
+    prefixstore_remote_superseded                         ... not deleted: rewritten since read
     prefixstore_remote_lookup_seconds, _fetch_seconds     time in answered calls (calibration)
     prefixstore_remote_queue_depth, _queue_bytes, _up     gauges
 """
@@ -30,7 +32,9 @@ COUNTERS = {
     "fetch_misses": "Fetches that returned no verified bytes",
     "bytes_in": "Verified blob bytes read",
     "bytes_out": "Blob and manifest bytes written",
-    "verify_failures": "Manifests or blobs that were truncated, altered or foreign",
+    "verify_failures": "Manifests or blobs that were truncated, altered, forged or foreign",
+    "oversized": "Values refused unread (longer than the call can use, or not a string), "
+                 "and replies cut off past the call's byte budget",
     "timeouts": "Calls that ran past their budget",
     "errors": "Calls that failed (connection refused, cluster down, ...)",
     "skipped": "Calls answered as a miss without asking a server that is down",
@@ -39,6 +43,7 @@ COUNTERS = {
     "dropped": "Checkpoints not written (queue full or attempts exhausted)",
     "reconnects": "Background reconnects that succeeded",
     "forgotten": "Manifests deleted because a blob they name was evicted",
+    "superseded": "Manifests not deleted after a blob miss: another writer replaced them since they were read",
     "lookup_seconds": "Seconds spent in lookups the server answered",
     "fetch_seconds": "Seconds spent in fetches the server answered (bandwidth: bytes_in / this)",
 }

@@ -5,7 +5,9 @@
     redis+cluster://[user:password@]host:port[,host:port...]
     rediss+cluster://...
 
-A parsed URL keeps its credentials out of ``repr`` and ``redacted()``.
+The userinfo (``user:password``) is everything before the last ``@``, so a password may
+hold ``/``, ``?``, ``#``, ``:`` or ``@`` without percent-encoding. No part of it ever
+appears in an error, a ``repr`` or ``redacted()``: errors quote only what follows it.
 """
 
 from __future__ import annotations
@@ -33,15 +35,13 @@ class RemoteURL:
     tls: bool
     hosts: tuple[tuple[str, int], ...]
     db: int = 0
-    username: str | None = None
+    username: str | None = attrs.field(default=None, repr=False)
     password: str | None = attrs.field(default=None, repr=False)
 
     def redacted(self) -> str:
-        """The URL with the password replaced by ``***`` (for logs and errors)."""
+        """The URL with its userinfo replaced by ``***`` (for logs and errors)."""
         scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
-        auth = ""
-        if self.username or self.password:
-            auth = f"{self.username or ''}{':***' if self.password else ''}@"
+        auth = "***@" if self.username or self.password else ""
         hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)
         return f"{scheme}://{auth}{hosts}" + ("" if self.cluster else f"/{self.db}")
 
@@ -56,8 +56,8 @@ def parse(url: object) -> RemoteURL:
             "remote", f"scheme must be one of {', '.join(s + '://' for s in SCHEMES)}"
         )
     cluster, tls = SCHEMES[scheme.lower()]
-    netloc, _, path = rest.partition("/")
-    auth, at, hostlist = netloc.rpartition("@")
+    auth, at, rest = rest.rpartition("@")  # nothing from ``auth`` may reach a message
+    hostlist, _, path = rest.partition("/")
     username = password = None
     if at:
         user, colon, pw = auth.partition(":")
