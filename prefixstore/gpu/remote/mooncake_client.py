@@ -379,9 +379,10 @@ class MooncakeClient:
         """Values of ``keys`` in one request: ``bytes``, ``None`` when absent (never
         written, removed, evicted, or being written), or the error that key met:
         MooncakeTooLarge when its value is larger than ``limits`` (one byte count for
-        all, or one per key) allows, MooncakeUnreachable when the process holding it did
-        not deliver, MooncakeRefused for other refusals. Raises MooncakeUnreachable when
-        every key failed so (the master did not answer), MooncakeTimeout past ``budget``."""
+        all, or one per key) allows, MooncakeUnreachable (code TRANSFER_FAIL) when the
+        storage process holding it did not deliver, MooncakeRefused for other refusals.
+        Raises MooncakeUnreachable when the master did not answer, MooncakeTimeout past
+        ``budget``."""
         keys = _keys(keys)
         caps = _limits(limits, len(keys), self.options.max_reply_bytes)
         if not keys:
@@ -398,9 +399,8 @@ class MooncakeClient:
 
         got = dict(zip(unique, self._call("get_many", run, budget), strict=True))
         out = [within(got[k], c) for k, c in zip(keys, caps, strict=True)]
-        failed = [v for v in out if isinstance(v, MooncakeUnreachable)]
-        if failed and len(failed) == len(out):
-            raise failed[0]
+        if all(isinstance(v, MooncakeUnreachable) and v.code in UNREACHABLE_CODES for v in out):
+            raise out[0]
         return out
 
     def set_many(self, items: Sequence[tuple[str, bytes]], budget: float, *, replace: bool = False) -> None:
