@@ -180,6 +180,27 @@ def test_values_round_trip_bit_for_bit(client):
     assert client.get_many([keys[0], keys[0]], 1, 5.0) == [values[0], values[0]]
 
 
+def test_concurrent_calls_each_get_their_own_bytes(client):
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(8):
+                values = blobs(100 * t + i, 4096, 70_000)
+                keys = [f"c{t}-{i}-a", f"c{t}-{i}-b"]
+                client.set_many(list(zip(keys, values, strict=True)), 10.0)
+                assert client.get_many(keys, [4096, 70_000], 10.0) == values
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
+
+
 def test_missing_keys_are_none_beside_present_ones(client):
     (value,) = blobs(2, 4096)
     client.set_many([("here", value)], 5.0)
