@@ -46,6 +46,7 @@ from prefixstore.base import errors as E
 from prefixstore.base.keys import Prefix
 from prefixstore.cli import main as cli_main
 from prefixstore.engine.api import Engine
+from prefixstore.engine.repair import repair
 from prefixstore.fuzz.faultfs import CrashAt, flip_bit
 from prefixstore.gpu.ranks import LocalRank
 from prefixstore.statemachine.compaction import CompactionPolicy
@@ -452,4 +453,19 @@ def test_every_sqlite_error_reaching_a_caller_is_typed(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["audit", root, "--repair"]) == 0  # recreated with every row
     assert "recreated table files with the engine's schema (every row kept)" in capsys.readouterr().out
+    assert served(root) == FULL
+
+
+def test_a_rebuild_that_dies_at_its_commit_is_rebuilt_by_the_next_repair(tmp_path, capsys):
+    root = str(tmp_path / "cache")
+    build(root)
+    _empty(root)
+    stored = contents(root)
+    with pytest.raises(E.SimulatedCrash):
+        repair(root, hook=CrashAt(0, ops=["commit"]))
+    with pytest.raises(E.CatalogLostError, match="records no layout and no row"):
+        Engine.open(root, L, CAP)  # the new catalog's schema, nothing in it: still refused
+    assert contents(root) == stored
+    rc, out = audit(root, "--repair", capsys=capsys)
+    assert rc == 0 and out["ok"], out
     assert served(root) == FULL

@@ -101,9 +101,9 @@ class Catalog:
         self.failed: str | None = None
         try:
             self._setup(fresh=not exists)
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
             self.conn.close()
-            if _io_error(exc) and exc.sqlite_errorcode & 0xFF != 11:  # I/O: no verdict on the file
+            if isinstance(exc, sqlite3.DatabaseError) and _io_error(exc) and exc.sqlite_errorcode & 0xFF != 11:  # I/O: no verdict on the file
                 raise CatalogIOError(f"{root}: cannot read {CATALOG_NAME}: {exc}") from exc
             raise NotACacheError(f"{root}: {CATALOG_NAME} is not a prefixstore catalog: {exc}") from exc
         except BaseException:
@@ -129,7 +129,7 @@ class Catalog:
         try:
             self.conn = sqlite3.connect(f"file:{quote(path)}?{mode}", uri=True, isolation_level=None,
                                         check_same_thread=False, timeout=30)
-        except sqlite3.OperationalError as exc:
+        except sqlite3.Error as exc:
             raise CatalogIOError(f"{root}: cannot open {CATALOG_NAME} read-only: {exc}") from exc
         try:
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
@@ -138,7 +138,7 @@ class Catalog:
             if self.meta("format") != FORMAT_MARKER:
                 raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
             self.check_schema()
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
             self.conn.close()
             raise CatalogIOError(f"{root}: cannot read {CATALOG_NAME} read-only: {exc}") from exc
         except BaseException:
@@ -256,8 +256,9 @@ class Catalog:
                 raise CatalogIOError(f"catalog write {label!r} failed: {exc}") from exc
             self.failed_corrupt = True
             raise CatalogCorruptError(
-                f"catalog write {label!r} failed: {exc}: the catalog is not as the engine wrote it; "
-                f"reopen the engine (`prefixstore audit {self.root}` says what is wrong)"
+                f"catalog write {label!r} failed ({type(exc).__name__}: {exc}): the catalog's rows or "
+                f"schema refuse the engine's statement; reopen the engine (`prefixstore audit {self.root}` "
+                "says what is wrong)"
             ) from exc
         self.hook.after("commit", label, None)
 
@@ -308,8 +309,8 @@ class Catalog:
             if isinstance(exc, sqlite3.DatabaseError) and _io_error(exc):
                 raise CatalogIOError(f"catalog read failed: {exc}") from exc
             raise CatalogCorruptError(
-                f"catalog read failed: {exc}: the catalog is not as the engine wrote it "
-                f"(`prefixstore audit {self.root}` says what is wrong)"
+                f"catalog read failed ({type(exc).__name__}: {exc}): the catalog's schema refuses the "
+                f"engine's statement (`prefixstore audit {self.root}` says what is wrong)"
             ) from exc
 
     def fail(self, reason: str) -> None:
