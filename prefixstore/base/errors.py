@@ -145,3 +145,15 @@ class ReadOnlyError(PrefixStoreError):
     def __init__(self, message: str, reason: PrefixStoreError | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class CatalogLostError(NotACacheError):
+    """The catalog is missing, empty or never initialized while the directory holds a cache's files: refused, nothing touched."""
+
+    def __init__(self, message: str, state: str = "") -> None:
+        super().__init__(message)
+        self.state = state
+
+
+class ForeignSchemaError(CatalogCorruptError):
+    """The catalog holds a trigger, view, index or table the engine did not create, or an altered one: refused."""

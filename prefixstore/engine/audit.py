@@ -66,7 +66,7 @@ from prefixstore.base.errors import (
     SchemaVersionError,
 )
 from prefixstore.base.layout import Layout
-from prefixstore.engine import dirlock, tiering
+from prefixstore.engine import dirlock, schema, tiering, trust
 from prefixstore.engine import structure as S
 from prefixstore.engine.cachedirs import own_dir_problems
 from prefixstore.engine.catalog import (
@@ -76,6 +76,7 @@ from prefixstore.engine.catalog import (
     CatalogView,
     catalog_path,
 )
+from prefixstore.engine.schema import SchemaProblem
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.diskroom import RESERVE_NAME
 from prefixstore.gpu.fileio import open_regular, read_fd
@@ -184,6 +185,10 @@ class CatalogRows:
     journal: list[tuple[int, str, str, str]]
     integrity: str
     source: str
+    schema: list[SchemaProblem] = attrs.field(factory=list)
+    """How the catalog's schema differs from the engine's (``engine/schema.py``)."""
+    unreadable: set[str] = attrs.field(factory=set)
+    """The engine's tables read as empty: not there, or not as the engine made them."""
 
 
 # ---------------------------------------------------------------------- reading
@@ -201,6 +206,8 @@ def read_catalog(root: str, *, live: bool | None = None) -> CatalogRows:
     NotACacheError or SchemaVersionError when the catalog cannot be read.
     """
     path = catalog_path(root)
+    if not os.path.lexists(path):
+        trust.refuse_unless_new(root, f"{CATALOG_NAME} is missing")
     if not os.path.isfile(path):
         raise NotACacheError(f"{root}: no {CATALOG_NAME}")
     running = engine_running(root) if live is None else live
@@ -222,7 +229,7 @@ def read_catalog(root: str, *, live: bool | None = None) -> CatalogRows:
             raise NotACacheError(f"{root}: cannot open {CATALOG_NAME}: {exc}") from exc
         try:
             return _read_rows(conn, root, source)
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
             raise NotACacheError(f"{root}: {CATALOG_NAME} is not a readable prefixstore catalog: {exc}") from exc
         finally:
             conn.close()
@@ -238,14 +245,22 @@ def _read_rows(conn: sqlite3.Connection, root: str, source: str) -> CatalogRows:
             f"(supports up to {SCHEMA_VERSION}); upgrade prefixstore"
         )
     with view.snapshot():  # one consistent snapshot of every table
-        meta = view.meta()
+        if not version and not view.schema_objects():
+            size = os.path.getsize(catalog_path(root))
+            trust.refuse_unless_new(root, f"{CATALOG_NAME} is empty (0 bytes)" if not size
+                                    else f"{CATALOG_NAME} holds no schema")
+        found = schema.problems(conn)
+        shadowed = schema.unreadable_tables(conn, found)  # read as empty: not the engine's rows
+        meta = {} if "meta" in shadowed else view.meta()
         if meta.get("format") != FORMAT_MARKER:
             raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
-        nodes = view.node_rows()
-        files = view.file_rows()
-        journal = view.journal_rows()
+        nodes = {} if "nodes" in shadowed else view.node_rows()
+        files = [] if "files" in shadowed else view.file_rows()
+        journal = [] if "journal" in shadowed else view.journal_rows()
+        if "layout" not in meta and not (nodes or files or journal):
+            trust.refuse_unless_new(root, trust.UNINITIALIZED)
         integrity = view.quick_check()
-    return CatalogRows(meta, nodes, files, journal, integrity, source)
+    return CatalogRows(meta, nodes, files, journal, integrity, source, found, shadowed)
 
 
 def read_shard_bytes(path: str) -> bytes:
@@ -405,6 +420,7 @@ def _catalog_rows(rep: AuditReport, rows: CatalogRows, layout: Layout) -> list[t
     """Check the catalog's rows against each other (invariant 2 and the file rows' own
     consistency); the file rows as recovery re-attaches them."""
     nodes, files = rows.nodes, rows.files
+    _schema(rep, rows.schema, rows.unreadable)
     rep.nodes = len(nodes)
     rep.damaged_nodes = sorted(n for n, r in nodes.items() if r[S.STATE] != "ready")
     if rows.integrity != "ok":
@@ -422,6 +438,21 @@ def _catalog_rows(rep: AuditReport, rows: CatalogRows, layout: Layout) -> list[t
                             f"{', '.join(moved[:5])}" + (" ..." if len(moved) > 5 else ""))
         files = S.reattached(nodes, files)
     return files
+
+
+def _schema(rep: AuditReport, found: Sequence[SchemaProblem], unreadable: set[str]) -> None:
+    """Each way the catalog's schema differs from the engine's (invariant 2: the catalog
+    itself); an engine refuses to open it. ``unreadable``: engine tables read as empty."""
+    for p in found:
+        rep.add(2, f"catalog schema: {p.detail}")
+    if unreadable:
+        rep.notes.append(f"tables {sorted(unreadable)} are not the engine's: read as empty")
+    if found:
+        fix = "`prefixstore audit --repair` drops what is foreign"
+        if unreadable:
+            fix = (f"the rows of {', '.join(sorted(unreadable))} are not there to keep, so `--repair` cannot "
+                   "restore them; `--repair --rebuild` rebuilds the catalog from the shards' headers")
+        rep.recovery.append(f"refuse to open: the catalog's schema is not the engine's ({fix})")
 
 
 def _volatile(rep: AuditReport, rows: CatalogRows, files: list[tuple], dirs: list) -> bool:

@@ -11,6 +11,12 @@ Tables:
   ``writing`` (reserved by an in-flight transaction), ``live`` (a node's shard) or
   ``garbage`` (to be unlinked). Charged bytes are the sum of ``size`` over all rows.
 - ``journal``: unfinished transactions (kind, state, JSON payload).
+
+The schema is exactly the DDL of ``engine/schema.py``: a catalog holding a trigger,
+view, index or table the engine did not create (or an altered one) is refused with
+ForeignSchemaError before any statement of the engine runs on it, and checked again
+whenever its schema cookie moves under a running engine. Every SQLite error that
+reaches a caller is typed: CatalogIOError (I/O), CatalogCorruptError (anything else).
 """
 
 from __future__ import annotations
@@ -26,10 +32,20 @@ from urllib.parse import quote
 from prefixstore.base.errors import (
     CatalogCorruptError,
     CatalogIOError,
+    EngineClosedError,
+    ForeignSchemaError,
     NotACacheError,
     PrefixStoreError,
     ReadOnlyError,
     SchemaVersionError,
+)
+from prefixstore.engine import schema, trust
+from prefixstore.engine.schema import (
+    CATALOG_NAME,
+    FORMAT_MARKER,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    split_sql,
 )
 from prefixstore.engine.structure import FILE_COLUMNS, NODE_COLUMNS
 from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
@@ -40,51 +56,6 @@ from prefixstore.statemachine.rows import FILE, NODE
 # FILE table's edges, it writes the status a published row has.
 REPAIRED_LIVE = FILE.next("writing", "published")
 
-FORMAT_MARKER = "prefixstore"
-CATALOG_NAME = "catalog.sqlite"
-SCHEMA_VERSION = 1
-
-_MIGRATIONS: dict[int, str] = {
-    # version -> SQL that brings version-1 up to version
-    1: """
-    CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
-    CREATE TABLE nodes(
-        id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: a stale Match cannot alias
-        key BLOB NOT NULL UNIQUE,
-        parent INTEGER REFERENCES nodes(id),
-        start_block INTEGER NOT NULL,
-        end_block INTEGER NOT NULL CHECK(end_block > start_block),
-        digests BLOB NOT NULL,
-        has_snapshot INTEGER NOT NULL,
-        state TEXT NOT NULL CHECK(state IN ('ready', 'damaged')),
-        generation INTEGER NOT NULL,
-        last_used INTEGER NOT NULL,
-        snap_used INTEGER NOT NULL
-    );
-    CREATE INDEX nodes_parent ON nodes(parent);
-    CREATE TABLE files(
-        rank INTEGER NOT NULL,
-        name TEXT NOT NULL,
-        node INTEGER REFERENCES nodes(id),
-        generation INTEGER NOT NULL,
-        size INTEGER NOT NULL,
-        checksum TEXT,
-        status TEXT NOT NULL CHECK(status IN ('writing', 'live', 'garbage')),
-        txn INTEGER,
-        PRIMARY KEY(rank, name)
-    );
-    CREATE INDEX files_node ON files(node);
-    CREATE INDEX files_txn ON files(txn);
-    CREATE TABLE journal(
-        id INTEGER PRIMARY KEY,
-        kind TEXT NOT NULL,
-        state TEXT NOT NULL,
-        payload TEXT NOT NULL
-    );
-    """,
-}
-
-
 def catalog_path(root: str) -> str:
     return os.path.join(root, CATALOG_NAME)
 
@@ -94,6 +65,11 @@ class Catalog:
 
     read_only: PrefixStoreError | None = None
     """Set on a catalog opened by ``read_only``: why; every write transaction is refused."""
+    closed = False
+    failed_corrupt = False
+    """Whether the write that failed (``failed``) found the catalog not as the engine wrote it."""
+    cookie = 0
+    """The schema cookie when the schema was last checked (``schema.cookie``)."""
 
     def __init__(
         self,
@@ -108,7 +84,7 @@ class Catalog:
         transaction (the engine releases its disk reserve there when the disk is full)."""
         if synchronous.upper() not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
-        self.path = catalog_path(root)
+        self.path, self.root = catalog_path(root), root
         self.synchronous = synchronous.upper()
         self.hook = hook or FaultHook()
         self.before_write = before_write or (lambda: None)
@@ -120,14 +96,14 @@ class Catalog:
             self.conn = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=30
             )
-        except sqlite3.OperationalError as exc:
+        except sqlite3.Error as exc:
             raise CatalogIOError(f"{root}: cannot open {CATALOG_NAME}: {exc}") from exc
         self.failed: str | None = None
         try:
             self._setup(fresh=not exists)
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
             self.conn.close()
-            if _io_error(exc) and exc.sqlite_errorcode & 0xFF != 11:  # I/O: no verdict on the file
+            if isinstance(exc, sqlite3.DatabaseError) and _io_error(exc) and exc.sqlite_errorcode & 0xFF != 11:  # I/O: no verdict on the file
                 raise CatalogIOError(f"{root}: cannot read {CATALOG_NAME}: {exc}") from exc
             raise NotACacheError(f"{root}: {CATALOG_NAME} is not a prefixstore catalog: {exc}") from exc
         except BaseException:
@@ -148,12 +124,12 @@ class Catalog:
         else:
             mode = "immutable=1"  # an empty or absent log: the file holds every commit
         self = cls.__new__(cls)
-        self.path, self.synchronous, self.hook = path, "FULL", hook or FaultHook()
+        self.path, self.synchronous, self.hook, self.root = path, "FULL", hook or FaultHook(), root
         self.before_write, self.failed, self.read_only = (lambda: None), None, reason
         try:
             self.conn = sqlite3.connect(f"file:{quote(path)}?{mode}", uri=True, isolation_level=None,
                                         check_same_thread=False, timeout=30)
-        except sqlite3.OperationalError as exc:
+        except sqlite3.Error as exc:
             raise CatalogIOError(f"{root}: cannot open {CATALOG_NAME} read-only: {exc}") from exc
         try:
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
@@ -161,7 +137,8 @@ class Catalog:
                 raise SchemaVersionError(f"catalog schema version {version} > {SCHEMA_VERSION}")
             if self.meta("format") != FORMAT_MARKER:
                 raise NotACacheError(f"{root}: catalog has no prefixstore format marker")
-        except sqlite3.DatabaseError as exc:
+            self.check_schema()
+        except sqlite3.Error as exc:
             self.conn.close()
             raise CatalogIOError(f"{root}: cannot read {CATALOG_NAME} read-only: {exc}") from exc
         except BaseException:
@@ -171,9 +148,16 @@ class Catalog:
 
     def _setup(self, fresh: bool) -> None:
         c = self.conn
+        if not fresh and not c.execute("PRAGMA user_version").fetchone()[0] \
+                and not c.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+            # read before any pragma writes: a refused open leaves the directory as it was
+            size = os.path.getsize(self.path)
+            trust.refuse_unless_new(self.root, f"{CATALOG_NAME} is empty (0 bytes)" if not size
+                                    else f"{CATALOG_NAME} holds no schema")
         c.execute("PRAGMA journal_mode=WAL")
         c.execute(f"PRAGMA synchronous={self.synchronous}")
         c.execute("PRAGMA foreign_keys=ON")
+        c.execute("PRAGMA trusted_schema=OFF")  # no function with side effects from the schema
         # a bounded log: checkpointed every ~1 MiB and truncated back to that size
         c.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
         c.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
@@ -190,7 +174,7 @@ class Catalog:
         for v in range(version + 1, SCHEMA_VERSION + 1):
             c.execute("BEGIN IMMEDIATE")
             try:
-                for stmt in _split_sql(_MIGRATIONS[v]):
+                for stmt in split_sql(MIGRATIONS[v]):
                     c.execute(stmt)
                 if v == 1:
                     c.execute("INSERT INTO meta VALUES('format', ?)", (FORMAT_MARKER,))
@@ -201,6 +185,28 @@ class Catalog:
                 raise
         if self.meta("format") != FORMAT_MARKER:
             raise NotACacheError("catalog has no prefixstore format marker")
+        self.check_schema()
+
+    def check_schema(self) -> None:
+        """Raise ForeignSchemaError unless the catalog's schema is exactly the engine's
+        (``engine/schema.py``). Runs at open, before any statement of the engine touches
+        a row, and again whenever the schema cookie moved."""
+        c = self.conn
+        cookie = schema.cookie(c)
+        found = schema.problems(c)
+        if found:
+            raise ForeignSchemaError(
+                f"{self.root}: the catalog's schema is not the one the engine created: "
+                f"{schema.describe(found)}; nothing was changed. "
+                f"Run `prefixstore audit --repair {self.root}` to drop what is foreign."
+            )
+        self.cookie = cookie
+
+    def _schema_unchanged(self, c: sqlite3.Connection) -> None:
+        """Check the schema again when its cookie moved since the last check (another
+        connection changed it under the engine)."""
+        if schema.cookie(c) != self.cookie:
+            self.check_schema()
 
     # -- transactions ----------------------------------------------------------------
 
@@ -211,19 +217,27 @@ class Catalog:
         An I/O error (or full disk) from SQLite inside it raises CatalogIOError and
         makes the catalog refuse every later write (sticky, as SQLite's pager ERROR
         state): a transaction whose next state could not be committed is left to
-        recovery, which runs when the engine is reopened.
+        recovery, which runs when the engine is reopened. Any other SQLite error (a
+        constraint the rows break, a table gone) raises CatalogCorruptError, and a
+        schema changed under the engine ForeignSchemaError, both as sticky.
         """
         if self.read_only is not None:
             raise ReadOnlyError(f"catalog write {label!r} refused: opened read-only ({self.read_only})",
                                 self.read_only)
         if self.failed is not None:
-            raise CatalogIOError(f"an earlier catalog write failed ({self.failed}); reopen the engine")
+            kind = CatalogCorruptError if self.failed_corrupt else CatalogIOError
+            raise kind(f"an earlier catalog write failed ({self.failed}); reopen the engine")
         c = self.conn
         self.before_write()
         try:
             c.execute("BEGIN IMMEDIATE")
             try:
+                self._schema_unchanged(c)
                 yield c
+            except ForeignSchemaError as exc:
+                self._rollback()
+                self.failed, self.failed_corrupt = f"{label}: {exc}", True
+                raise
             except BaseException:
                 self._rollback()
                 raise
@@ -233,12 +247,19 @@ class Catalog:
                 self._rollback()
                 raise
             c.execute("COMMIT")
-        except (sqlite3.OperationalError, sqlite3.DatabaseError) as exc:
-            if not _io_error(exc):
-                raise
+        except sqlite3.Error as exc:
             self._rollback()
+            if self.closed:
+                raise EngineClosedError(f"catalog write {label!r}: the catalog was closed") from exc
             self.failed = f"{label}: {exc}"
-            raise CatalogIOError(f"catalog write {label!r} failed: {exc}") from exc
+            if isinstance(exc, sqlite3.DatabaseError) and _io_error(exc):
+                raise CatalogIOError(f"catalog write {label!r} failed: {exc}") from exc
+            self.failed_corrupt = True
+            raise CatalogCorruptError(
+                f"catalog write {label!r} failed ({type(exc).__name__}: {exc}): the catalog's rows or "
+                f"schema refuse the engine's statement; reopen the engine (`prefixstore audit {self.root}` "
+                "says what is wrong)"
+            ) from exc
         self.hook.after("commit", label, None)
 
     def _rollback(self) -> None:
@@ -254,12 +275,14 @@ class Catalog:
         """
         if self.synchronous == "FULL":
             return
-        self.conn.execute("PRAGMA synchronous=FULL")
+        with self.reading() as conn:
+            conn.execute("PRAGMA synchronous=FULL")
         try:
             with self.txn("barrier") as c:
                 c.execute("UPDATE meta SET value=value WHERE key='format'")
         finally:
-            self.conn.execute(f"PRAGMA synchronous={self.synchronous}")
+            with self.reading() as conn:
+                conn.execute(f"PRAGMA synchronous={self.synchronous}")
 
     # -- meta ------------------------------------------------------------------------
 
@@ -277,11 +300,18 @@ class Catalog:
         """The connection for reads outside a write transaction: an I/O error of SQLite
         in them (a failed page read can also look like corruption) raises CatalogIOError."""
         try:
+            if not self.conn.in_transaction:  # inside a write transaction: checked at its start
+                self._schema_unchanged(self.conn)
             yield self.conn
-        except sqlite3.DatabaseError as exc:
-            if not _io_error(exc):
-                raise
-            raise CatalogIOError(f"catalog read failed: {exc}") from exc
+        except sqlite3.Error as exc:
+            if self.closed:
+                raise EngineClosedError("catalog read: the catalog was closed") from exc
+            if isinstance(exc, sqlite3.DatabaseError) and _io_error(exc):
+                raise CatalogIOError(f"catalog read failed: {exc}") from exc
+            raise CatalogCorruptError(
+                f"catalog read failed ({type(exc).__name__}: {exc}): the catalog's schema refuses the "
+                f"engine's statement (`prefixstore audit {self.root}` says what is wrong)"
+            ) from exc
 
     def fail(self, reason: str) -> None:
         """Refuse every later write until the engine is reopened (as a failed commit does)."""
@@ -291,6 +321,11 @@ class Catalog:
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self.reading() as c:
             return c.execute(sql, args).fetchall()
+
+    def holds_rows(self) -> bool:
+        """Whether any node, file or journal row exists."""
+        return bool(self.query("SELECT EXISTS(SELECT 1 FROM nodes) OR EXISTS(SELECT 1 FROM files) "
+                               "OR EXISTS(SELECT 1 FROM journal)")[0][0])
 
     def charged(self) -> int:
         return self.query("SELECT coalesce(sum(size), 0) FROM files")[0][0]
@@ -587,6 +622,7 @@ class Catalog:
         c.execute("DELETE FROM nodes WHERE id=?", (nid,))
 
     def close(self) -> None:
+        self.closed = True
         with suppress(sqlite3.Error):
             self.conn.close()
 
@@ -601,10 +637,6 @@ def _io_error(exc: sqlite3.DatabaseError) -> bool:
     """An error of the catalog's I/O, not of a statement (a bad query stays as it is)."""
     code = getattr(exc, "sqlite_errorcode", None)
     return code is not None and (code & 0xFF) in _IO_CODES
-
-
-def _split_sql(script: str) -> list[str]:
-    return [s.strip() for s in script.split(";") if s.strip()]
 
 
 LOG_SUFFIXES = ("-wal", "-shm")
@@ -679,6 +711,10 @@ class CatalogView:
 
     def user_version(self) -> int:
         return self.conn.execute("PRAGMA user_version").fetchone()[0]
+
+    def schema_objects(self) -> int:
+        """How many objects the catalog's schema holds."""
+        return self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
 
     def meta(self) -> dict[str, str]:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())

@@ -37,6 +37,7 @@ from prefixstore.base.errors import (
     NotACacheError,
     SchemaVersionError,
 )
+from prefixstore.engine import trust
 from prefixstore.engine.catalog import (
     CATALOG_NAME,
     FORMAT_MARKER,
@@ -148,6 +149,8 @@ def _files(root: str) -> _Files:
     path = catalog_path(root)
     catalog = _stat(path) if os.path.isfile(path) else None
     if catalog is None:
+        if not os.path.lexists(path):
+            trust.refuse_unless_new(root, f"{CATALOG_NAME} is missing")
         raise NotACacheError(f"{root}: no {CATALOG_NAME} (not a prefixstore cache)")
     return _Files(catalog, _stat(path + "-wal"), os.path.exists(path + "-shm"))
 
@@ -199,6 +202,9 @@ def _read(db: sqlite_utils.Database, root: str, source: str, tables: Sequence[st
             f"(supports up to {SCHEMA_VERSION}); upgrade prefixstore"
         )
     present = set(db.table_names())
+    if not version and not view.schema_objects():
+        state = "is empty (0 bytes)" if not os.path.getsize(catalog_path(root)) else "holds no schema"
+        trust.refuse_unless_new(root, f"{CATALOG_NAME} {state}")
     marker = list(db.table("meta").rows_where("key = ?", ["format"])) if "meta" in present else []
     if not marker or marker[0].get("value") != FORMAT_MARKER:
         raise NotACacheError(f"{root}: {CATALOG_NAME} has no prefixstore format marker")

@@ -11,16 +11,33 @@ engine would change (garbage, orphans, foreign files, nodes it would mark damage
 each rank directory's files; and the accounting (charged, live, damaged, garbage, on
 disk).
 
---repair (no engine may hold the directory): fixes contradictory catalog rows, runs
-recovery, verifies every ready node's shards and marks those that fail damaged,
-reclaims garbage and orphans, prints every change, then audits again. Intact nodes
-are never removed.
+--repair (no engine may hold the directory): drops the schema objects the engine did
+not create (triggers, views, indexes, tables; an altered engine table is recreated with
+every row), fixes contradictory catalog rows, runs recovery, verifies every ready
+node's shards and marks those that fail damaged, reclaims garbage and orphans, prints
+every change, then audits again. Intact nodes are never removed.
+
+A catalog that is missing, empty (0 bytes) or never initialized while the directory
+holds shards (which an engine refuses to open) is rebuilt by --repair from the shards'
+own headers: key, generation, span, rank and snapshot flag, the node's block digests
+and parent key, and (on root nodes) the layout. Every shard that verifies is adopted
+with its ancestry; one that does not, a superseded generation and any foreign entry
+move to lost+found/, and the old catalog files to lost+found/catalog-N/; nothing is
+unlinked. What headers do not hold: the capacity (--capacity, else the bytes of the
+shards adopted, so nothing is evicted; the next Engine.open records its own), recency
+(taken from the files' modification times), and the backing and calibration rows
+(written again by the next open). Shards written before they carried their digests
+cannot be placed (they go to lost+found/). --rebuild does the same for a catalog that
+still reads (e.g. an engine table replaced by a view, which --repair cannot restore
+without losing rows; it says so).
 
 Exit status: 0 when every invariant holds (after repair, with --repair), 1 when any
 is violated, 2 when the directory cannot be read as a cache (not a cache, newer
-schema, unreadable, or locked by an engine for --repair; for --repair also a rank or
-lost+found directory that is a symlink, or a rank directory holding cataloged shards
-that is missing: name rank directories kept elsewhere with --rank-dir).
+schema, unreadable, a catalog lost beside shards without --repair, or locked by an
+engine for --repair; for --repair also a rank or lost+found directory that is a
+symlink, a rank directory holding cataloged shards that is missing (name rank
+directories kept elsewhere with --rank-dir), a foreign schema object --repair cannot
+drop without losing rows, or a lost catalog no shard names the layout of).
 """
 
 from __future__ import annotations
@@ -45,15 +62,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank-dir", action="append", default=None, metavar="PATH",
                    help="rank directory (repeat once per rank, in order); default DIR/rankN")
     p.add_argument("--repair", action="store_true",
-                   help="recover, invalidate damaged nodes, reclaim garbage and orphans, print the changes")
+                   help="drop foreign schema objects, recover, invalidate damaged nodes, reclaim garbage and "
+                        "orphans, print the changes; a missing, empty or uninitialized catalog beside shards "
+                        "is rebuilt from the shards' own headers (nothing is unlinked: what does not verify "
+                        "goes to lost+found/)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="with --repair: rebuild the catalog from the shards' headers even though it reads "
+                        "(the old one goes to lost+found/catalog-N/)")
+    p.add_argument("--capacity", type=int, default=None, metavar="BYTES",
+                   help="with --repair: the capacity to record (default: the catalog's; for a rebuilt catalog "
+                        "without one, the bytes of the shards adopted, so nothing is evicted)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.rebuild or args.capacity is not None) and not args.repair:
+        print("--rebuild and --capacity need --repair", file=sys.stderr)
+        return 2
+    if args.capacity is not None and args.capacity <= 0:
+        print(f"--capacity must be a positive number of bytes, got {args.capacity}", file=sys.stderr)
+        return 2
     try:
         if args.repair:
             from prefixstore.engine.repair import repair
 
-            fixed, rep = repair(args.dir, rank_dirs=args.rank_dir)
+            fixed, rep = repair(args.dir, rank_dirs=args.rank_dir, rebuild_catalog=args.rebuild,
+                                capacity=args.capacity)
         else:
             fixed, rep = None, audit_dir(args.dir, rank_dirs=args.rank_dir, checksums=not args.quick)
     except (PrefixStoreError, OSError) as exc:

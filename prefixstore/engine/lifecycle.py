@@ -41,6 +41,7 @@ from prefixstore.engine import (
     space,
     stats,
     tiering,
+    trust,
 )
 from prefixstore.engine.catalog import CATALOG_NAME, Catalog, drop_empty_log, log_files
 from prefixstore.engine.config import EngineConfig
@@ -204,6 +205,7 @@ def open_catalog(eng: Engine, o: EngineConfig) -> None:
 def open_effects(eng: Engine, o: EngineConfig) -> None:
     """Check the layout, bind the backing and ranks, recover, load, fit, start workers."""
     layout = eng.layout
+    trust.check_new_cache(eng.catalog, eng.root, o.ranks or ())
     check_layout(eng)
     recovery.check_backing(eng)
     eng.backing = tiering.open_backing(eng, o.backing, o.ram_bytes)
@@ -294,9 +296,8 @@ def check_root(eng: Engine, create: bool) -> None:
     if os.path.exists(root) and not os.path.isdir(root):
         raise NotACacheError(f"{root} is not a directory")
     if os.path.isdir(root):
-        entries = set(os.listdir(root))
-        if entries and CATALOG_NAME not in entries:
-            raise NotACacheError(f"{root} is not empty and holds no prefixstore catalog")
+        if not os.path.lexists(os.path.join(root, CATALOG_NAME)):
+            trust.refuse_unless_new(root, f"{CATALOG_NAME} is missing")
     elif not create:
         raise NotACacheError(f"{root} does not exist")
     os.makedirs(root, exist_ok=True)

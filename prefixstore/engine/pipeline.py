@@ -327,7 +327,8 @@ class _QueuedStore:
         staged again at the commit, from these host rows)."""
         eng, L = self.eng, self.eng.layout
         bt, n = L.block_tokens, len(self.prefix)
-        meta = shards.meta(self.prefix.keys[-1], gen, self.first, n, L.has_snapshot)
+        meta = {**shards.meta(self.prefix.keys[-1], gen, self.first, n, L.has_snapshot),
+                **shards.span_provenance(L, self.prefix.keys, self.prefix.digests, self.first, n)}
         lo, hi = self.first * bt - tokens_from, n * bt - tokens_from
         for r in range(L.ranks):
             tensors = {f"seg.{k}": v[lo:hi] for k, v in segs[r].items()}

@@ -28,23 +28,29 @@ Then the engine's own audit is the result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from prefixstore.base.errors import (
+    CatalogIOError,
+    CatalogLostError,
+    ForeignSchemaError,
     LockedError,
     NotACacheError,
     NotRegularFileError,
+    PrefixStoreError,
     RankDirMissingError,
     SimulatedCrash,
 )
 from prefixstore.base.keys import ROOT
 from prefixstore.base.layout import Layout
-from prefixstore.engine import dirlock, health, lifecycle
+from prefixstore.engine import dirlock, health, lifecycle, rebuild, schema
 from prefixstore.engine import structure as S
 from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import (
@@ -55,7 +61,7 @@ from prefixstore.engine.audit import (
     verify_bytes,
 )
 from prefixstore.engine.cachedirs import check_own_dirs, missing_rank_dirs
-from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.catalog import Catalog, catalog_path
 from prefixstore.engine.driver import Journal
 from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
@@ -89,6 +95,10 @@ class RepairReport:
     """What repair changed."""
 
     catalog: CatalogFix = attrs.field(factory=CatalogFix)
+    schema: schema.SchemaFix | None = None
+    """Step 0: the schema objects dropped or restored."""
+    rebuilt: rebuild.RebuildReport | None = None
+    """The catalog rebuilt from the shards' headers (it was lost, or ``--rebuild``)."""
     recovery: RecoveryReport | None = None
     invalidated: list[tuple[int, str]] = attrs.field(factory=list)
     unreadable: list[str] = attrs.field(factory=list)
@@ -103,11 +113,14 @@ class RepairReport:
             or self.recovery.reattached or self.recovery.resized or self.recovery.regenerated
             or self.recovery.evicted
         )
-        return bool(not self.catalog.empty or rec or self.invalidated or self.reclaimed or self.evicted)
+        rebuilt = self.rebuilt is not None or (self.schema is not None and not self.schema.empty)
+        return bool(not self.catalog.empty or rec or self.invalidated or self.reclaimed or self.evicted or rebuilt)
 
     def lines(self) -> list[str]:
         """Human-readable list of every change."""
-        out = []
+        out = self.rebuilt.lines() if self.rebuilt is not None else []
+        if self.schema is not None:
+            out += self.schema.lines()
         c = self.catalog
         for nid, parent in sorted(c.relink.items()):
             out.append(f"relinked node {nid} to parent {'(root)' if parent is None else parent}")
@@ -287,38 +300,32 @@ def repair(
     rank_dirs: Sequence[str] | None = None,
     hook: FaultHook | None = None,
     fs: FileSystem | None = None,
+    rebuild_catalog: bool = False,
+    capacity: int | None = None,
 ) -> tuple[RepairReport, AuditReport]:
     """Repair the cache at ``root`` (no engine may hold it); return what changed and the audit.
+
+    A catalog that is missing, empty or never initialized beside the cache's files
+    (``engine/trust.py``) is rebuilt from the shards' own headers (``engine/rebuild.py``);
+    so is any catalog with ``rebuild_catalog`` (the old one is moved to ``lost+found/``).
+    ``capacity``: the capacity to record (default: the catalog's; for a rebuilt catalog
+    without one, the bytes of the shards it adopted).
 
     Raises LockedError while an engine holds the directory, NotACacheError /
     SchemaVersionError when it cannot be read, UnsafeDirectoryError when a cache's own
     directory is a symlink, RankDirMissingError when a rank directory holding shards is
-    not there (kept elsewhere: pass ``rank_dirs``); nothing is changed then.
+    not there (kept elsewhere: pass ``rank_dirs``), ForeignSchemaError when a schema
+    object the engine did not create cannot be dropped without losing rows (an engine
+    table replaced: ``rebuild_catalog`` rebuilds it); nothing is changed then.
     """
     if engine_running(root):
         raise LockedError(f"{root} is open in an engine; stop it before repairing")
-    rows = read_catalog(root, live=False)
-    try:
-        layout = Layout.from_json(rows.meta.get("layout", ""))
-        capacity = int(rows.meta["capacity"])
-    except (KeyError, ValueError) as exc:
-        raise NotACacheError(f"{root}: catalog records no usable layout or capacity: {exc}") from exc
-    volatile = rows.meta.get("backing") == "memory"  # its rows describe RAM, not the directories
-    check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)  # before any byte is written
     rep = RepairReport()
-    held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
-    try:
-        # again, now that no engine can start (read as without one: a read-only
-        # connection would need room for a new -shm index on a full disk)
-        rows = read_catalog(root, live=False)
-        dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
-        rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks, _entries(dirs))
-        if rows.meta.get("backing") == "memory" and durable_shards(dirs, rows.files):
-            rep.catalog.backing = "disk"
-        if not rep.catalog.empty:
-            apply_catalog_fix(root, rep.catalog, hook)
-    finally:
-        held.release()
+    lost = _lost(root)
+    if lost is not None or rebuild_catalog:
+        layout, recorded = _rebuild(root, rep, lost or "asked for with --rebuild", rank_dirs, capacity, hook, fs)
+    else:
+        layout, recorded = _fix_catalog(root, rep, rank_dirs, hook)
     ranks = None
     if rank_dirs:
         ranks = [LocalRank(r, d, fs, hook) for r, d in enumerate(rank_dirs)]
@@ -327,7 +334,7 @@ def repair(
         opts["hook"] = hook
     if fs is not None:
         opts["fs"] = fs
-    eng = Engine.open(root, layout, capacity, **opts)
+    eng = Engine.open(root, layout, recorded if capacity is None else capacity, **opts)
     try:
         rep.recovery = eng.recovery_report
         _invalidate_bad_shards(eng, rep)
@@ -343,6 +350,99 @@ def repair(
     finally:
         eng.close()
     return rep, final
+
+
+def _recorded(rows, root: str) -> tuple[Layout, int]:
+    """The layout and capacity the catalog records (NotACacheError without them)."""
+    try:
+        return Layout.from_json(rows.meta.get("layout", "")), int(rows.meta["capacity"])
+    except (KeyError, ValueError) as exc:
+        raise NotACacheError(f"{root}: catalog records no usable layout or capacity: {exc}") from exc
+
+
+def _lost(root: str) -> str | None:
+    """Why the catalog holds no cache while the directory does (None when it holds one,
+    or is readable enough for the other steps to say what is wrong)."""
+    try:
+        read_catalog(root, live=False)
+    except CatalogLostError as exc:
+        return exc.state or str(exc)
+    except PrefixStoreError:
+        return None
+    return None
+
+
+def _fix_catalog(root: str, rep: RepairReport, rank_dirs: Sequence[str] | None,
+                 hook: FaultHook | None) -> tuple[Layout, int]:
+    """Steps 0 and 1 (the schema, then contradictory rows) under the directory lock;
+    the layout and capacity the catalog records."""
+    rows = read_catalog(root, live=False)
+    layout, capacity = _recorded(rows, root)
+    volatile = rows.meta.get("backing") == "memory"  # its rows describe RAM, not the directories
+    check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)  # before any byte is written
+    held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
+    try:
+        # again, now that no engine can start (read as without one: a read-only
+        # connection would need room for a new -shm index on a full disk)
+        rows = read_catalog(root, live=False)
+        if rows.schema:
+            rep.schema = fix_schema(root)
+            rows = read_catalog(root, live=False)
+        dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
+        rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks, _entries(dirs))
+        if rows.meta.get("backing") == "memory" and durable_shards(dirs, rows.files):
+            rep.catalog.backing = "disk"
+        if not rep.catalog.empty:
+            apply_catalog_fix(root, rep.catalog, hook)
+    finally:
+        held.release()
+    return layout, capacity
+
+
+def fix_schema(root: str) -> schema.SchemaFix:
+    """Step 0: drop the schema objects the engine did not create and restore its own
+    (``schema.plan_fix``); ForeignSchemaError, nothing changed, when that would lose rows."""
+    conn = sqlite3.connect(catalog_path(root), isolation_level=None, timeout=30)
+    try:
+        conn.execute("PRAGMA trusted_schema=OFF")
+        fix = schema.plan_fix(conn)
+        if fix.unfixable:
+            raise ForeignSchemaError(
+                f"{root}: the catalog's schema cannot be restored without losing rows: "
+                f"{'; '.join(fix.unfixable)}; nothing was changed. `prefixstore audit --repair "
+                f"--rebuild {root}` rebuilds the catalog from the shards' own headers (the old catalog "
+                "is kept in lost+found/)"
+            )
+        if not fix.empty:
+            DiskRoom(root).before_catalog_write()
+            try:
+                schema.apply_fix(conn, fix)
+            except schema.SchemaFixError as exc:
+                raise ForeignSchemaError(f"{root}: the catalog's schema cannot be restored without losing "
+                                         f"rows ({exc}); nothing was changed. `prefixstore audit --repair "
+                                         f"--rebuild {root}` rebuilds it from the shards' headers") from exc
+        return fix
+    except sqlite3.Error as exc:
+        raise CatalogIOError(f"{root}: cannot check the catalog's schema: {exc}") from exc
+    finally:
+        conn.close()
+
+
+def _rebuild(root: str, rep: RepairReport, why: str, rank_dirs: Sequence[str] | None, capacity: int | None,
+             hook: FaultHook | None, fs: FileSystem | None) -> tuple[Layout, int]:
+    """Rebuild the catalog from the shards' headers under the directory lock (what a
+    readable old catalog records is kept: its layout and capacity)."""
+    held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
+    try:
+        layout = old_capacity = None
+        with contextlib.suppress(PrefixStoreError, OSError):
+            layout, old_capacity = _recorded(read_catalog(root, live=False), root)
+        rep.rebuilt = rebuild.rebuild(root, why, rank_dirs=rank_dirs, layout=layout,
+                                      capacity=capacity if capacity is not None else old_capacity,
+                                      hook=hook, fs=fs)
+    finally:
+        held.release()
+    return Layout.from_json(rep.rebuilt.layout), rep.rebuilt.capacity
 
 
 def check_rank_dirs(root: str, ranks: int, rank_dirs: Sequence[str] | None, files: Sequence[tuple]) -> None:

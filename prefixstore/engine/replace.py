@@ -94,6 +94,8 @@ class Job:
     assemble: Assemble
     state: str = "ready"
     parent: int | None = None
+    parent_key: bytes = ROOT
+    """The key the first new row chains from (set under the lock when the job starts)."""
     gens: dict[int, int] = attrs.field(factory=dict)
     snaps: dict[int, bool] = attrs.field(factory=dict)
 
@@ -238,6 +240,8 @@ def _prepare(
     if why:
         return _abort(eng, job, why, "skipped")
     rows = {nid: eng.catalog.live_file_rows(nid) for nid in job.reads}
+    parent = eng.index.get(job.parent) if job.parent is not None else None
+    job.parent_key = parent.key if parent is not None else ROOT
     for r in job.new:
         r.gen = next_generation(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
         r.name = shard_name(r.key, r.gen)
@@ -372,9 +376,12 @@ def _read(eng: Engine, job: Job, rows) -> dict[int, list[RankPart]] | Outcome:
 
 def _encode(eng: Engine, job: Job, data: list[list[RankPart]]) -> None:
     assert len(data) == len(job.new)
+    pkey = job.parent_key
     for r, parts in zip(job.new, data, strict=True):
         assert len(parts) == eng.layout.ranks
-        meta = shards.meta(r.key, r.gen, r.start, r.end, r.has_snapshot)
+        meta = {**shards.meta(r.key, r.gen, r.start, r.end, r.has_snapshot),
+                **shards.provenance(eng.layout, pkey, r.digests)}
+        pkey = r.key
         r.blobs = []
         for rank, (segs, snap) in enumerate(parts):
             assert bool(snap) == (r.has_snapshot and eng.layout.has_snapshot), "snapshot mismatch"

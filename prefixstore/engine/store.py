@@ -172,7 +172,8 @@ def begin(eng: Engine, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
         return res
     key = prefix.keys[-1]
     gen = replace.next_generation(eng, key, p.existing.generation if p.existing else 0)
-    meta = shards.meta(key, gen, p.start, n, L.has_snapshot)
+    meta = {**shards.meta(key, gen, p.start, n, L.has_snapshot),
+            **shards.span_provenance(L, prefix.keys, prefix.digests, p.start, n)}
     lo, hi = p.start * L.block_tokens - tokens_from, n * L.block_tokens - tokens_from
     # Zero-copy: each rank's tensors go straight into a buffer laid out as its file.
     datas = pipeline.stage_store(eng, staged, meta, segs, snaps, lo, hi)

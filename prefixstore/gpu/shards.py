@@ -15,9 +15,10 @@ Two ways to build and parse the same file format:
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -25,8 +26,9 @@ import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from prefixstore.base.errors import ShardError
-from prefixstore.base.layout import Layout
+from prefixstore.base.errors import LayoutError, ShardError
+from prefixstore.base.keys import ROOT
+from prefixstore.base.layout import Layout, TensorSpec
 
 FORMAT = "prefixstore-shard-1"
 
@@ -35,6 +37,94 @@ def meta(key: bytes, gen: int, start: int, end: int, snap: bool) -> dict[str, st
     """The metadata a shard of checkpoint ``key`` at generation ``gen`` carries (all ranks)."""
     return {"key": key.hex(), "generation": str(gen), "start": str(start), "end": str(end),
             "snapshot": "1" if snap else "0"}
+
+
+def provenance(layout: Layout, parent: bytes, digests: bytes) -> dict[str, str]:
+    """What a shard carries so that a lost catalog can be rebuilt from the shards alone
+    (``engine/rebuild.py``), beyond what verification checks: the node's block digests,
+    the key it chains from (for a node at the start of its prefix: none, the root) or
+    else the cache's layout. The layout rides on the root nodes' shards only: every
+    other node hangs below one, and cannot be placed without it."""
+    out = {"digests": digests.hex()}
+    if parent == ROOT:
+        out["layout"] = layout_code(layout)
+    else:
+        out["parent"] = parent.hex()
+    return out
+
+
+def span_provenance(layout: Layout, keys: Sequence[bytes], digests: Sequence[bytes], start: int,
+                    end: int) -> dict[str, str]:
+    """``provenance`` of the node covering blocks ``(start, end]`` of a prefix with these
+    chained ``keys`` and block ``digests``."""
+    return provenance(layout, keys[start - 1] if start else ROOT, b"".join(digests[start:end]))
+
+
+@functools.lru_cache(maxsize=8)
+def layout_code(layout: Layout) -> str:
+    """The layout in a few bytes: ``block_tokens;ranks;segments;snapshots``, each tensor
+    ``name:dtype:d1xd2..`` (names are ``[A-Za-z0-9_.]``), comma-separated."""
+    def specs(xs) -> str:
+        return ",".join(f"{t.name}:{t.dtype}:{'x'.join(str(d) for d in t.shape)}" for t in xs)
+
+    return f"{layout.block_tokens};{layout.ranks};{specs(layout.segments)};{specs(layout.snapshots)}"
+
+
+def layout_from_code(text: str) -> Layout:
+    """The layout ``layout_code`` wrote (LayoutError when ``text`` is not one)."""
+    try:
+        bt, ranks, segs, snaps = text.split(";")
+
+        def specs(part: str) -> list[TensorSpec]:
+            out = []
+            for item in part.split(",") if part else []:
+                name, dtype, shape = item.split(":")
+                out.append(TensorSpec(name, dtype, tuple(int(d) for d in shape.split("x")) if shape else ()))
+            return out
+
+        return Layout(segments=specs(segs), snapshots=specs(snaps), block_tokens=int(bt), ranks=int(ranks))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise LayoutError(f"not a layout code: {text!r}: {exc}") from exc
+
+
+@attrs.frozen
+class Provenance:
+    """What one shard's header says about itself (``read_provenance``)."""
+
+    key: bytes
+    generation: int
+    start: int
+    end: int
+    snapshot: bool
+    rank: int
+    parent: bytes
+    digests: bytes
+    layout: str | None
+    """The layout as a root node's shard records it (``layout_code``; None on other shards)."""
+
+
+def read_provenance(data: bytes) -> Provenance:
+    """The identity a shard's header claims (ShardError when it names none, e.g. a
+    shard written before shards carried their digests). Not a verification: the
+    caller decodes the shard against the layout."""
+    meta = _metadata(header(data))
+    if meta.get("format") != FORMAT:
+        raise ShardError(f"not a prefixstore shard (format {meta.get('format')!r})")
+    if not isinstance(meta.get("digests"), str):
+        raise ShardError("the shard's header names no block digests (written before shards carried them)")
+    try:
+        start = int(meta["start"])
+        parent = bytes.fromhex(meta["parent"]) if start else ROOT
+        layout = meta["layout"] if not start else None
+        out = Provenance(bytes.fromhex(meta["key"]), int(meta["generation"]), start, int(meta["end"]),
+                         {"0": False, "1": True}[meta["snapshot"]], int(meta["rank"]), parent,
+                         bytes.fromhex(meta["digests"]), layout)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ShardError(f"the shard's header is malformed: {exc!r}") from exc
+    if not 0 <= out.start < out.end or out.generation < 1 or out.rank < 0 or not isinstance(out.layout, str | None):
+        raise ShardError(f"the shard's header claims span ({out.start}, {out.end}], generation "
+                         f"{out.generation}, rank {out.rank}")
+    return out
 
 
 def checksum(data: bytes | memoryview) -> str:
