@@ -26,7 +26,7 @@ from transformers import (  # noqa: E402
 
 from prefixstore.adapters import hf  # noqa: E402
 from prefixstore.adapters.hf_tiny import SLIDING_WINDOW, tiny_config, tiny_model  # noqa: E402
-from prefixstore.base.errors import InvalidInputError, LayoutError, RankError  # noqa: E402
+from prefixstore.base.errors import InvalidInputError, LayoutError, RankError, ShapeError  # noqa: E402
 from prefixstore.base.keys import Prefix  # noqa: E402
 
 BT = 16  # block_tokens
@@ -312,6 +312,48 @@ def test_kv_heads_replicated_when_ranks_outnumber_them() -> None:
     assert hf.cache_map(two, ranks=4).attention[0].head_of_rank(4) == [[0], [0], [1], [1]]
 
 
+def _exact_through_engine(model: Any, tmp_path: Path, ranks: int) -> None:
+    """Store a 48-token prefill, reopen, resume a 64-token request and compare the
+    next-token logits with a full prefill."""
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    opts = {"capacity_bytes": CAPACITY, "block_tokens": BT, "ranks": ranks}
+    with hf.HFPrefixCache.open(tmp_path, model.config, **opts) as pc:
+        pc.prefill(model, ids[:48])
+    with hf.HFPrefixCache.open(tmp_path, model.config, **opts) as pc:
+        r = pc.resume(ids)
+        assert r.tokens == 48
+        _, logits = hf.feed(model, ids[48:], r.cache)
+    _, want = hf.feed(model, ids)
+    assert (logits - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_falcon_new_decoder_architecture_caches_every_head(ranks: int, tmp_path: Path) -> None:
+    """Falcon-40B's layout (``new_decoder_architecture``, fewer KV heads than query
+    heads) broadcasts each KV head to its query group before caching: the map follows
+    the cache (4 heads), and a map that does not is refused at the store, typed."""
+    torch.manual_seed(0)
+    model = tiny_model("falcon", new_decoder_architecture=True, multi_query=False, num_kv_heads=2)
+    cmap = hf.cache_map(model.config, block_tokens=BT, ranks=ranks)
+    assert [a.kv_heads for a in cmap.attention] == [4, 4]
+    _exact_through_engine(model, tmp_path, ranks)
+    cache, _ = hf.feed(model, list(range(32)))
+    wrong = attrs.evolve(cmap, attention=tuple(attrs.evolve(a, kv_heads=2) for a in cmap.attention))
+    with pytest.raises(ShapeError, match="layer 0: the cache holds 4 heads of 16 columns for 'k.0', the layout maps 2"):
+        hf.to_engine(wrong, cache, list(range(32)))
+
+
+def test_dbrx_heads_follow_the_attention_config(tmp_path: Path) -> None:
+    """DBRX's attention reads ``attn_config.kv_n_heads``; a top-level
+    ``num_key_value_heads`` that disagrees is not what the cache holds."""
+    torch.manual_seed(0)
+    model = tiny_model("dbrx", num_key_value_heads=1)
+    cfg = model.config
+    assert (cfg.attn_config.kv_n_heads, cfg.num_key_value_heads) == (2, 1)
+    assert [a.kv_heads for a in hf.cache_map(cfg, block_tokens=BT).attention] == [2, 2]
+    _exact_through_engine(model, tmp_path, 2)
+
+
 def test_sliding_layer_needs_its_past_rows() -> None:
     """A model's own cache drops rows older than the window: a checkpoint spanning
     them is refused; feed() keeps them, so the same span stores."""
@@ -471,6 +513,50 @@ def test_block_aligned_request(case: Case, tmp_path: Path) -> None:
         _, want = hf.feed(case.model, case.ids[:64])
         assert (logits - want).abs().max().item() < TOL
         assert pc.resume([]).cache is None
+
+
+def test_prefill_after_block_aligned_resume(case: Case, tmp_path: Path) -> None:
+    """``prefill(ids, resume(ids))`` with ``ids`` ending at a stored checkpoint (longer
+    than every sliding window): the rewound cache keeps its past rows, the prefill
+    stores nothing it already has, and the cache goes on to store a deeper checkpoint
+    from the restore point only."""
+    with open_cache(tmp_path, case, 1) as pc:
+        store_checkpoints(pc, case)
+        ids = case.ids[:64]
+        cache, logits = pc.prefill(case.model, ids, pc.resume(ids))
+        _, want = hf.feed(case.model, ids)
+        assert (logits - want).abs().max().item() < TOL
+        assert hf.held_from(pc.cmap, cache) == 0  # every past row is still there
+        resumed = hf.Resumed(cache, 64)  # nothing is stored at 80 yet: store from 64 on
+        cache, logits = pc.prefill(case.model, case.ids[:80], resumed)
+        r = pc.resume(case.ids)
+        assert r.tokens == 80
+        case.check(r.cache, r.tokens, pc.cmap.stepwise)
+
+
+def test_store_takes_rows_from_what_the_cache_holds(tmp_path: Path) -> None:
+    """A model's own cache dropped a sliding layer's old rows: ``store`` stores from
+    the first block every layer still holds, which the engine accepts where it needs
+    no earlier rows, and refuses (typed, nothing stored) where it does."""
+    torch.manual_seed(0)
+    model = tiny_model("mistral")  # window 24
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    cmap = hf.cache_map(model.config, block_tokens=BT)
+    with hf.HFPrefixCache.open(tmp_path, model.config, capacity_bytes=CAPACITY, block_tokens=BT) as pc:
+        with torch.no_grad():
+            own = model(input_ids=torch.tensor([ids]), use_cache=True).cache
+        assert hf.held_from(cmap, own) == 48  # rows [41, 64): the first whole block is 48
+        with pytest.raises(InvalidInputError, match="needs tokens from 0"):
+            pc.store(own, ids)
+        assert pc.engine.stats()["nodes"] == 0
+        cache, _ = hf.feed(model, ids[:48])
+        assert pc.store(cache, ids[:48]).status == "stored"
+        assert pc.store(own, ids).status == "stored"  # the new node starts at 48
+        r = pc.resume(ids + [3])
+        assert r.tokens == 64
+        _, logits = hf.feed(model, [3], r.cache)
+        _, want = hf.feed(model, ids + [3])
+        assert (logits - want).abs().max().item() < TOL
 
 
 def test_gpu_resident_prefix_is_not_restored(case: Case, tmp_path: Path) -> None:

@@ -82,6 +82,7 @@ __all__ = [
     "feed",
     "from_engine",
     "greedy",
+    "held_from",
     "layout_for",
     "register_state_rule",
     "to_engine",
@@ -307,12 +308,22 @@ def _field(cfg: Any, *names: str) -> tuple[str, Any]:
 
 
 def _kv_heads(cfg: Any, where: str) -> tuple[str, int]:
-    if getattr(cfg, "multi_query", False) and getattr(cfg, "new_decoder_architecture", False) is not True:
+    if getattr(cfg, "new_decoder_architecture", False) is True:
+        # Falcon-40B/180B: each KV head is broadcast to its query group before caching
+        return "num_attention_heads", _positive_heads(cfg, "num_attention_heads", where)
+    if getattr(cfg, "multi_query", False):
         return "multi_query", 1
     name, heads = _field(cfg, *KV_HEAD_FIELDS, "num_attention_heads")
     if not isinstance(heads, int) or heads <= 0:
         raise LayoutError(f"{where}: cannot read the KV head count (config field {name!r} = {heads!r})")
     return name, heads
+
+
+def _positive_heads(cfg: Any, name: str, where: str) -> int:
+    heads = getattr(cfg, name, None)
+    if not isinstance(heads, int) or heads <= 0:
+        raise LayoutError(f"{where}: cannot read the KV head count (config field {name!r} = {heads!r})")
+    return heads
 
 
 def _window(cfg: Any, kind: str, where: str) -> int | None:
@@ -475,20 +486,29 @@ def _check_causal_attention(text: Any, model: torch.nn.Module | bool) -> None:
 def _checked_heads(
     spec: AttentionSpec, model: torch.nn.Module, kind: str, ranks: int
 ) -> AttentionSpec:
-    """The KV head count the layer's own ``k_proj`` / ``v_proj`` produce, where it has
-    them (a model may scale the config's count for some layer types)."""
+    """The KV head count the layer's attention module caches, where it says: the heads
+    its own ``k_proj`` / ``v_proj`` produce (a model may scale the config's count for
+    some layer types), or, with a fused QKV projection, its ``num_key_value_heads``
+    (DBRX reads it from ``attn_config.kv_n_heads``, whatever the top-level field says).
+    :func:`to_engine` checks the cache's real shapes against the result."""
     for module in model.modules():
         if getattr(module, "layer_idx", None) != spec.layer:
             continue
         k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
-        if not (isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear)):
+        if isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear):
+            heads, rest = divmod(k.out_features, spec.key_dim)
+            if rest or heads * spec.value_dim != v.out_features:
+                return spec
+            source = "its k_proj gives"
+        elif k is None and isinstance(getattr(module, "num_key_value_heads", None), int):
+            heads, source = module.num_key_value_heads, "its num_key_value_heads is"
+        else:
             continue
-        heads, rest = divmod(k.out_features, spec.key_dim)
-        if rest or heads * spec.value_dim != v.out_features or heads == spec.kv_heads:
+        if heads == spec.kv_heads or heads <= 0:
             return spec
         if heads % ranks and ranks % heads:
             raise RankError(
-                f"layer {spec.layer} (layer type {kind!r}): its k_proj gives {heads} KV heads, "
+                f"layer {spec.layer} (layer type {kind!r}): {source} {heads} KV heads, "
                 f"which can be neither split evenly across {ranks} ranks nor replicated"
             )
         return attrs.evolve(spec, kv_heads=heads)
@@ -550,6 +570,22 @@ def _attention_length(cmap: CacheMap, cache: Cache) -> int | None:
     return int(cache.layers[cmap.attention[0].layer].get_seq_length())
 
 
+def held_from(cmap: CacheMap, cache: Cache) -> int:
+    """The first block boundary from which every attention layer of ``cache`` still
+    holds its rows (0 for caches fed by :func:`feed` or restored by :func:`from_engine`;
+    later for a model's own cache whose sliding layers dropped their old rows)."""
+    total = _attention_length(cmap, cache)
+    if total is None:
+        return 0
+    first = 0
+    for a in cmap.attention:
+        keys = cache.layers[a.layer].keys
+        rows = 0 if keys is None or keys.dim() != 4 else int(keys.shape[2])
+        first = max(first, total - rows)
+    bt = cmap.block_tokens
+    return -(-first // bt) * bt
+
+
 def to_engine(
     cmap: CacheMap,
     cache: Cache,
@@ -587,8 +623,7 @@ def to_engine(
         layer = cache.layers[a.layer]
         heads = a.head_of_rank(ranks)
         for name, full in ((a.key_name, layer.keys), (a.value_name, layer.values)):
-            if full is None or full.dim() != 4 or full.shape[0] != 1:
-                raise ShapeError(f"layer {a.layer}: expected a (1, heads, tokens, dim) KV tensor")
+            _check_kv_shape(a, name, full)
             first = total - full.shape[2]  # sliding layers keep only their last rows
             if start_tok < first:
                 raise InvalidInputError(
@@ -611,6 +646,19 @@ def to_engine(
         if snapshot is not None:
             cmap.layout.check_snapshot(r, snapshot[r])
     return EngineTensors(segments, snapshot)
+
+
+def _check_kv_shape(a: AttentionSpec, name: str, full: torch.Tensor | None) -> None:
+    """Refuse a cache tensor whose heads or width are not what the layout maps."""
+    if full is None or full.dim() != 4 or full.shape[0] != 1:
+        raise ShapeError(f"layer {a.layer}: expected a (1, heads, tokens, dim) KV tensor for {name!r}")
+    dim = a.key_dim if name == a.key_name else a.value_dim
+    if (int(full.shape[1]), int(full.shape[3])) != (a.kv_heads, dim):
+        raise ShapeError(
+            f"layer {a.layer}: the cache holds {full.shape[1]} heads of {full.shape[3]} columns "
+            f"for {name!r}, the layout maps {a.kv_heads} of {dim}: the cache map does not "
+            "describe this model's cache"
+        )
 
 
 def _read_state(cache: Cache, s: StateSpec) -> torch.Tensor:
@@ -707,6 +755,7 @@ def from_engine(
             if start_tok:
                 old = base.layers[a.layer]
                 prev = old.keys if name == a.key_name else old.values
+                _check_kv_shape(a, name, prev)
                 first = _attention_length(cmap, base) - prev.shape[2]
                 if first > 0:
                     raise InvalidInputError(
@@ -843,21 +892,26 @@ class HFPrefixCache:
         tokens: Sequence[int] | torch.Tensor,
         end_tok: int | None = None,
         *,
-        tokens_from: int = 0,
+        tokens_from: int | None = None,
         valid: Callable[[], bool] | None = None,
     ) -> Any:
         """Store the checkpoint of ``cache`` at ``end_tok`` (default: deepest block boundary).
 
         ``tokens`` are all the tokens ``cache`` consumed (with recurrent layers
-        ``end_tok`` must be ``len(tokens)``: see :func:`to_engine`). ``valid`` is passed
-        to the engine (a store refused for space is retried while it returns True).
-        Returns the engine's StoreResult, or None when there is no full block to store.
+        ``end_tok`` must be ``len(tokens)``: see :func:`to_engine`). The rows handed to
+        the engine start at ``tokens_from`` (default: :func:`held_from`, the first block
+        every layer still holds); the engine keeps those its new node needs and refuses
+        (``InvalidInputError``, nothing stored) when it needs earlier ones. ``valid`` is
+        passed to the engine (a store refused for space is retried while it returns
+        True). Returns the engine's StoreResult, or None when there is no full block.
         """
         ids = _token_tensor(tokens)
         bt = self.cmap.block_tokens
         end = len(ids) // bt * bt if end_tok is None else end_tok
         if end == 0:
             return None
+        if tokens_from is None:
+            tokens_from = min(held_from(self.cmap, cache), end - bt)
         t = to_engine(self.cmap, cache, ids, tokens_from, end)
         prefix = Prefix.from_tokens(ids[:end], bt)
         opts = {} if valid is None else {"valid": valid}
@@ -871,20 +925,39 @@ class HFPrefixCache:
     ) -> tuple[Cache, torch.Tensor]:
         """Feed ``tokens`` after what ``resumed`` covers, storing a checkpoint at their
         last block boundary on the way (the run stops there, so recurrent states can be
-        taken). Returns the cache and the logits after the last token."""
+        taken). Returns the cache and the logits after the last token.
+
+        The store hands the engine the rows from the restore point on (the block
+        ``resumed`` covers), not from token 0; nothing is stored when the boundary is
+        the checkpoint ``resumed`` restored."""
         ids = _token_tensor(tokens)
         start, cache = (resumed.tokens, resumed.cache) if resumed is not None else (0, None)
         if not 0 <= start < len(ids):
             raise InvalidInputError(f"nothing to prefill: {start} of {len(ids)} tokens covered")
-        boundary = len(ids) // self.cmap.block_tokens * self.cmap.block_tokens
+        bt = self.cmap.block_tokens
+        boundary = len(ids) // bt * bt
+        restored = resumed.match.tokens if resumed is not None and resumed.match is not None else 0
         stepwise = self.cmap.stepwise
         if boundary > start:
             cache, logits = feed(model, ids[start:boundary], cache, stepwise=stepwise)
-            self.store(cache, ids[:boundary])
+            if boundary > restored:
+                self._store_from(cache, ids[:boundary], start // bt * bt)
             start = boundary
         if start < len(ids):
             cache, logits = feed(model, ids[start:], cache, stepwise=stepwise)
         return cache, logits
+
+    def _store_from(self, cache: Cache, ids: torch.Tensor, tokens_from: int) -> Any:
+        """Store ``cache`` at ``len(ids)`` with rows from ``tokens_from``; when the
+        engine no longer holds the checkpoint there (evicted meanwhile), from the
+        first block the cache still holds."""
+        try:
+            return self.store(cache, ids, tokens_from=tokens_from)
+        except InvalidInputError:
+            first = held_from(self.cmap, cache)
+            if first >= tokens_from:
+                raise
+            return self.store(cache, ids, tokens_from=first)
 
     def resume(self, tokens: Sequence[int] | torch.Tensor) -> Resumed:
         """Restore the deepest stored checkpoint of ``tokens``, falling back to shallower
@@ -892,7 +965,8 @@ class HFPrefixCache:
 
         The last token is never covered, so the caller always has one token to feed to
         get next-token logits: attention-only models restore a checkpoint ending at the
-        last token and drop its last row; models with recurrent state (which cannot be
+        last token and drop its last row (before the cache is built, so sliding
+        layers keep their past rows); models with recurrent state (which cannot be
         rewound) look up the checkpoints before the last token only.
         """
         ids = _token_tensor(tokens)
@@ -910,17 +984,15 @@ class HFPrefixCache:
             if restored is None:
                 failed += 1
                 continue
+            covered = min(match.tokens, len(ids) - 1)  # attention only: leave one to feed
+            segments = [{k: t[:covered] for k, t in seg.items()} for seg in restored.segments]
             cache = from_engine(
                 self.cmap,
                 self.config,
-                restored.segments,
+                segments,
                 restored.snapshot if self.cmap.has_snapshot else None,
                 tokens=ids,
                 device=self.device,
             )
-            covered = match.tokens
-            if covered >= len(ids):  # attention only: rewind to leave one token to feed
-                cache.crop(len(ids) - 1 - covered)
-                covered = len(ids) - 1
             return Resumed(cache, covered, match, failed)
         return Resumed(None, 0, match, failed)

@@ -121,6 +121,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "deepseek_v2": {"topk_method": "greedy", "n_group": 1, "topk_group": 1},
+    "dbrx": {
+        "n_heads": 4,
+        "n_layers": LAYERS,
+        "max_seq_len": 512,
+        "num_key_value_heads": 2,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
 }
 
 
