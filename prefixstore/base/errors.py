@@ -145,3 +145,12 @@ class ReadOnlyError(PrefixStoreError):
     def __init__(self, message: str, reason: PrefixStoreError | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class IdentityMismatchError(PrefixStoreError):
+    """The cache belongs to another model than the ``identity`` given to open();
+    ``differences`` names each field that differs. Nothing was changed."""
+
+    def __init__(self, message: str, differences: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.differences = list(differences or ())
