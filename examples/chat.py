@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         pc = stack.enter_context(
             HFPrefixCache.open(
                 path,
-                model.config,
+                model,  # the model: its weights' fingerprint is part of the cache's identity
                 capacity_bytes=256 << 20,
                 block_tokens=args.block_tokens,
                 ranks=args.ranks,

@@ -80,7 +80,7 @@ def test_a_cache_without_identity_records_one_only_while_empty(tmp_path: Path) -
         {"": "x"},
         {"has space": "x"},
         {"model": "x" * 1025},
-        {f"f{i}": "x" for i in range(65)},
+        {f"f{i}": "x" for i in range(257)},
     ],
 )
 def test_a_bad_identity_is_refused_before_anything_is_touched(tmp_path: Path, bad: object) -> None:

@@ -46,6 +46,7 @@ from typing import Any
 import attrs
 import torch
 
+from prefixstore.adapters.hf_identity import model_identity
 from prefixstore.adapters.hf_states import meta_model, mixer_states
 from prefixstore.base.errors import (
     InvalidInputError,
@@ -860,7 +861,7 @@ class HFPrefixCache:
     def open(
         cls,
         path: Any,
-        config: Any,
+        model: Any,
         *,
         capacity_bytes: int,
         dtype: torch.dtype | str = torch.float32,
@@ -868,13 +869,26 @@ class HFPrefixCache:
         ranks: int = 1,
         state_dtype: torch.dtype | str | None = None,
         device: Any = None,
+        revision: str | None = None,
+        check_identity: bool = True,
         **opts: Any,
     ) -> HFPrefixCache:
-        """Open (or create) an engine at ``path`` with the layout of ``config``."""
+        """Open (or create) an engine at ``path`` with the layout of ``model`` (the
+        model, or its config).
+
+        The engine records the model's identity (:func:`hf_identity.model_identity`:
+        its config fields, a fingerprint of its weights when the model is given, and
+        ``revision`` when given) and refuses to open under another one
+        (``IdentityMismatchError`` naming the fields). ``identity=`` in ``opts`` replaces
+        it; ``check_identity=False`` opens without one (a cache made before identities).
+        Other ``opts`` go to ``Engine.open``."""
         cmap = cache_map(
-            config, dtype=dtype, block_tokens=block_tokens, ranks=ranks, state_dtype=state_dtype
+            model, dtype=dtype, block_tokens=block_tokens, ranks=ranks, state_dtype=state_dtype
         )
+        if check_identity:
+            opts.setdefault("identity", model_identity(model, cmap.model_type, revision=revision))
         engine = Engine.open(path, cmap.layout, capacity_bytes, **opts)
+        config = model.config if isinstance(model, torch.nn.Module) else model
         return cls(engine, config, cmap, device=device)
 
     def close(self) -> None:

@@ -32,14 +32,14 @@ if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
 
 META_KEY = "identity"
-MAX_FIELDS = 64
+MAX_FIELDS = 256
 MAX_VALUE = 1024
 FIELD = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def check_option(argument: str, value: Any) -> None:
     """``identity``: None or a non-empty mapping of field names ([A-Za-z0-9_.-], at most
-    64 characters) to strings of at most 1024 characters, at most 64 fields."""
+    64 characters) to strings of at most 1024 characters, at most 256 fields."""
     if value is None:
         return
     if not isinstance(value, Mapping):
