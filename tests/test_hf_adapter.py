@@ -24,7 +24,7 @@ from transformers import (  # noqa: E402
     Qwen3NextForCausalLM,
 )
 
-from prefixstore.adapters import hf  # noqa: E402
+from prefixstore.adapters import hf, hf_compressed  # noqa: E402
 from prefixstore.adapters.hf_tiny import SLIDING_WINDOW, tiny_config, tiny_model  # noqa: E402
 from prefixstore.base.errors import InvalidInputError, LayoutError, RankError, ShapeError  # noqa: E402
 from prefixstore.base.keys import Prefix  # noqa: E402
@@ -90,6 +90,8 @@ for _name in (
     "mistral",  # every layer sliding
     "gpt_oss",  # sliding + global, MoE
     "deepseek_v3",  # MLA
+    "deepseek_v32",  # MLA + the DSA indexer's keys
+    "deepseek_v4",  # shared-KV sliding, CSA (compressor + indexer) and HCA layers
     "falcon",  # multi-query (1 KV head), replicated on 2 ranks
     "gpt_bigcode",  # multi-query
     "zamba2",  # Mamba2 + shared attention
@@ -230,8 +232,13 @@ def test_layout_hybrid_has_both() -> None:
 def test_layout_refuses_what_it_cannot_map() -> None:
     with pytest.raises(RankError, match="layer 0.*'num_key_value_heads'"):
         hf.cache_map(llama_config(), ranks=3)  # 2 KV heads on 3 ranks
+    unknown = llama_config()
+    unknown.layer_types = ["mystery_attention", "full_attention"]
+    with pytest.raises(LayoutError, match="layer 0: cache layer type 'mystery_attention'.*layer_types"):
+        hf.cache_map(unknown)
     indexed = tiny_config("deepseek_v32")  # DSA: an indexer key cache besides the latent
-    with pytest.raises(LayoutError, match="layer 0: cache layer type 'indexed_attention'.*layer_types"):
+    indexed.index_head_dim = 0
+    with pytest.raises(LayoutError, match="layer 0 \\(layer type 'indexed_attention'\\).*'index_head_dim'"):
         hf.cache_map(indexed)
     many = qwen3_next_config()
     many.number_of_conv_states = 2
@@ -257,19 +264,22 @@ def test_layout_sliding_layers_are_segments() -> None:
     assert [a.window for a in hf.cache_map(chunked).attention] == [32, None]
 
 
-def test_layout_mla_latent_is_replicated() -> None:
+def test_layout_mla_latent_is_stored_once() -> None:
+    """The MLA latent is the same on every rank: stored once, each rank keeping a
+    stripe of its columns (``once.`` names), so 4 ranks store what 1 does."""
     cfg = tiny_config("deepseek_v3")
-    for ranks in (1, 2, 3):
+    for ranks, prefix in ((1, ""), (2, "once."), (4, "once.")):
         cmap = hf.cache_map(cfg, block_tokens=BT, ranks=ranks)
         segs = {s.name: s.shape for s in cmap.layout.segments}
         assert segs == {
             "tok": (1,),
-            "kv_latent.0": (1, cfg.kv_lora_rank),
-            "k_rope.0": (1, cfg.qk_rope_head_dim),
-            "kv_latent.1": (1, cfg.kv_lora_rank),
-            "k_rope.1": (1, cfg.qk_rope_head_dim),
+            f"{prefix}kv_latent.0": (1, cfg.kv_lora_rank // ranks),
+            f"{prefix}k_rope.0": (1, cfg.qk_rope_head_dim // ranks),
+            f"{prefix}kv_latent.1": (1, cfg.kv_lora_rank // ranks),
+            f"{prefix}k_rope.1": (1, cfg.qk_rope_head_dim // ranks),
         }
         assert all(a.latent and a.kv_heads == 1 for a in cmap.attention)
+    assert {s.name: s.shape for s in hf.cache_map(cfg, ranks=3).layout.segments}["once.k_rope.0"] == (1, 3)
 
 
 @pytest.mark.parametrize(
@@ -293,23 +303,25 @@ def test_kv_heads_from_every_config_convention(fields: dict[str, Any], heads: in
     assert {s.name: s.shape for s in cmap.layout.segments}["k.0"] == (heads, 16)
 
 
-def test_kv_heads_replicated_when_ranks_outnumber_them() -> None:
+def test_kv_heads_stored_once_when_ranks_outnumber_them() -> None:
+    """A KV head that several ranks hold alike is stored once: each of them keeps a
+    stripe of its columns, and the stripes join back to the head."""
     torch.manual_seed(0)
     model = tiny_model("falcon")  # multi_query: one KV head
     ids = list(range(40))
     cache, _ = hf.feed(model, ids)
     cmap = hf.cache_map(model.config, block_tokens=BT, ranks=4)
-    assert {s.name: s.shape for s in cmap.layout.segments}["k.0"] == (1, 16)
+    assert {s.name: s.shape for s in cmap.layout.segments}["once.k.0"] == (1, 4)
     t = hf.to_engine(cmap, cache, ids)
-    keys = cache.layers[0].keys[0, :, :32].transpose(0, 1)
-    assert all(torch.equal(t.segments[r]["k.0"], keys) for r in range(4))
+    keys = cache.layers[0].keys[0, :, :32].transpose(0, 1)  # (tokens, 1 head, 16)
+    assert all(torch.equal(t.segments[r]["once.k.0"], keys[..., 4 * r : 4 * r + 4]) for r in range(4))
+    assert sum(seg["once.k.0"].numel() for seg in t.segments) == keys.numel()
     back = hf.from_engine(cmap, model.config, t.segments, tokens=ids)
     assert torch.equal(back.layers[0].keys[0, :, :32], cache.layers[0].keys[0, :, :32])
-    t.segments[3]["v.1"] = t.segments[3]["v.1"] + 1
-    with pytest.raises(InvalidInputError, match="replicated 'v.1' head 0"):
-        hf.from_engine(cmap, model.config, t.segments, tokens=ids)
     two = llama_config()  # 2 KV heads on 4 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1
-    assert hf.cache_map(two, ranks=4).attention[0].head_of_rank(4) == [[0], [0], [1], [1]]
+    cmap = hf.cache_map(two, ranks=4)
+    assert cmap.attention[0].head_of_rank(4) == [[0], [0], [1], [1]]
+    assert {s.name: s.shape for s in cmap.layout.segments}["once.v.1"] == (1, 8)
 
 
 def _exact_through_engine(model: Any, tmp_path: Path, ranks: int) -> None:
@@ -352,6 +364,58 @@ def test_dbrx_heads_follow_the_attention_config(tmp_path: Path) -> None:
     assert (cfg.attn_config.kv_n_heads, cfg.num_key_value_heads) == (2, 1)
     assert [a.kv_heads for a in hf.cache_map(cfg, block_tokens=BT).attention] == [2, 2]
     _exact_through_engine(model, tmp_path, 2)
+
+
+def test_layout_deepseek_v4_is_stored_once() -> None:
+    """DeepSeek V4's caches are one head every rank holds alike: on 4 ranks each tensor
+    is a stripe, and a checkpoint's bytes are those of 1 rank (up to padding)."""
+    cfg = tiny_config("deepseek_v4")
+    one, four = (hf.cache_map(cfg, block_tokens=BT, ranks=r).layout for r in (1, 4))
+    assert [s.name for s in one.segments] == ["tok", "k.0", "cmp.1", "icmp.1", "cmp.2"]
+    assert {s.name for s in four.snapshots} == {
+        f"once.{n}.1" for n in ("win", "buf", "bufg", "ovl", "ovlg", "ibuf", "ibufg", "iovl", "iovlg")
+    } | {"once.win.2", "once.buf.2", "once.bufg.2"}
+    tok = one.segments[0].nbytes
+    # cmp.2 (24-token windows: 2 columns per token) is padded to 4 columns on 4 ranks
+    assert 4 * (four.token_bytes - tok) == one.token_bytes - tok + 2 * 4
+    assert 4 * four.snapshot_bytes == one.snapshot_bytes
+    assert {s.name: s.dtype for s in one.snapshots}["ovlg.1"] == "float32"
+
+
+@pytest.mark.parametrize(("rate", "bt"), [(4, 16), (24, 16), (16, 16), (5, 8), (3, 4)])
+def test_compressed_entries_pack_by_block(rate: int, bt: int) -> None:
+    """Entry w (closing at token (w + 1) * rate) lands in the block of its last token:
+    any block-aligned span packs and unpacks the entries it completes."""
+    dim = 6
+    entries = torch.arange(200 * dim, dtype=torch.float32).reshape(200, dim)
+    width = hf_compressed.CompressedSpec(0, "x", rate, 4, dim, ()).packed_width(bt, dim)
+    for start, end in ((0, 4 * bt), (bt, 3 * bt), (2 * bt, 7 * bt)):
+        mine = entries[start // rate : end // rate]
+        rows = hf_compressed.pack(mine, start, end, bt, rate, width)
+        assert rows.shape == (end - start, width)
+        assert torch.equal(hf_compressed.unpack(rows, start, bt, rate, dim), mine)
+        # a span's rows are its blocks' rows: cutting at a block boundary changes nothing
+        mid = start + bt
+        head = hf_compressed.pack(entries[start // rate : mid // rate], start, mid, bt, rate, width)
+        assert torch.equal(rows[:bt], head)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "deepseek_v32"])
+def test_sparse_selection_continues_like_the_models_own_cache(model_type: str, tmp_path: Path) -> None:
+    """With an index top-k below the entry count the indexer really selects; a restore
+    on 4 ranks then continues exactly like the model's own cache fed the same chunks."""
+    torch.manual_seed(0)
+    model = tiny_model(model_type, index_topk=3)
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    own, _ = hf.feed(model, ids[:48])
+    _, want = hf.feed(model, ids[48:], own)
+    with hf.HFPrefixCache.open(tmp_path, model, capacity_bytes=CAPACITY, block_tokens=BT, ranks=4) as pc:
+        cache, _ = hf.feed(model, ids[:48])
+        assert pc.store(cache, ids[:48]).status == "stored"
+        r = pc.resume(ids)
+        assert r.tokens == 48
+        _, got = hf.feed(model, ids[48:], r.cache)
+    assert torch.equal(got, want)
 
 
 def test_sliding_layer_needs_its_past_rows() -> None:

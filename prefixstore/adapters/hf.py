@@ -46,6 +46,8 @@ from typing import Any
 import attrs
 import torch
 
+from prefixstore.adapters import hf_compressed, hf_place
+from prefixstore.adapters.hf_compressed import COMPRESSED_TYPES, CompressedSpec
 from prefixstore.adapters.hf_identity import model_identity
 from prefixstore.adapters.hf_states import meta_model, mixer_states
 from prefixstore.base.errors import (
@@ -91,9 +93,12 @@ __all__ = [
 
 TOKENS = "tok"
 TOKEN_DTYPE = torch.int32
-FULL_TYPES = frozenset({"full_attention", "hybrid"})
+INDEXED = "indexed_attention"  # DSA: an MLA latent plus the indexer's keys, every token
+FULL_TYPES = frozenset({"full_attention", "hybrid", INDEXED})
 SLIDING_TYPES = frozenset({"sliding_attention", "chunked_attention"})
 ATTENTION_TYPES = FULL_TYPES | SLIDING_TYPES
+# models whose attention caches one tensor as both keys and values (only keys are stored)
+SHARED_KV_MODELS = frozenset({"deepseek_v4"})
 RECURRENT_TYPES = frozenset({"linear_attention", "conv", "hybrid"})
 SKIPPED_TYPES = frozenset({"dummy"})
 # config conventions for the number of KV heads, in the order they are read
@@ -110,12 +115,16 @@ class TokenMismatchError(PrefixStoreError):
 @attrs.frozen
 class AttentionSpec:
     """One attention layer's per-token cache: ``kv_heads`` heads (all ranks together)
-    of ``key_dim`` / ``value_dim`` columns.
+    of ``key_dim`` / ``value_dim`` columns, placed on ``ranks`` ranks (:mod:`hf_place`).
 
     ``window`` is the sliding window (or attention chunk) of a sliding / chunked layer,
     None for a full one. ``latent`` marks an MLA layer: its one "head" is the compressed
-    latent (key: ``kv_lora_rank`` wide, value: the ``qk_rope_head_dim`` rotary key),
-    replicated on every rank like MLA tensor-parallel servers do.
+    latent (key: ``kv_lora_rank`` wide, value: the ``qk_rope_head_dim`` rotary key).
+    ``index_dim`` is the width of an indexed (DSA) layer's indexer keys, one head per
+    token (0: none). ``shared_kv`` marks a layer whose keys are its values (DeepSeek V4):
+    only the keys are stored. A head that several ranks hold alike (the latent, the
+    indexer keys, KV heads when ranks outnumber them) is stored once, striped across
+    those ranks, under a ``once.`` name.
     """
 
     layer: int
@@ -124,25 +133,46 @@ class AttentionSpec:
     value_dim: int
     window: int | None = None
     latent: bool = False
+    ranks: int = 1
+    index_dim: int = 0
+    shared_kv: bool = False
+
+    def _name(self, base: str, heads: int) -> str:
+        return hf_place.layout_name(f"{base}.{self.layer}", heads, self.ranks)
 
     @property
     def key_name(self) -> str:
-        return f"kv_latent.{self.layer}" if self.latent else f"k.{self.layer}"
+        return self._name("kv_latent" if self.latent else "k", self.kv_heads)
 
     @property
-    def value_name(self) -> str:
-        return f"k_rope.{self.layer}" if self.latent else f"v.{self.layer}"
+    def value_name(self) -> str | None:
+        if self.shared_kv:
+            return None
+        return self._name("k_rope" if self.latent else "v", self.kv_heads)
+
+    @property
+    def index_name(self) -> str | None:
+        return self._name("idx", 1) if self.index_dim else None
 
     @property
     def head_dim(self) -> int:
         return self.key_dim
 
+    def tensors(self) -> list[tuple[str, int, int, str]]:
+        """(layout name, heads, columns per head, cache attribute) of each per-token tensor."""
+        out = [(self.key_name, self.kv_heads, self.key_dim, "keys")]
+        if self.value_name is not None:
+            out.append((self.value_name, self.kv_heads, self.value_dim, "values"))
+        if self.index_name is not None:
+            out.append((self.index_name, 1, self.index_dim, "indexer_keys"))
+        return out
+
     def rank_heads(self, ranks: int) -> int:
-        """KV heads one rank holds: a share, or one replicated head when ranks outnumber them."""
+        """KV heads one rank holds: a share, or one head's stripe when ranks outnumber them."""
         return max(self.kv_heads // ranks, 1)
 
     def head_of_rank(self, ranks: int) -> list[list[int]]:
-        """The heads each rank holds (replicas hold the same head)."""
+        """The heads each rank holds (whole, or a stripe of)."""
         per = self.rank_heads(ranks)
         if self.kv_heads >= ranks:
             return [list(range(r * per, (r + 1) * per)) for r in range(ranks)]
@@ -285,6 +315,7 @@ class CacheMap:
     attention: tuple[AttentionSpec, ...]
     states: tuple[StateSpec, ...]
     stepwise: bool = False
+    compressed: tuple[CompressedSpec, ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -296,7 +327,7 @@ class CacheMap:
 
     @property
     def has_snapshot(self) -> bool:
-        return bool(self.states)
+        return bool(self.states or self.compressed)
 
 
 def _field(cfg: Any, *names: str) -> tuple[str, Any]:
@@ -337,9 +368,10 @@ def _window(cfg: Any, kind: str, where: str) -> int | None:
     return window
 
 
-def _attention_spec(cfg: Any, i: int, kind: str, ranks: int) -> AttentionSpec:
+def _attention_spec(cfg: Any, i: int, kind: str, ranks: int, model_type: str) -> AttentionSpec:
     where = f"layer {i} (layer type {kind!r})"
     window = _window(cfg, kind, where)
+    index_dim = _index_dim(cfg, kind, where)
     rank = getattr(cfg, "kv_lora_rank", None)
     if rank is not None:  # MLA: one latent "head" of kv_lora_rank + the rotary key
         rope = getattr(cfg, "qk_rope_head_dim", None)
@@ -348,7 +380,9 @@ def _attention_spec(cfg: Any, i: int, kind: str, ranks: int) -> AttentionSpec:
                 f"{where}: MLA needs integer config fields 'kv_lora_rank' and "
                 f"'qk_rope_head_dim', got {rank!r} and {rope!r}"
             )
-        return AttentionSpec(i, 1, rank, rope, window, latent=True)
+        return AttentionSpec(i, 1, rank, rope, window, latent=True, ranks=ranks, index_dim=index_dim)
+    if index_dim:
+        raise LayoutError(f"{where}: indexed attention without an MLA latent ('kv_lora_rank')")
     field, heads = _kv_heads(cfg, where)
     _, head_dim = _field(cfg, "head_dim", "attention_head_dim")
     if head_dim is None:
@@ -359,7 +393,20 @@ def _attention_spec(cfg: Any, i: int, kind: str, ranks: int) -> AttentionSpec:
             f"{where}: {heads} KV heads (config field {field!r}) can be neither split "
             f"evenly across {ranks} ranks nor replicated onto them"
         )
-    return AttentionSpec(i, heads, int(head_dim), int(value_dim or head_dim), window)
+    return AttentionSpec(
+        i, heads, int(head_dim), int(value_dim or head_dim), window, ranks=ranks,
+        shared_kv=model_type in SHARED_KV_MODELS,
+    )
+
+
+def _index_dim(cfg: Any, kind: str, where: str) -> int:
+    """An indexed (DSA) layer's indexer key width (config field ``index_head_dim``), else 0."""
+    if kind != INDEXED:
+        return 0
+    dim = getattr(cfg, "index_head_dim", None)
+    if not isinstance(dim, int) or dim <= 0:
+        raise LayoutError(f"{where}: needs a positive integer config field 'index_head_dim', got {dim!r}")
+    return dim
 
 
 def cache_map(
@@ -393,18 +440,23 @@ def cache_map(
         raise RankError(f"ranks must be positive, got {ranks}")
     attention: list[AttentionSpec] = []
     states: list[StateSpec] = []
+    compressed: list[CompressedSpec] = []
     stepwise = model_type in _STEPWISE
     probe: torch.nn.Module | bool | None = None  # the model read for KV head counts
+    known = ATTENTION_TYPES | RECURRENT_TYPES | COMPRESSED_TYPES | SKIPPED_TYPES
     for i, (kind, cfg, kw) in enumerate(zip(layer_types, layer_cfgs, layer_kwargs, strict=True)):
         if kind in SKIPPED_TYPES:
             continue
-        if kind not in ATTENTION_TYPES | RECURRENT_TYPES:
+        if kind not in known:
             raise LayoutError(
                 f"layer {i}: cache layer type {kind!r} (config field 'layer_types') is not "
-                f"supported; supported: {sorted(ATTENTION_TYPES | RECURRENT_TYPES | SKIPPED_TYPES)}"
+                f"supported; supported: {sorted(known)}"
             )
+        if kind in COMPRESSED_TYPES:
+            compressed.append(hf_compressed.compressed_spec(cfg, i, kind, ranks))
+            continue
         if kind in ATTENTION_TYPES:
-            spec = _attention_spec(cfg, i, kind, ranks)
+            spec = _attention_spec(cfg, i, kind, ranks, model_type)
             if probe is None:
                 probe = model or _try_meta_model(config)
                 _check_causal_attention(text, probe)
@@ -430,20 +482,7 @@ def cache_map(
                 for suffix, skind, shape, groups in derived.tensors
             )
 
-    def sdtype(s: StateSpec) -> torch.dtype | str:
-        if state_dtype is not None:
-            return state_dtype
-        return dtype if s.kind == "conv" else torch.float32
-
-    segments = [TensorSpec(TOKENS, TOKEN_DTYPE, (1,))]
-    for a in attention:
-        heads = a.rank_heads(ranks)
-        segments += [
-            TensorSpec(a.key_name, dtype, (heads, a.key_dim)),
-            TensorSpec(a.value_name, dtype, (heads, a.value_dim)),
-        ]
-    snapshots = [TensorSpec(s.name, sdtype(s), s.rank_shape(ranks)) for s in states]
-    layout = Layout(segments=segments, block_tokens=block_tokens, snapshots=snapshots, ranks=ranks)
+    layout = _layout(attention, states, compressed, dtype, state_dtype, block_tokens, ranks)
     return CacheMap(
         layout=layout,
         model_type=model_type,
@@ -451,7 +490,35 @@ def cache_map(
         attention=tuple(attention),
         states=tuple(states),
         stepwise=stepwise,
+        compressed=tuple(compressed),
     )
+
+
+def _layout(
+    attention: list[AttentionSpec],
+    states: list[StateSpec],
+    compressed: list[CompressedSpec],
+    dtype: torch.dtype | str,
+    state_dtype: torch.dtype | str | None,
+    block_tokens: int,
+    ranks: int,
+) -> Layout:
+    def sdtype(s: StateSpec) -> torch.dtype | str:
+        if state_dtype is not None:
+            return state_dtype
+        return dtype if s.kind == "conv" else torch.float32
+
+    segments = [TensorSpec(TOKENS, TOKEN_DTYPE, (1,))]
+    for a in attention:
+        segments += [TensorSpec(name, dtype, hf_place.rank_shape(heads, width, ranks))
+                     for name, heads, width, _ in a.tensors()]
+    snapshots = [TensorSpec(s.name, sdtype(s), s.rank_shape(ranks)) for s in states]
+    for c in compressed:
+        segments += [TensorSpec(name, dtype, hf_place.rank_shape(1, width, ranks))
+                     for name, width in c.segments(block_tokens)]
+        snapshots += [TensorSpec(name, torch.float32 if f32 else dtype, (rows, 1, hf_place.rank_shape(1, cols, ranks)[1]))
+                      for name, rows, cols, f32 in c.snapshots()]
+    return Layout(segments=segments, block_tokens=block_tokens, snapshots=snapshots, ranks=ranks)
 
 
 def _check_causal_cache(config: Any, text: Any) -> None:
@@ -566,9 +633,11 @@ def _token_tensor(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 
 def _attention_length(cmap: CacheMap, cache: Cache) -> int | None:
-    if not cmap.attention:
+    """Tokens the cache's first attention (or compressed attention) layer has seen."""
+    layers = [a.layer for a in cmap.attention] + [c.layer for c in cmap.compressed]
+    if not layers:
         return None
-    return int(cache.layers[cmap.attention[0].layer].get_seq_length())
+    return int(cache.layers[min(layers)].get_seq_length())
 
 
 def held_from(cmap: CacheMap, cache: Cache) -> int:
@@ -622,9 +691,8 @@ def to_engine(
     segments: list[dict[str, torch.Tensor]] = [{TOKENS: tok.clone()} for _ in range(ranks)]
     for a in cmap.attention:
         layer = cache.layers[a.layer]
-        heads = a.head_of_rank(ranks)
-        for name, full in ((a.key_name, layer.keys), (a.value_name, layer.values)):
-            _check_kv_shape(a, name, full)
+        for name, heads, width, attr in a.tensors():
+            full = _layer_rows(a, layer, name, attr, heads, width)
             first = total - full.shape[2]  # sliding layers keep only their last rows
             if start_tok < first:
                 raise InvalidInputError(
@@ -633,8 +701,8 @@ def to_engine(
                     "which keeps sliding layers' past rows"
                 )
             rows = full[0, :, start_tok - first : end_tok - first].transpose(0, 1)
-            for r in range(ranks):
-                segments[r][name] = _copy(rows[:, heads[r][0] : heads[r][-1] + 1])
+            for r, part in enumerate(hf_place.split(rows, ranks)):
+                segments[r][name] = _copy(part)
     snapshot: list[dict[str, torch.Tensor]] | None = None
     if cmap.has_snapshot:
         snapshot = [{} for _ in range(ranks)]
@@ -642,6 +710,12 @@ def to_engine(
             state = _read_state(cache, s)
             for r, part in enumerate(s.split(state[0], ranks)):
                 snapshot[r][s.name] = part
+        for c in cmap.compressed:
+            dtype = _spec_dtype(cmap.layout, c.snapshots()[0][0])
+            segs, snaps = hf_compressed.read(c, cache.layers[c.layer], total, start_tok, end_tok, bt, dtype)
+            for r in range(ranks):
+                segments[r].update({k: v[r] for k, v in segs.items()})
+                snapshot[r].update({k: v[r] for k, v in snaps.items()})
     for r in range(ranks):
         cmap.layout.check_segments(r, segments[r], n)
         if snapshot is not None:
@@ -649,17 +723,25 @@ def to_engine(
     return EngineTensors(segments, snapshot)
 
 
-def _check_kv_shape(a: AttentionSpec, name: str, full: torch.Tensor | None) -> None:
-    """Refuse a cache tensor whose heads or width are not what the layout maps."""
-    if full is None or full.dim() != 4 or full.shape[0] != 1:
-        raise ShapeError(f"layer {a.layer}: expected a (1, heads, tokens, dim) KV tensor for {name!r}")
-    dim = a.key_dim if name == a.key_name else a.value_dim
-    if (int(full.shape[1]), int(full.shape[3])) != (a.kv_heads, dim):
+def _layer_rows(
+    a: AttentionSpec, layer: Any, name: str, attr: str, heads: int, width: int
+) -> torch.Tensor:
+    """The layer's ``attr`` tensor as ``(1, heads, tokens, width)``, its shape checked
+    against the layout (a cache the map does not describe is refused, typed)."""
+    full = getattr(layer, attr, None)
+    if attr == "indexer_keys":
+        if getattr(layer, "indexer_position_ids", None) is not None:
+            raise LayoutError(f"layer {a.layer}: indexer position ids are not supported")
+        full = full.unsqueeze(1) if isinstance(full, torch.Tensor) and full.dim() == 3 else full
+    if not isinstance(full, torch.Tensor) or full.dim() != 4 or full.shape[0] != 1:
+        raise ShapeError(f"layer {a.layer}: expected a (1, heads, tokens, dim) tensor for {name!r}")
+    if (int(full.shape[1]), int(full.shape[3])) != (heads, width):
         raise ShapeError(
             f"layer {a.layer}: the cache holds {full.shape[1]} heads of {full.shape[3]} columns "
-            f"for {name!r}, the layout maps {a.kv_heads} of {dim}: the cache map does not "
+            f"for {name!r}, the layout maps {heads} of {width}: the cache map does not "
             "describe this model's cache"
         )
+    return full
 
 
 def _read_state(cache: Cache, s: StateSpec) -> torch.Tensor:
@@ -675,22 +757,8 @@ def _read_state(cache: Cache, s: StateSpec) -> torch.Tensor:
     return t
 
 
-def _join_heads(a: AttentionSpec, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-rank ``(tokens, heads, dim)`` rows -> all heads; replicas must agree."""
-    ranks = len(parts)
-    if a.kv_heads >= ranks:
-        return torch.cat(list(parts), dim=1)
-    heads = a.head_of_rank(ranks)
-    out = []
-    for h in range(a.kv_heads):
-        holders = [r for r in range(ranks) if heads[r] == [h]]
-        for r in holders[1:]:
-            if not torch.equal(parts[r], parts[holders[0]]):
-                raise InvalidInputError(
-                    f"replicated {name!r} head {h} differs between rank {holders[0]} and rank {r}"
-                )
-        out.append(parts[holders[0]])
-    return torch.cat(out, dim=1)
+def _spec_dtype(layout: Layout, name: str) -> torch.dtype:
+    return next(t for t in (*layout.segments, *layout.snapshots) if t.name == name).torch_dtype
 
 
 def record_past(cache: Cache) -> Cache:
@@ -738,7 +806,7 @@ def from_engine(
                 raise TokenMismatchError(
                     f"rank {r}: restored token ids of [{start_tok}, {start_tok + n}) differ from the request"
                 )
-    if start_tok and cmap.attention:
+    if start_tok and (cmap.attention or cmap.compressed):
         if base is None:
             raise InvalidInputError(
                 f"start_tok={start_tok} needs the base cache holding those rows"
@@ -749,39 +817,68 @@ def from_engine(
     cache = DynamicCache(config=config)
     record_past(cache)
     for a in cmap.attention:
-        pair = []
-        for name in (a.key_name, a.value_name):
-            rows = _join_heads(a, name, [segments[r][name] for r in range(cmap.ranks)])
-            t = rows.transpose(0, 1).unsqueeze(0)  # (1, heads, tokens, dim)
-            if start_tok:
-                old = base.layers[a.layer]
-                prev = old.keys if name == a.key_name else old.values
-                _check_kv_shape(a, name, prev)
-                first = _attention_length(cmap, base) - prev.shape[2]
-                if first > 0:
-                    raise InvalidInputError(
-                        f"layer {a.layer}: the base cache dropped tokens [0, {first})"
-                    )
-                t = torch.cat([prev[:, :, :start_tok].to(t.device), t], dim=2)
-            pair.append(t.to(device).contiguous() if device is not None else t.contiguous())
-        cache.layers[a.layer].update(pair[0], pair[1])
+        _restore_attention(cmap, a, cache, segments, start_tok, base, device)
     if cmap.has_snapshot:
         for s in cmap.states:
-            t = s.join([snaps[r][s.name] for r in range(cmap.ranks)]).unsqueeze(0)
-            t = t.to(device) if device is not None else t
-            layer = cache.layers[s.layer]
-            if not isinstance(layer, LinearAttentionCacheLayerMixin):
-                raise LayoutError(f"layer {s.layer} of this config is not a recurrent layer")
-            if s.kind == "conv":
-                layer.lazy_initialization(
-                    conv_states=t, state_idx=s.state_idx, conv_kernel_size=t.shape[-1]
-                )
-                layer.conv_states[s.state_idx].copy_(t)
-            else:
-                layer.lazy_initialization(recurrent_states=t, state_idx=s.state_idx)
-                layer.recurrent_states[s.state_idx].copy_(t)
-            layer.has_previous_state[s.state_idx] = True
+            _restore_state(cmap, s, cache, snaps, device)
+        bt, ranks = cmap.block_tokens, range(cmap.ranks)
+        for c in cmap.compressed:
+            segs = {name: [segments[r][name] for r in ranks] for name, _ in c.segments(bt)}
+            parts = {name: [snaps[r][name] for r in ranks] for name, *_ in c.snapshots()}
+            hf_compressed.write(c, cache.layers[c.layer], segs, parts, start_tok + n, bt,
+                                start=start_tok, base=base, device=device)
     return cache
+
+
+def _restore_attention(
+    cmap: CacheMap,
+    a: AttentionSpec,
+    cache: DynamicCache,
+    segments: Sequence[Mapping[str, torch.Tensor]],
+    start_tok: int,
+    base: Cache | None,
+    device: Any,
+) -> None:
+    """Join one attention layer's rows across ranks (after ``base``'s first
+    ``start_tok`` rows) into ``cache``'s layer."""
+    whole = {}
+    for name, heads, width, attr in a.tensors():
+        rows = hf_place.join([segments[r][name] for r in range(cmap.ranks)], heads, width)
+        t = rows.transpose(0, 1).unsqueeze(0)  # (1, heads, tokens, width)
+        if start_tok:
+            prev = _layer_rows(a, base.layers[a.layer], name, attr, heads, width)
+            first = _attention_length(cmap, base) - prev.shape[2]
+            if first > 0:
+                raise InvalidInputError(f"layer {a.layer}: the base cache dropped tokens [0, {first})")
+            t = torch.cat([prev[:, :, :start_tok].to(t.device), t], dim=2)
+        whole[attr] = t.to(device).contiguous() if device is not None else t.contiguous()
+    layer = cache.layers[a.layer]
+    layer.update(whole["keys"], whole.get("values", whole["keys"]))
+    if "indexer_keys" in whole:
+        if not hasattr(layer, "update_indexer"):
+            raise LayoutError(f"layer {a.layer} of this config is {type(layer).__name__}, not indexed")
+        layer.update_indexer(whole["indexer_keys"][:, 0])
+
+
+def _restore_state(
+    cmap: CacheMap,
+    s: StateSpec,
+    cache: DynamicCache,
+    snaps: Sequence[Mapping[str, torch.Tensor]],
+    device: Any,
+) -> None:
+    t = s.join([snaps[r][s.name] for r in range(cmap.ranks)]).unsqueeze(0)
+    t = t.to(device) if device is not None else t
+    layer = cache.layers[s.layer]
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        raise LayoutError(f"layer {s.layer} of this config is not a recurrent layer")
+    if s.kind == "conv":
+        layer.lazy_initialization(conv_states=t, state_idx=s.state_idx, conv_kernel_size=t.shape[-1])
+        layer.conv_states[s.state_idx].copy_(t)
+    else:
+        layer.lazy_initialization(recurrent_states=t, state_idx=s.state_idx)
+        layer.recurrent_states[s.state_idx].copy_(t)
+    layer.has_previous_state[s.state_idx] = True
 
 
 # -- running a model --------------------------------------------------------------------

@@ -77,7 +77,7 @@ _SIZES: dict[str, Any] = {
     "n_ctx": 512,
     "index_head_dim": 16,
     "index_n_heads": 2,
-    "index_topk": 8,
+    "index_topk": 128,  # at least the prompt: see the deepseek_v4 override
     "encoder_layers": 1,
     "decoder_layers": LAYERS,
     "encoder_ffn_dim": 128,
@@ -121,6 +121,22 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "deepseek_v2": {"topk_method": "greedy", "n_group": 1, "topk_group": 1},
+    # every attention kind V4 has (sliding, CSA, HCA); compression rates below and above
+    # a block; index_topk above the entry count (a smaller one ties on random weights,
+    # whose top-k picks then depend on the sequence length: prefixes stop agreeing)
+    "deepseek_v4": {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        "mlp_layer_types": ["hash_moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 24},
+        "sliding_window": 12,
+        "head_dim": 32,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "hc_mult": 2,
+        "index_topk": 64,
+    },
     "dbrx": {
         "n_heads": 4,
         "n_layers": LAYERS,
