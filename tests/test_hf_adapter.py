@@ -3,6 +3,7 @@ restores through the engine that continue generation exactly like a full prefill
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 from collections.abc import Callable, Iterator
@@ -416,6 +417,56 @@ def test_sparse_selection_continues_like_the_models_own_cache(model_type: str, t
         assert r.tokens == 48
         _, got = hf.feed(model, ids[48:], r.cache)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("rwkv", "RwkvForCausalLM.forward takes no transformers Cache \\(it carries its state in its own 'state'"),
+        ("xlstm", "xLSTMForCausalLM.forward keeps its own xLSTMCache, not a transformers Cache"),
+        ("recurrent_gemma", "RecurrentGemmaRecurrentBlock.conv1d_state keeps the recurrent state on the "
+                            "model's own module, not in the cache"),
+        ("dory", "'n_recurrent_loops' = 2 with recurrent_kv_cache_mode 'per_loop'"),
+        ("qwen4_exp_text", "indexed attention without an MLA latent"),
+    ],
+)
+def test_refusals_name_what_the_adapter_cannot_handle(model_type: str, reason: str) -> None:
+    """Models without attention layers are refused for what they keep instead, not for
+    a "full_attention" layer's KV head count they do not have."""
+    with pytest.raises(LayoutError, match=reason):
+        hf.cache_map(tiny_config(model_type))
+
+
+def test_causality_is_read_from_the_architecture() -> None:
+    """GPT-NeoX-Japanese is causal by construction though its config says
+    ``is_decoder=False``; BERT with the same flag attends both ways and is refused."""
+    cfg = tiny_config("gpt_neox_japanese")
+    assert cfg.is_decoder is False
+    assert [a.kv_heads for a in hf.cache_map(cfg).attention] == [4, 4]
+    with pytest.raises(LayoutError, match="'is_decoder' is False"):
+        hf.cache_map(tiny_config("bert"))
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "bailing_hybrid", "minimax", "zaya"])
+def test_linear_attention_states_are_derived(model_type: str, tmp_path: Path) -> None:
+    """Kimi / Bailing delta attention, MiniMax's lightning attention (its state in
+    MiniMaxCache.linear_cache) and Zaya's convolutional attention are read off their
+    own mixers and continue exactly on 2 ranks."""
+    torch.manual_seed(0)
+    model = tiny_model(model_type)
+    cmap = hf.cache_map(model, block_tokens=BT, ranks=2)
+    assert cmap.states and not cmap.stepwise
+    _exact_through_engine(model, tmp_path, 2)
+
+
+def test_a_cache_with_more_layers_than_the_map_is_refused() -> None:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config()).eval()
+    ids = list(range(32))
+    cache, _ = hf.feed(model, ids)
+    cache.layers.append(copy.deepcopy(cache.layers[1]))  # a model that grew its cache at run time
+    with pytest.raises(ShapeError, match="the cache holds 3 layers, the cache map describes 2"):
+        hf.to_engine(hf.cache_map(model.config, block_tokens=BT), cache, ids)
 
 
 def test_sliding_layer_needs_its_past_rows() -> None:

@@ -40,6 +40,7 @@ its layer type and the config field.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -49,7 +50,12 @@ import torch
 from prefixstore.adapters import hf_compressed, hf_place
 from prefixstore.adapters.hf_compressed import COMPRESSED_TYPES, CompressedSpec
 from prefixstore.adapters.hf_identity import model_identity
-from prefixstore.adapters.hf_states import meta_model, mixer_states
+from prefixstore.adapters.hf_states import (
+    causal_by_construction,
+    check_cache_kind,
+    meta_model,
+    mixer_states,
+)
 from prefixstore.base.errors import (
     InvalidInputError,
     LayoutError,
@@ -62,12 +68,14 @@ from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.api import Engine
 
 try:
+    import transformers
     from transformers.cache_utils import (
         Cache,
         DynamicCache,
         LinearAttentionCacheLayerMixin,
         get_layer_types_and_kwargs,
     )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "prefixstore.adapters.hf needs transformers 5.x: pip install 'prefixstore[transformers]'"
@@ -87,6 +95,7 @@ __all__ = [
     "greedy",
     "held_from",
     "layout_for",
+    "new_cache",
     "register_state_rule",
     "to_engine",
 ]
@@ -95,11 +104,11 @@ TOKENS = "tok"
 TOKEN_DTYPE = torch.int32
 INDEXED = "indexed_attention"  # DSA: an MLA latent plus the indexer's keys, every token
 FULL_TYPES = frozenset({"full_attention", "hybrid", INDEXED})
-SLIDING_TYPES = frozenset({"sliding_attention", "chunked_attention"})
+SLIDING_TYPES = frozenset({"sliding_attention", "chunked_attention", "hybrid_sliding"})
 ATTENTION_TYPES = FULL_TYPES | SLIDING_TYPES
 # models whose attention caches one tensor as both keys and values (only keys are stored)
 SHARED_KV_MODELS = frozenset({"deepseek_v4"})
-RECURRENT_TYPES = frozenset({"linear_attention", "conv", "hybrid"})
+RECURRENT_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding"})
 SKIPPED_TYPES = frozenset({"dummy"})
 # config conventions for the number of KV heads, in the order they are read
 KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
@@ -199,6 +208,8 @@ class StateSpec:
     groups: tuple[tuple[int, int], ...] = attrs.field(converter=_groups)
     split_dim: int = 0
     state_idx: int = 0
+    model_dtype: bool = False  # kept in the model's dtype (not float32) whatever its kind
+    source: str = "layer"  # "layer": the cache layer's states; "linear_cache": MiniMax's
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in ("conv", "recurrent"):
@@ -371,8 +382,13 @@ def _window(cfg: Any, kind: str, where: str) -> int | None:
 def _attention_spec(cfg: Any, i: int, kind: str, ranks: int, model_type: str) -> AttentionSpec:
     where = f"layer {i} (layer type {kind!r})"
     window = _window(cfg, kind, where)
-    index_dim = _index_dim(cfg, kind, where)
     rank = getattr(cfg, "kv_lora_rank", None)
+    if kind == INDEXED and rank is None:
+        raise LayoutError(
+            f"{where}: indexed attention without an MLA latent (config field 'kv_lora_rank'): "
+            "only DSA's cache (the latent and one indexer key per token) is mapped"
+        )
+    index_dim = _index_dim(cfg, kind, where)
     if rank is not None:  # MLA: one latent "head" of kv_lora_rank + the rotary key
         rope = getattr(cfg, "qk_rope_head_dim", None)
         if not isinstance(rank, int) or not isinstance(rope, int):
@@ -381,8 +397,6 @@ def _attention_spec(cfg: Any, i: int, kind: str, ranks: int, model_type: str) ->
                 f"'qk_rope_head_dim', got {rank!r} and {rope!r}"
             )
         return AttentionSpec(i, 1, rank, rope, window, latent=True, ranks=ranks, index_dim=index_dim)
-    if index_dim:
-        raise LayoutError(f"{where}: indexed attention without an MLA latent ('kv_lora_rank')")
     field, heads = _kv_heads(cfg, where)
     _, head_dim = _field(cfg, "head_dim", "attention_head_dim")
     if head_dim is None:
@@ -428,6 +442,8 @@ def cache_map(
     """
     model = config if isinstance(config, torch.nn.Module) else None
     config = model.config if model is not None else config
+    if model is not None:
+        check_cache_kind(model)
     text = config.get_text_config(decoder=True)
     model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
     _check_causal_cache(config, text)
@@ -456,10 +472,10 @@ def cache_map(
             compressed.append(hf_compressed.compressed_spec(cfg, i, kind, ranks))
             continue
         if kind in ATTENTION_TYPES:
-            spec = _attention_spec(cfg, i, kind, ranks, model_type)
-            if probe is None:
+            if probe is None:  # before the config's head count: it may keep no KV at all
                 probe = model or _try_meta_model(config)
                 _check_causal_attention(text, probe)
+            spec = _attention_spec(cfg, i, kind, ranks, model_type)
             if not spec.latent and probe:
                 spec = _checked_heads(spec, probe, kind, ranks)
             attention.append(spec)
@@ -478,7 +494,8 @@ def cache_map(
             derived = mixer_states(model, i, kind)
             stepwise = stepwise or derived.stepwise
             states.extend(
-                StateSpec(f"{suffix}.{i}", i, skind, shape, groups=groups)
+                StateSpec(f"{suffix}.{i}", i, skind, shape, groups=groups,
+                          model_dtype=suffix in derived.model_dtype, source=derived.source)
                 for suffix, skind, shape, groups in derived.tensors
             )
 
@@ -506,7 +523,7 @@ def _layout(
     def sdtype(s: StateSpec) -> torch.dtype | str:
         if state_dtype is not None:
             return state_dtype
-        return dtype if s.kind == "conv" else torch.float32
+        return dtype if s.kind == "conv" or s.model_dtype else torch.float32
 
     segments = [TensorSpec(TOKENS, TOKEN_DTYPE, (1,))]
     for a in attention:
@@ -531,7 +548,13 @@ def _check_causal_cache(config: Any, text: Any) -> None:
             raise LayoutError(
                 f"config field {field!r} is {bad}: the cache is not a causal self-attention cache"
             )
-    if getattr(text, "prompt_length", 0):
+    loops = getattr(text, "n_recurrent_loops", 1)
+    if isinstance(loops, int) and loops > 1 and getattr(text, "recurrent_kv_cache_mode", "per_loop") == "per_loop":
+        raise LayoutError(
+            f"config field 'n_recurrent_loops' = {loops} with recurrent_kv_cache_mode 'per_loop': "
+            "the model appends a cache layer per loop at run time, beyond 'layer_types'"
+        )
+    if getattr(text, "prompt_length", 0) and getattr(text, "use_prompt", True):
         raise LayoutError(
             f"config field 'prompt_length' = {text.prompt_length}: the cache holds "
             "learned prompt rows before the tokens"
@@ -540,10 +563,16 @@ def _check_causal_cache(config: Any, text: Any) -> None:
 
 def _check_causal_attention(text: Any, model: torch.nn.Module | bool) -> None:
     """BERT-style models (``is_decoder`` False) attend both ways and keep no cache;
-    a model whose attention declares ``is_causal`` ignores the field."""
+    a model whose attention declares ``is_causal``, or whose modeling code builds
+    causal masks only, is causal whatever the field says."""
     if getattr(text, "is_decoder", None) is not False:
         return
-    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    if not isinstance(model, torch.nn.Module):
+        modules: Iterable[torch.nn.Module] = ()
+    elif causal_by_construction(model):
+        return
+    else:
+        modules = model.modules()
     if not any(getattr(m, "is_causal", None) is True for m in modules):
         raise LayoutError(
             "config field 'is_decoder' is False and no attention layer is causal: "
@@ -685,6 +714,11 @@ def to_engine(
     seen = _attention_length(cmap, cache)
     if seen is not None and seen != total:
         raise InvalidInputError(f"cache holds {seen} tokens but {total} token ids were given")
+    if len(cache.layers) > cmap.num_layers:
+        raise ShapeError(
+            f"the cache holds {len(cache.layers)} layers, the cache map describes {cmap.num_layers}: "
+            "the map does not describe this model's cache"
+        )
     ranks = cmap.ranks
     n = end_tok - start_tok
     tok = ids[start_tok:end_tok].to(TOKEN_DTYPE).reshape(n, 1)
@@ -745,6 +779,12 @@ def _layer_rows(
 
 
 def _read_state(cache: Cache, s: StateSpec) -> torch.Tensor:
+    if s.source == "linear_cache":
+        states = getattr(cache, "linear_cache", None)
+        t = states[s.layer] if isinstance(states, list) and s.layer < len(states) else None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape[1:]) != s.shape or t.shape[0] != 1:
+            raise InvalidInputError(f"layer {s.layer} has no linear attention state of shape {s.shape} yet")
+        return t
     layer = cache.layers[s.layer]
     if not isinstance(layer, LinearAttentionCacheLayerMixin):
         raise ShapeError(f"layer {s.layer} is {type(layer).__name__}, not a recurrent layer")
@@ -759,6 +799,28 @@ def _read_state(cache: Cache, s: StateSpec) -> torch.Tensor:
 
 def _spec_dtype(layout: Layout, name: str) -> torch.dtype:
     return next(t for t in (*layout.segments, *layout.snapshots) if t.name == name).torch_dtype
+
+
+def own_cache_class(config: Any) -> type[DynamicCache] | None:
+    """The ``DynamicCache`` subclass a model's own modeling code keeps its state in
+    (MiniMax's ``MiniMaxCache``: its ``linear_cache``), or None for a plain one."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(getattr(config, "model_type", "")))
+    module = inspect.getmodule(getattr(transformers, name, None)) if name else None
+    for obj in vars(module).values() if module is not None else ():
+        if isinstance(obj, type) and issubclass(obj, DynamicCache) and obj.__module__ == module.__name__:
+            return obj
+    return None
+
+
+def new_cache(config: Any) -> DynamicCache:
+    """An empty cache of the kind the model of ``config`` keeps, recording past rows."""
+    own = own_cache_class(config)
+    if own is None:
+        return record_past(DynamicCache(config=config))
+    try:
+        return record_past(own(config=config))
+    except TypeError:  # MiniMaxCache() takes no config
+        return record_past(own())
 
 
 def record_past(cache: Cache) -> Cache:
@@ -814,8 +876,7 @@ def from_engine(
         have = _attention_length(cmap, base)
         if have is None or have < start_tok:
             raise InvalidInputError(f"base cache holds {have} tokens, need {start_tok}")
-    cache = DynamicCache(config=config)
-    record_past(cache)
+    cache = new_cache(config)
     for a in cmap.attention:
         _restore_attention(cmap, a, cache, segments, start_tok, base, device)
     if cmap.has_snapshot:
@@ -852,8 +913,8 @@ def _restore_attention(
                 raise InvalidInputError(f"layer {a.layer}: the base cache dropped tokens [0, {first})")
             t = torch.cat([prev[:, :, :start_tok].to(t.device), t], dim=2)
         whole[attr] = t.to(device).contiguous() if device is not None else t.contiguous()
+    cache.update(whole["keys"], whole.get("values", whole["keys"]), a.layer)  # adds lazy layers
     layer = cache.layers[a.layer]
-    layer.update(whole["keys"], whole.get("values", whole["keys"]))
     if "indexer_keys" in whole:
         if not hasattr(layer, "update_indexer"):
             raise LayoutError(f"layer {a.layer} of this config is {type(layer).__name__}, not indexed")
@@ -869,6 +930,11 @@ def _restore_state(
 ) -> None:
     t = s.join([snaps[r][s.name] for r in range(cmap.ranks)]).unsqueeze(0)
     t = t.to(device) if device is not None else t
+    if s.source == "linear_cache":
+        if not hasattr(cache, "set_linear_cache"):
+            raise LayoutError(f"layer {s.layer}: this config's cache ({type(cache).__name__}) keeps no linear_cache")
+        cache.set_linear_cache(s.layer, t.clone())
+        return
     layer = cache.layers[s.layer]
     if not isinstance(layer, LinearAttentionCacheLayerMixin):
         raise LayoutError(f"layer {s.layer} of this config is not a recurrent layer")
@@ -905,7 +971,7 @@ def feed(
     ids = ids.to(device).unsqueeze(0)
     chunks = ids.split(1, dim=1) if (stepwise and cache is not None) else (ids,)
     if cache is None:
-        cache = record_past(DynamicCache(config=model.config))
+        cache = new_cache(model.config)
     out = None
     for chunk in chunks:
         out = model(input_ids=chunk, cache=cache, use_cache=True)
