@@ -67,6 +67,8 @@ def describe(pc: HFPrefixCache) -> str:
     sliding = [a.window for a in pc.cmap.attention if a.window]
     parts = [f"{len(sliding)} sliding({sliding[0]})"] if sliding else []
     parts.append(f"{len(pc.cmap.attention) - len(sliding)} full")
+    if pc.cmap.compressed:
+        parts.append(f"{len(pc.cmap.compressed)} compressed")
     if pc.cmap.states:
         parts.append(f"{len(pc.cmap.states)} recurrent states")
     return ", ".join(parts)

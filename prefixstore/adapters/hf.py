@@ -13,20 +13,26 @@ How a model's cache maps onto an engine :class:`Layout` (see :func:`cache_map`):
 * attention layer ``i`` -> segments ``k.i`` and ``v.i`` with per-token shape
   ``(kv_heads // ranks, head_dim)``, token axis first. Rank ``r`` holds KV heads
   ``[r * kv_heads // ranks, (r + 1) * kv_heads // ranks)``, like tensor parallelism does;
-  when ranks outnumber the KV heads (``ranks % kv_heads == 0``) each head is replicated
-  on ``ranks // kv_heads`` consecutive ranks. KV heads are read from every config
-  convention (:data:`KV_HEAD_FIELDS`, ``multi_query``) and checked against the layer's
-  own ``k_proj`` / ``v_proj``.
+  when ranks outnumber the KV heads (``ranks % kv_heads == 0``) each head, which
+  ``ranks // kv_heads`` ranks hold alike, is stored once: each of them keeps a stripe of
+  its columns, under a ``once.`` name (:mod:`prefixstore.adapters.hf_place`). KV heads
+  are read from every config convention (:data:`KV_HEAD_FIELDS`, ``multi_query``,
+  Falcon's ``new_decoder_architecture``) and from the layer's own ``k_proj`` (or a fused
+  QKV's ``num_key_value_heads``); a store checks the cache's real shapes (ShapeError).
 * sliding-window / chunked layer -> the same segments: every token's row is stored once
   and a restore rebuilds the model's sliding layer (which keeps the last ``window - 1``
   rows). :func:`feed` and restored caches keep such a layer's past rows, so a
   checkpoint may span more than a window.
 * MLA layer (config declares ``kv_lora_rank``) -> ``kv_latent.i`` (``kv_lora_rank``
-  wide) and ``k_rope.i`` (``qk_rope_head_dim`` wide): the latent, one "head"
-  replicated on every rank as MLA tensor-parallel servers do.
-* recurrent layer ``i`` (Mamba, Mamba2, gated delta-net, short convolution) ->
-  snapshots ``conv.i`` (the causal-conv window) and ``ssm.i`` (the recurrent state, if
-  any) at the checkpoint's end, their shapes read off the model's own mixer modules
+  wide) and ``k_rope.i`` (``qk_rope_head_dim`` wide): one head every rank holds alike,
+  stored once. An indexed (DSA) layer adds ``idx.i``, the indexer's key of each token.
+* DeepSeek V4's compressed layers (CSA, HCA) -> packed compressed-entry segments and
+  snapshots of the sliding branch, the open window and the overlap state
+  (:mod:`prefixstore.adapters.hf_compressed`), all stored once across ranks.
+* recurrent layer ``i`` (Mamba, Mamba2, gated delta-net, Kimi delta attention, MiniMax
+  lightning attention, Zaya's convolutional attention, short convolution) -> snapshots
+  ``conv.i`` (the causal-conv window) and ``ssm.i`` (the recurrent state, if any) at
+  the checkpoint's end, their shapes read off the model's own mixer modules
   (:mod:`prefixstore.adapters.hf_states`). Each is split along its channel/head
   dimension the way tensor parallelism shards it (a conv window's channel groups are
   each split by heads and every rank holds its ``[q_r, k_r, v_r]`` / ``[x_r, B_r, C_r]``).
