@@ -67,6 +67,8 @@ def describe(pc: HFPrefixCache) -> str:
     sliding = [a.window for a in pc.cmap.attention if a.window]
     parts = [f"{len(sliding)} sliding({sliding[0]})"] if sliding else []
     parts.append(f"{len(pc.cmap.attention) - len(sliding)} full")
+    if pc.cmap.compressed:
+        parts.append(f"{len(pc.cmap.compressed)} compressed")
     if pc.cmap.states:
         parts.append(f"{len(pc.cmap.states)} recurrent states")
     return ", ".join(parts)
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         pc = stack.enter_context(
             HFPrefixCache.open(
                 path,
-                model.config,
+                model,  # the model: its weights' fingerprint is part of the cache's identity
                 capacity_bytes=256 << 20,
                 block_tokens=args.block_tokens,
                 ranks=args.ranks,

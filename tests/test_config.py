@@ -35,7 +35,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "low_watermark": 1.0, "create": True, "fs": None, "hook": None, "ranks": None,
     "registry": None, "admission": None, "inflight_wait_s": 30.0, "compaction": None,
     "backing": "disk", "ram_bytes": None, "executor": None, "bandwidth": None,
-    "read_only_fallback": True, "remote": None, "remote_options": None,
+    "read_only_fallback": True, "remote": None, "remote_options": None, "identity": None,
 }
 
 NAN = math.nan
@@ -87,6 +87,8 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("remote_options", {"remote_options": 5}),
     ("remote_options", {"remote_options": {"bogus": 1}}),
     ("remote_options", {"remote_options": {"lookup_timeout": -1}}),
+    ("identity", {"identity": "llama"}),
+    ("identity", {"identity": {"model": 1}}),
 ]
 CHECKED = {a for a, _ in BAD_OPTIONS}
 TAKEN_AS_GIVEN = {"fs", "hook", "registry"}  # effect objects: any object is accepted

@@ -3,6 +3,7 @@ restores through the engine that continue generation exactly like a full prefill
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 from collections.abc import Callable, Iterator
@@ -24,9 +25,9 @@ from transformers import (  # noqa: E402
     Qwen3NextForCausalLM,
 )
 
-from prefixstore.adapters import hf  # noqa: E402
+from prefixstore.adapters import hf, hf_compressed  # noqa: E402
 from prefixstore.adapters.hf_tiny import SLIDING_WINDOW, tiny_config, tiny_model  # noqa: E402
-from prefixstore.base.errors import InvalidInputError, LayoutError, RankError  # noqa: E402
+from prefixstore.base.errors import InvalidInputError, LayoutError, RankError, ShapeError  # noqa: E402
 from prefixstore.base.keys import Prefix  # noqa: E402
 
 BT = 16  # block_tokens
@@ -90,6 +91,8 @@ for _name in (
     "mistral",  # every layer sliding
     "gpt_oss",  # sliding + global, MoE
     "deepseek_v3",  # MLA
+    "deepseek_v32",  # MLA + the DSA indexer's keys
+    "deepseek_v4",  # shared-KV sliding, CSA (compressor + indexer) and HCA layers
     "falcon",  # multi-query (1 KV head), replicated on 2 ranks
     "gpt_bigcode",  # multi-query
     "zamba2",  # Mamba2 + shared attention
@@ -230,8 +233,13 @@ def test_layout_hybrid_has_both() -> None:
 def test_layout_refuses_what_it_cannot_map() -> None:
     with pytest.raises(RankError, match="layer 0.*'num_key_value_heads'"):
         hf.cache_map(llama_config(), ranks=3)  # 2 KV heads on 3 ranks
+    unknown = llama_config()
+    unknown.layer_types = ["mystery_attention", "full_attention"]
+    with pytest.raises(LayoutError, match="layer 0: cache layer type 'mystery_attention'.*layer_types"):
+        hf.cache_map(unknown)
     indexed = tiny_config("deepseek_v32")  # DSA: an indexer key cache besides the latent
-    with pytest.raises(LayoutError, match="layer 0: cache layer type 'indexed_attention'.*layer_types"):
+    indexed.index_head_dim = 0
+    with pytest.raises(LayoutError, match="layer 0 \\(layer type 'indexed_attention'\\).*'index_head_dim'"):
         hf.cache_map(indexed)
     many = qwen3_next_config()
     many.number_of_conv_states = 2
@@ -257,19 +265,22 @@ def test_layout_sliding_layers_are_segments() -> None:
     assert [a.window for a in hf.cache_map(chunked).attention] == [32, None]
 
 
-def test_layout_mla_latent_is_replicated() -> None:
+def test_layout_mla_latent_is_stored_once() -> None:
+    """The MLA latent is the same on every rank: stored once, each rank keeping a
+    stripe of its columns (``once.`` names), so 4 ranks store what 1 does."""
     cfg = tiny_config("deepseek_v3")
-    for ranks in (1, 2, 3):
+    for ranks, prefix in ((1, ""), (2, "once."), (4, "once.")):
         cmap = hf.cache_map(cfg, block_tokens=BT, ranks=ranks)
         segs = {s.name: s.shape for s in cmap.layout.segments}
         assert segs == {
             "tok": (1,),
-            "kv_latent.0": (1, cfg.kv_lora_rank),
-            "k_rope.0": (1, cfg.qk_rope_head_dim),
-            "kv_latent.1": (1, cfg.kv_lora_rank),
-            "k_rope.1": (1, cfg.qk_rope_head_dim),
+            f"{prefix}kv_latent.0": (1, cfg.kv_lora_rank // ranks),
+            f"{prefix}k_rope.0": (1, cfg.qk_rope_head_dim // ranks),
+            f"{prefix}kv_latent.1": (1, cfg.kv_lora_rank // ranks),
+            f"{prefix}k_rope.1": (1, cfg.qk_rope_head_dim // ranks),
         }
         assert all(a.latent and a.kv_heads == 1 for a in cmap.attention)
+    assert {s.name: s.shape for s in hf.cache_map(cfg, ranks=3).layout.segments}["once.k_rope.0"] == (1, 3)
 
 
 @pytest.mark.parametrize(
@@ -293,23 +304,169 @@ def test_kv_heads_from_every_config_convention(fields: dict[str, Any], heads: in
     assert {s.name: s.shape for s in cmap.layout.segments}["k.0"] == (heads, 16)
 
 
-def test_kv_heads_replicated_when_ranks_outnumber_them() -> None:
+def test_kv_heads_stored_once_when_ranks_outnumber_them() -> None:
+    """A KV head that several ranks hold alike is stored once: each of them keeps a
+    stripe of its columns, and the stripes join back to the head."""
     torch.manual_seed(0)
     model = tiny_model("falcon")  # multi_query: one KV head
     ids = list(range(40))
     cache, _ = hf.feed(model, ids)
     cmap = hf.cache_map(model.config, block_tokens=BT, ranks=4)
-    assert {s.name: s.shape for s in cmap.layout.segments}["k.0"] == (1, 16)
+    assert {s.name: s.shape for s in cmap.layout.segments}["once.k.0"] == (1, 4)
     t = hf.to_engine(cmap, cache, ids)
-    keys = cache.layers[0].keys[0, :, :32].transpose(0, 1)
-    assert all(torch.equal(t.segments[r]["k.0"], keys) for r in range(4))
+    keys = cache.layers[0].keys[0, :, :32].transpose(0, 1)  # (tokens, 1 head, 16)
+    assert all(torch.equal(t.segments[r]["once.k.0"], keys[..., 4 * r : 4 * r + 4]) for r in range(4))
+    assert sum(seg["once.k.0"].numel() for seg in t.segments) == keys.numel()
     back = hf.from_engine(cmap, model.config, t.segments, tokens=ids)
     assert torch.equal(back.layers[0].keys[0, :, :32], cache.layers[0].keys[0, :, :32])
-    t.segments[3]["v.1"] = t.segments[3]["v.1"] + 1
-    with pytest.raises(InvalidInputError, match="replicated 'v.1' head 0"):
-        hf.from_engine(cmap, model.config, t.segments, tokens=ids)
     two = llama_config()  # 2 KV heads on 4 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1
-    assert hf.cache_map(two, ranks=4).attention[0].head_of_rank(4) == [[0], [0], [1], [1]]
+    cmap = hf.cache_map(two, ranks=4)
+    assert cmap.attention[0].head_of_rank(4) == [[0], [0], [1], [1]]
+    assert {s.name: s.shape for s in cmap.layout.segments}["once.v.1"] == (1, 8)
+
+
+def _exact_through_engine(model: Any, tmp_path: Path, ranks: int) -> None:
+    """Store a 48-token prefill, reopen, resume a 64-token request and compare the
+    next-token logits with a full prefill."""
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    opts = {"capacity_bytes": CAPACITY, "block_tokens": BT, "ranks": ranks}
+    with hf.HFPrefixCache.open(tmp_path, model.config, **opts) as pc:
+        pc.prefill(model, ids[:48])
+    with hf.HFPrefixCache.open(tmp_path, model.config, **opts) as pc:
+        r = pc.resume(ids)
+        assert r.tokens == 48
+        _, logits = hf.feed(model, ids[48:], r.cache)
+    _, want = hf.feed(model, ids)
+    assert (logits - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_falcon_new_decoder_architecture_caches_every_head(ranks: int, tmp_path: Path) -> None:
+    """Falcon-40B's layout (``new_decoder_architecture``, fewer KV heads than query
+    heads) broadcasts each KV head to its query group before caching: the map follows
+    the cache (4 heads), and a map that does not is refused at the store, typed."""
+    torch.manual_seed(0)
+    model = tiny_model("falcon", new_decoder_architecture=True, multi_query=False, num_kv_heads=2)
+    cmap = hf.cache_map(model.config, block_tokens=BT, ranks=ranks)
+    assert [a.kv_heads for a in cmap.attention] == [4, 4]
+    _exact_through_engine(model, tmp_path, ranks)
+    cache, _ = hf.feed(model, list(range(32)))
+    wrong = attrs.evolve(cmap, attention=tuple(attrs.evolve(a, kv_heads=2) for a in cmap.attention))
+    with pytest.raises(ShapeError, match="layer 0: the cache holds 4 heads of 16 columns for 'k.0', the layout maps 2"):
+        hf.to_engine(wrong, cache, list(range(32)))
+
+
+def test_dbrx_heads_follow_the_attention_config(tmp_path: Path) -> None:
+    """DBRX's attention reads ``attn_config.kv_n_heads``; a top-level
+    ``num_key_value_heads`` that disagrees is not what the cache holds."""
+    torch.manual_seed(0)
+    model = tiny_model("dbrx", num_key_value_heads=1)
+    cfg = model.config
+    assert (cfg.attn_config.kv_n_heads, cfg.num_key_value_heads) == (2, 1)
+    assert [a.kv_heads for a in hf.cache_map(cfg, block_tokens=BT).attention] == [2, 2]
+    _exact_through_engine(model, tmp_path, 2)
+
+
+def test_layout_deepseek_v4_is_stored_once() -> None:
+    """DeepSeek V4's caches are one head every rank holds alike: on 4 ranks each tensor
+    is a stripe, and a checkpoint's bytes are those of 1 rank (up to padding)."""
+    cfg = tiny_config("deepseek_v4")
+    one, four = (hf.cache_map(cfg, block_tokens=BT, ranks=r).layout for r in (1, 4))
+    assert [s.name for s in one.segments] == ["tok", "k.0", "cmp.1", "icmp.1", "cmp.2"]
+    assert {s.name for s in four.snapshots} == {
+        f"once.{n}.1" for n in ("win", "buf", "bufg", "ovl", "ovlg", "ibuf", "ibufg", "iovl", "iovlg")
+    } | {"once.win.2", "once.buf.2", "once.bufg.2"}
+    tok = one.segments[0].nbytes
+    # cmp.2 (24-token windows: 2 columns per token) is padded to 4 columns on 4 ranks
+    assert 4 * (four.token_bytes - tok) == one.token_bytes - tok + 2 * 4
+    assert 4 * four.snapshot_bytes == one.snapshot_bytes
+    assert {s.name: s.dtype for s in one.snapshots}["ovlg.1"] == "float32"
+
+
+@pytest.mark.parametrize(("rate", "bt"), [(4, 16), (24, 16), (16, 16), (5, 8), (3, 4)])
+def test_compressed_entries_pack_by_block(rate: int, bt: int) -> None:
+    """Entry w (closing at token (w + 1) * rate) lands in the block of its last token:
+    any block-aligned span packs and unpacks the entries it completes."""
+    dim = 6
+    entries = torch.arange(200 * dim, dtype=torch.float32).reshape(200, dim)
+    width = hf_compressed.CompressedSpec(0, "x", rate, 4, dim, ()).packed_width(bt, dim)
+    for start, end in ((0, 4 * bt), (bt, 3 * bt), (2 * bt, 7 * bt)):
+        mine = entries[start // rate : end // rate]
+        rows = hf_compressed.pack(mine, start, end, bt, rate, width)
+        assert rows.shape == (end - start, width)
+        assert torch.equal(hf_compressed.unpack(rows, start, bt, rate, dim), mine)
+        # a span's rows are its blocks' rows: cutting at a block boundary changes nothing
+        mid = start + bt
+        head = hf_compressed.pack(entries[start // rate : mid // rate], start, mid, bt, rate, width)
+        assert torch.equal(rows[:bt], head)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "deepseek_v32"])
+def test_sparse_selection_continues_like_the_models_own_cache(model_type: str, tmp_path: Path) -> None:
+    """With an index top-k below the entry count the indexer really selects; a restore
+    on 4 ranks then continues exactly like the model's own cache fed the same chunks."""
+    torch.manual_seed(0)
+    model = tiny_model(model_type, index_topk=3)
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    own, _ = hf.feed(model, ids[:48])
+    _, want = hf.feed(model, ids[48:], own)
+    with hf.HFPrefixCache.open(tmp_path, model, capacity_bytes=CAPACITY, block_tokens=BT, ranks=4) as pc:
+        cache, _ = hf.feed(model, ids[:48])
+        assert pc.store(cache, ids[:48]).status == "stored"
+        r = pc.resume(ids)
+        assert r.tokens == 48
+        _, got = hf.feed(model, ids[48:], r.cache)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("rwkv", "RwkvForCausalLM.forward takes no transformers Cache \\(it carries its state in its own 'state'"),
+        ("xlstm", "xLSTMForCausalLM.forward keeps its own xLSTMCache, not a transformers Cache"),
+        ("recurrent_gemma", "RecurrentGemmaRecurrentBlock.conv1d_state keeps the recurrent state on the "
+                            "model's own module, not in the cache"),
+        ("dory", "'n_recurrent_loops' = 2 with recurrent_kv_cache_mode 'per_loop'"),
+        ("qwen4_exp_text", "indexed attention without an MLA latent"),
+    ],
+)
+def test_refusals_name_what_the_adapter_cannot_handle(model_type: str, reason: str) -> None:
+    """Models without attention layers are refused for what they keep instead, not for
+    a "full_attention" layer's KV head count they do not have."""
+    with pytest.raises(LayoutError, match=reason):
+        hf.cache_map(tiny_config(model_type))
+
+
+def test_causality_is_read_from_the_architecture() -> None:
+    """GPT-NeoX-Japanese is causal by construction though its config says
+    ``is_decoder=False``; BERT with the same flag attends both ways and is refused."""
+    cfg = tiny_config("gpt_neox_japanese")
+    assert cfg.is_decoder is False
+    assert [a.kv_heads for a in hf.cache_map(cfg).attention] == [4, 4]
+    with pytest.raises(LayoutError, match="'is_decoder' is False"):
+        hf.cache_map(tiny_config("bert"))
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "bailing_hybrid", "minimax", "zaya"])
+def test_linear_attention_states_are_derived(model_type: str, tmp_path: Path) -> None:
+    """Kimi / Bailing delta attention, MiniMax's lightning attention (its state in
+    MiniMaxCache.linear_cache) and Zaya's convolutional attention are read off their
+    own mixers and continue exactly on 2 ranks."""
+    torch.manual_seed(0)
+    model = tiny_model(model_type)
+    cmap = hf.cache_map(model, block_tokens=BT, ranks=2)
+    assert cmap.states and not cmap.stepwise
+    _exact_through_engine(model, tmp_path, 2)
+
+
+def test_a_cache_with_more_layers_than_the_map_is_refused() -> None:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config()).eval()
+    ids = list(range(32))
+    cache, _ = hf.feed(model, ids)
+    cache.layers.append(copy.deepcopy(cache.layers[1]))  # a model that grew its cache at run time
+    with pytest.raises(ShapeError, match="the cache holds 3 layers, the cache map describes 2"):
+        hf.to_engine(hf.cache_map(model.config, block_tokens=BT), cache, ids)
 
 
 def test_sliding_layer_needs_its_past_rows() -> None:
@@ -471,6 +628,50 @@ def test_block_aligned_request(case: Case, tmp_path: Path) -> None:
         _, want = hf.feed(case.model, case.ids[:64])
         assert (logits - want).abs().max().item() < TOL
         assert pc.resume([]).cache is None
+
+
+def test_prefill_after_block_aligned_resume(case: Case, tmp_path: Path) -> None:
+    """``prefill(ids, resume(ids))`` with ``ids`` ending at a stored checkpoint (longer
+    than every sliding window): the rewound cache keeps its past rows, the prefill
+    stores nothing it already has, and the cache goes on to store a deeper checkpoint
+    from the restore point only."""
+    with open_cache(tmp_path, case, 1) as pc:
+        store_checkpoints(pc, case)
+        ids = case.ids[:64]
+        cache, logits = pc.prefill(case.model, ids, pc.resume(ids))
+        _, want = hf.feed(case.model, ids)
+        assert (logits - want).abs().max().item() < TOL
+        assert hf.held_from(pc.cmap, cache) == 0  # every past row is still there
+        resumed = hf.Resumed(cache, 64)  # nothing is stored at 80 yet: store from 64 on
+        cache, logits = pc.prefill(case.model, case.ids[:80], resumed)
+        r = pc.resume(case.ids)
+        assert r.tokens == 80
+        case.check(r.cache, r.tokens, pc.cmap.stepwise)
+
+
+def test_store_takes_rows_from_what_the_cache_holds(tmp_path: Path) -> None:
+    """A model's own cache dropped a sliding layer's old rows: ``store`` stores from
+    the first block every layer still holds, which the engine accepts where it needs
+    no earlier rows, and refuses (typed, nothing stored) where it does."""
+    torch.manual_seed(0)
+    model = tiny_model("mistral")  # window 24
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    cmap = hf.cache_map(model.config, block_tokens=BT)
+    with hf.HFPrefixCache.open(tmp_path, model.config, capacity_bytes=CAPACITY, block_tokens=BT) as pc:
+        with torch.no_grad():
+            own = model(input_ids=torch.tensor([ids]), use_cache=True).cache
+        assert hf.held_from(cmap, own) == 48  # rows [41, 64): the first whole block is 48
+        with pytest.raises(InvalidInputError, match="needs tokens from 0"):
+            pc.store(own, ids)
+        assert pc.engine.stats()["nodes"] == 0
+        cache, _ = hf.feed(model, ids[:48])
+        assert pc.store(cache, ids[:48]).status == "stored"
+        assert pc.store(own, ids).status == "stored"  # the new node starts at 48
+        r = pc.resume(ids + [3])
+        assert r.tokens == 64
+        _, logits = hf.feed(model, [3], r.cache)
+        _, want = hf.feed(model, ids + [3])
+        assert (logits - want).abs().max().item() < TOL
 
 
 def test_gpu_resident_prefix_is_not_restored(case: Case, tmp_path: Path) -> None:

@@ -157,3 +157,12 @@ class CatalogLostError(NotACacheError):
 
 class ForeignSchemaError(CatalogCorruptError):
     """The catalog holds a trigger, view, index or table the engine did not create, or an altered one: refused."""
+
+
+class IdentityMismatchError(PrefixStoreError):
+    """The cache belongs to another model than the ``identity`` given to open();
+    ``differences`` names each field that differs. Nothing was changed."""
+
+    def __init__(self, message: str, differences: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.differences = list(differences or ())

@@ -99,7 +99,10 @@ class Engine:
         ``read_only``, instead of raising DiskFullError; see ``engine/readonly.py``),
         ``remote`` (a ``redis://``, ``rediss://`` or ``redis+cluster://`` URL: the shared
         remote tier below the local ones; see ``engine/remote.py``) with
-        ``remote_options`` (a ``gpu.remote.RemoteConfig`` or a dict of its fields).
+        ``remote_options`` (a ``gpu.remote.RemoteConfig`` or a dict of its fields),
+        ``identity`` (a mapping of str to str naming the model the cache belongs to:
+        recorded when the cache is created, compared on every open that gives one,
+        ``IdentityMismatchError`` naming the fields that differ; see ``engine/identity.py``).
         ``config``: an ``EngineConfig`` holding these options (others given beside it
         override its fields); every option is checked once, with a typed error naming it.
         """

@@ -18,6 +18,7 @@ import attrs
 
 from prefixstore.base.errors import InvalidArgumentError
 from prefixstore.base.layout import Layout
+from prefixstore.engine import identity
 from prefixstore.engine.checks import callable_or_none, choice, flag, instance, integer, real
 from prefixstore.gpu.backings import BACKINGS
 from prefixstore.gpu.remote import RemoteConfig, parse
@@ -120,6 +121,8 @@ class EngineConfig:
     read_only_fallback: bool = attrs.field(default=True, validator=_checked(flag))
     remote: str | None = attrs.field(default=None, validator=_checked(check_remote), repr=False)
     remote_options: RemoteConfig | None = attrs.field(default=None, converter=remote_options)
+    identity: Mapping[str, str] | None = attrs.field(
+        default=None, validator=_checked(identity.check_option), converter=identity.frozen)
 
     @classmethod
     def from_options(cls, **opts: Any) -> EngineConfig:

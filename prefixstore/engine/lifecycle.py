@@ -31,6 +31,7 @@ from prefixstore.engine import (
     calibration,
     compaction,
     dirlock,
+    identity,
     journal,
     loading,
     pipeline,
@@ -171,6 +172,7 @@ def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     eng._dir_lock = None
     eng.remote = None  # the shared remote tier (engine/remote.py), set once open succeeded
     eng.identity = uuid.uuid4().hex  # carried by this engine's Matches (validate.match)
+    eng.model_identity = o.identity  # the model the cache belongs to (engine/identity.py)
     eng._pins = Counter()  # every pin: pin()'s and running restores'
     eng._request_pins = Counter()  # the pins taken by pin() (a request holds them)
     eng._fences = Counter()
@@ -207,6 +209,7 @@ def open_effects(eng: Engine, o: EngineConfig) -> None:
     layout = eng.layout
     trust.check_new_cache(eng.catalog, eng.root, o.ranks or ())
     check_layout(eng)
+    identity.check(eng)
     recovery.check_backing(eng)
     eng.backing = tiering.open_backing(eng, o.backing, o.ram_bytes)
     eng.ranks = list(o.ranks) if o.ranks is not None else [
@@ -263,6 +266,7 @@ def open_read_only(eng: Engine, reason: DiskFullError, bandwidth: Any, logs: fro
     eng.catalog = Catalog.open_read_only(eng.root, reason, eng.hook)
     try:
         check_layout(eng)
+        identity.check(eng)
         recovery.check_structure(eng)
         if (eng.catalog.meta(tiers.META_KEY) or "disk") != "disk":
             raise reason
