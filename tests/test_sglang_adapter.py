@@ -25,7 +25,7 @@ from conftest import mounted_tmpfs  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 
 from prefixstore.adapters.sglang import PrefixStoreHiCache  # noqa: E402
-from prefixstore.base.errors import InvalidInputError  # noqa: E402
+from prefixstore.base.errors import IdentityMismatchError, InvalidInputError, LayoutMismatchError  # noqa: E402
 
 
 def ranks(root, n, **kw):
@@ -456,3 +456,33 @@ def test_the_page_map_is_the_catalogs_after_a_rebuild_and_stays_bounded(tmp_path
         assert rk.backend.batch_exists(last[3:]) == 7  # found from its hash, mid-chain, no prefix keys
     finally:
         rk.close()
+
+
+def test_a_directory_belongs_to_the_model_and_page_format_that_wrote_it(tmp_path):
+    keys = drv.page_keys(7, 40)
+    rk = drv.Rank(str(tmp_path))
+    try:
+        assert drv.write_back(rk, [], keys) == 40
+    finally:
+        rk.close()
+    other = drv.Rank(str(tmp_path))
+    other.backend.config.model_name = "another-model"
+    try:
+        with pytest.raises(IdentityMismatchError, match="model") as err:
+            other.backend.batch_exists(keys)
+        assert any("model" in d for d in err.value.differences)
+    finally:
+        other.close()
+    smaller = drv.Rank(str(tmp_path), kv=drv.kv_pool(page=drv.PAGE // 2))
+    try:
+        with pytest.raises((IdentityMismatchError, LayoutMismatchError)):
+            smaller.backend.batch_exists(keys)
+    finally:
+        smaller.close()
+    same = drv.Rank(str(tmp_path))
+    try:
+        assert drv.agree([drv.query(same, [], keys)]) == 40
+        got, rows, _ = drv.fetch(same, [], keys, 40)
+        assert got == 40 and torch.equal(rows[3], drv.page_data(same.kv, keys[3], 0))
+    finally:
+        same.close()

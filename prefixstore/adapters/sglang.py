@@ -374,10 +374,28 @@ class PrefixStoreHiCache(HiCacheStorage):
             blocks = max(1, opts["capacity_bytes"] // max(1, self._kv_page_bytes(host)))
             self.admission = RetentionAdmission(blocks)
             opts["admission"] = self.admission
+        opts["identity"] = self._identity(name, host, bt)
         os.makedirs(self.root, exist_ok=True)
         p = _Pool(name, host, trailing, bt, opts)
         self.pools[name] = p
         return p
+
+    def _identity(self, name: str, host: Any, page_tokens: int) -> dict[str, str]:
+        """What pool ``name``'s rows mean: the model SGLang serves, this rank's place in
+        the parallel groups, the pool and its page format (``Engine.open(identity=...)``
+        refuses a directory another model, rank or page format wrote)."""
+        c = self.config
+        return {
+            "adapter": "sglang",
+            "model": str(c.model_name or ""),
+            "pool": name,
+            "tp": f"{c.tp_rank}/{c.tp_size}",
+            "pp": f"{c.pp_rank}/{c.pp_size}",
+            "mla": str(bool(c.is_mla_model)),
+            "page_first_layout": str(bool(c.is_page_first_layout)),
+            "dtype": str(host.get_dummy_flat_data_page().dtype).removeprefix("torch."),
+            "page_tokens": str(page_tokens),
+        }
 
     @staticmethod
     def _kv_page_bytes(host: Any) -> int:
