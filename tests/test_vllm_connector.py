@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from prefixstore.adapters.vllm import PrefixStoreConnector, UnknownConfigKeysError  # noqa: E402
-from prefixstore.base.errors import InvalidInputError, LayoutError  # noqa: E402
+from prefixstore.base.errors import InvalidInputError, LayoutError, LockedError  # noqa: E402
 from prefixstore.base.keys import Prefix  # noqa: E402
 
 BS = drv.BS
@@ -84,6 +84,8 @@ def test_vllm_factory_builds_both_halves_from_the_module_path(tmp_path, model):
         assert inst.connector.layout.segments[0].shape == (drv.KV_HEADS, 2 * drv.HEAD)
         with pytest.raises(InvalidInputError, match="worker-side call"):
             inst.connector.wait_for_save()
+        with pytest.raises(LockedError):  # one instance per cache directory at a time
+            drv.Instance(model, str(tmp_path / "c"), extra=staging(tmp_path))
     finally:
         inst.close()
 
@@ -368,3 +370,39 @@ def test_a_capacity_small_enough_to_evict(tmp_path, model):
         assert inst.wrong == 0 and engine(inst).audit().ok
     finally:
         inst.close()
+
+
+# ---------------------------------------------------------------------- the Mooncake trace
+
+REPLAY_SLICE = 400
+FULL = pytest.mark.skipif(
+    not os.environ.get("PREFIXSTORE_FULL_REPLAY"),
+    reason="the whole trace takes minutes: PREFIXSTORE_FULL_REPLAY=1 (or python tests/vllm_replay.py)")
+
+
+def load_requests(limit):
+    import vllm_replay
+
+    try:
+        return vllm_replay.load_trace(vllm_replay.trace_path())[:limit]
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.slow
+def test_mooncake_slice_through_the_connector_matches_the_engine_replay():
+    import vllm_replay
+
+    out = vllm_replay.compare(load_requests(REPLAY_SLICE), "10%")
+    assert out["engine_hit_ratio_tokens"] > 0.03  # a slice with real reuse, not a vacuous match
+    assert out["connector_wrong_blocks"] == 0 and out["connector_checked_blocks"] > 100 and out["connector_audit_ok"]
+    assert vllm_replay.within_1_percent(out), out
+
+
+@FULL
+def test_mooncake_whole_trace_through_the_connector_matches_the_engine_replay():
+    import vllm_replay
+
+    out = vllm_replay.compare(load_requests(None), "10%")
+    assert out["connector_wrong_blocks"] == 0 and out["connector_audit_ok"]
+    assert vllm_replay.within_1_percent(out), out
