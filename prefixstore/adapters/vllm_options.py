@@ -34,11 +34,12 @@ KEYS = frozenset({
 
 
 class UnknownConfigKeysError(InvalidInputError):
-    """``kv_connector_extra_config`` holds keys the connector does not know (``.keys``)."""
+    """A configuration holds keys an adapter does not know (``.keys``)."""
 
-    def __init__(self, keys: list[str]) -> None:
+    def __init__(self, keys: list[str], known: frozenset[str] = KEYS,
+                 where: str = "kv_connector_extra_config") -> None:
         self.keys = keys
-        super().__init__(f"kv_connector_extra_config: unknown keys {keys}; known: {sorted(KEYS)}")
+        super().__init__(f"{where}: unknown keys {keys}; known: {sorted(known)}")
 
 
 @attrs.frozen
