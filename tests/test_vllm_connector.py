@@ -247,6 +247,19 @@ def test_a_checkpoint_is_published_only_when_every_ranks_shard_is_staged(tmp_pat
             inst.close()
 
 
+def test_a_staging_file_that_does_not_fit_leaves_nothing_behind(tmp_path):
+    from prefixstore.adapters.vllm_staging import Staging
+    from prefixstore.base.layout import Layout, TensorSpec
+
+    (tmp_path / "tiny").mkdir()
+    with mounted_tmpfs(str(tmp_path / "tiny"), size="4k") as tiny:
+        st = Staging(tiny, Layout([TensorSpec("kv", "float16", (1, 16))], block_tokens=BS))
+        st.create(st.save_file(1, 0), 4 * BS)  # 4 KiB: the whole tmpfs
+        with pytest.raises(OSError):
+            st.create(st.save_file(1, 1), 4 * BS)
+        assert os.listdir(tiny) == ["s1.r0"]
+
+
 # ---------------------------------------------------------------------- loads in flight
 
 

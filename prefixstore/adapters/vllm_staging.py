@@ -75,6 +75,9 @@ class Staging:
         try:
             if n:
                 os.posix_fallocate(fd, 0, n)
+        except OSError:
+            self.remove(path)  # no empty file left behind for the scheduler to trip on
+            raise
         finally:
             os.close(fd)
         return torch.from_file(path, shared=True, size=n, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
