@@ -387,7 +387,7 @@ def test_a_capacity_small_enough_to_evict(tmp_path, model):
 
 # ---------------------------------------------------------------------- the Mooncake trace
 
-REPLAY_SLICE = 400
+REPLAY_SLICE = 300
 FULL = pytest.mark.skipif(
     not os.environ.get("PREFIXSTORE_FULL_REPLAY"),
     reason="the whole trace takes minutes: PREFIXSTORE_FULL_REPLAY=1 (or python tests/vllm_replay.py)")
