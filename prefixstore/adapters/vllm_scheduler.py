@@ -151,11 +151,15 @@ class SchedulerSide:
         ids = list(block_ids[gpu:gpu + n])
         self.loads[job] = _Load(req, gpu, ids)
         self.pending_loads.append(LoadJob(job, req, ids))
-        if m is None or not m.hit or m.blocks < gpu + n:
-            self.staging.write_status(job, 0, "no match to restore")
+        try:
+            if m is None or not m.hit or m.blocks < gpu + n:
+                self.staging.write_status(job, 0, "no match to restore")
+                return
+            self._count("loads")
+            pinned = self.engine.pin(m)
+        except (PrefixStoreError, OSError) as exc:  # never into vLLM's scheduler: the workers time out
+            log.warning("vllm_load_not_started", job=job, req=req, error=str(exc))
             return
-        self._count("loads")
-        pinned = self.engine.pin(m)
         self._submit(self.loader, self._restore, job, m, pinned, Prefix(digests[:gpu + n], self.bs), gpu, n)
 
     def build_meta(self, num_scheduled_tokens: dict[str, int], block_ids_of: Any) -> tuple[list[LoadJob], list[SaveJob]]:

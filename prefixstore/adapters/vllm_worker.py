@@ -114,7 +114,7 @@ class WorkerSide:
             for fut in (tasks or {}).values():
                 try:
                     fut.result()
-                except (OSError, RuntimeError) as exc:
+                except Exception as exc:  # a save is best effort: the job fails, the step goes on
                     ok = False
                     log.warning("vllm_save_copy_failed", job=job.job, rank=self.rank, error=str(exc))
             with self.lock:
