@@ -135,6 +135,15 @@ def test_kv_cache_groups_it_does_not_handle_are_refused_at_construction(tmp_path
     assert not os.path.exists(tmp_path / "c")
 
 
+@pytest.mark.parametrize("module, package", [("vllm", "vllm==0.33.0"), ("lmcache", "lmcache==0.5.6")])
+def test_without_the_serving_package_the_adapter_names_the_install(module, package):
+    from test_packaging import _without
+
+    p = _without(module, f"import prefixstore.adapters.{module}")
+    assert p.returncode == 1
+    assert f"needs {module}: pip install --no-deps {package}" in p.stderr
+
+
 # ---------------------------------------------------------------------- two processes, SIGKILL
 
 
