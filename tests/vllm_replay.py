@@ -33,7 +33,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the driver, and this checkout's 
 
 import vllm_driver as drv  # noqa: E402
 
-from prefixstore.replay.engine_replay import ReplayConfig, capacity_of, default_root, replay  # noqa: E402
+from prefixstore.replay.engine_replay import ReplayConfig, capacity_of, replay  # noqa: E402
 from prefixstore.replay.trace import load_trace  # noqa: E402
 
 TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
@@ -93,7 +93,8 @@ def compare(requests, capacity: str = "10%") -> dict:
     """Both replays at the same capacity: the engine's and the connector's token hit ratios."""
     cfg = ReplayConfig(capacity=capacity)
     engine = replay(requests, cfg).summary
-    root = tempfile.mkdtemp(prefix="vllm-replay-", dir=os.path.dirname(default_root()))
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # tmpfs: fsync is free, as for the engine replay
+    root = tempfile.mkdtemp(prefix="vllm-replay-", dir=shm)
     try:
         through = connector_replay(requests, cfg, root)
     finally:
