@@ -55,7 +55,8 @@ def test_library_and_commands_need_neither_pytest_nor_hypothesis(tmp_path):
     code = """
 import importlib, pkgutil, sys
 import prefixstore
-skip = {"prefixstore.fuzz.stateful", "prefixstore.adapters.hf"}
+skip = {"prefixstore.fuzz.stateful", "prefixstore.adapters.hf",
+        "prefixstore.adapters.vllm", "prefixstore.adapters.lmcache"}  # vllm imports torch._dynamo, which probes for hypothesis
 for m in pkgutil.walk_packages(prefixstore.__path__, "prefixstore."):
     if m.name not in skip:
         importlib.import_module(m.name)
@@ -117,10 +118,11 @@ def test_import_linter_is_a_test_extra_and_ci_runs_the_layers_contract():
 
 
 # Every package that only an extra installs; a plain `pip install -e .` has none of them.
-_EXTRAS_ONLY = "redis,transformers,matplotlib,sglang,pytest,hypothesis,importlinter,ruff"
+_EXTRAS_ONLY = "redis,transformers,matplotlib,sglang,vllm,lmcache,pytest,hypothesis,importlinter,ruff"
 # Modules that exist to use an extra, and say which one when it is missing.
 _NEEDS_AN_EXTRA = {"prefixstore.fuzz.stateful", "prefixstore.adapters.hf", "prefixstore.adapters.hf_tiny",
-                   "prefixstore.adapters.hf_walk", "prefixstore.adapters.sglang"}
+                   "prefixstore.adapters.hf_walk", "prefixstore.adapters.sglang", "prefixstore.adapters.vllm",
+                   "prefixstore.adapters.lmcache"}
 
 
 def test_a_plain_install_imports_everything_else_and_runs_the_first_command(tmp_path):
