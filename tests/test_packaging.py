@@ -118,7 +118,7 @@ def test_import_linter_is_a_test_extra_and_ci_runs_the_layers_contract():
 
 
 # Every package that only an extra installs; a plain `pip install -e .` has none of them.
-_EXTRAS_ONLY = "redis,transformers,matplotlib,sglang,vllm,lmcache,pytest,hypothesis,importlinter,ruff"
+_EXTRAS_ONLY = "redis,mooncake,transformers,matplotlib,sglang,vllm,lmcache,pytest,hypothesis,importlinter,ruff"
 # Modules that exist to use an extra, and say which one when it is missing.
 _NEEDS_AN_EXTRA = {"prefixstore.fuzz.stateful", "prefixstore.adapters.hf", "prefixstore.adapters.hf_tiny",
                    "prefixstore.adapters.hf_walk", "prefixstore.adapters.sglang", "prefixstore.adapters.vllm",
