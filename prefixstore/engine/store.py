@@ -3,6 +3,7 @@ publish (a refill retires the row's old generation), or roll back."""
 
 from __future__ import annotations
 
+import errno
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ from prefixstore.engine.results import (
     StoreResult,
 )
 from prefixstore.gpu import shards
+from prefixstore.gpu.diskroom import enospc_reason
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine.rows import NODE
 
@@ -180,9 +182,9 @@ def begin(eng: Engine, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
     t = InFlight(p, 0, key, gen, shard_name(key, gen), n, datas, [] if datas is staged else datas,
                  protect, sum(d.size for d in datas))
     try:  # a failed space step or intent commit must not strand the buffers
-        if not space.make_space(eng, t.needed, protect):
+        if (why := space.room_for(eng, t.needed, protect)) is not None:
             pipeline.release(t.owned)
-            res = StoreResult(REFUSED, n, "no_space", t.needed)
+            res = StoreResult(REFUSED, n, why, t.needed)
             count_skip(eng, res)
             return res
         t.txn = intent(eng, t)
@@ -221,7 +223,7 @@ def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
             journal.rollback(eng, t.txn, "failed")
         check_prior(eng, t.plan, {r for r, _ in errors})
         eng.counters.inc("stores", FAILED)
-        return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), t.needed)
+        return StoreResult(FAILED, n, failure_reason(eng, errors), t.needed)
     # A refilled row pinned by a restore is never replaced under the pin
     # (invariant 6): wait for the pin to go, up to pin_wait_s, else roll back
     # (at once when pin() holds it: a request's pin is not waited for).
@@ -255,6 +257,19 @@ def published(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     eng.counters.inc("stores", status)
     log.debug("stored", key=t.key.hex()[:12], blocks=n, node=node.id, bytes=t.needed)
     return StoreResult(status, n, None, t.needed)
+
+
+def failure_reason(eng: Engine, errors: list[tuple[int, OSError]]) -> str:
+    """Why the writes failed, per rank: a full file system is named as such (out of
+    bytes or out of inodes, ``gpu/diskroom.py``), any other error as it was raised."""
+    parts = []
+    for r, e in errors:
+        where = getattr(eng.ranks[r], "directory", None)
+        if e.errno == errno.ENOSPC and where:
+            parts.append(f"rank {r}: {enospc_reason(where)}")
+        else:
+            parts.append(f"rank {r}: {e}")
+    return "; ".join(parts)
 
 
 def count_skip(eng: Engine, res: StoreResult) -> None:
