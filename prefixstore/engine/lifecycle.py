@@ -131,7 +131,7 @@ def open_cache(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     init_state(eng, root, layout, capacity_bytes, o)
     check_root(eng, o.create)
     take_lock(eng)
-    eng.disk = DiskRoom(root, eng.disk_reserve_bytes, log_path=catalog_path(root) + "-wal")
+    eng.disk = DiskRoom(root, eng.disk_reserve_bytes, catalog=catalog_path(root))
     logs = log_files(root)
     try:
         open_catalog(eng, o)
@@ -351,7 +351,7 @@ def check_layout(eng: Engine) -> None:
 
 def fit(eng: Engine) -> None:
     """At open: evict by policy (journaled) until the charged bytes fit the capacity;
-    take the disk reserve back if it fits. The disk's room is no reason to evict here
+    hold the catalog's room in its files and take the disk reserve back if they fit. The disk's room is no reason to evict here
     (a full disk opens read-only instead, see ``open_effects``). Raises CapacityError
     when the capacity cannot be reached."""
     with eng._lock:
@@ -365,6 +365,7 @@ def fit(eng: Engine) -> None:
                 f"{eng.root}: {eng._charged} bytes stay charged after evicting what open "
                 f"can, above capacity_bytes={eng.capacity}; open with a larger capacity"
             )
+        eng.disk.hold_catalog_room()
         eng.disk.restore()
 
 

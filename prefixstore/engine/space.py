@@ -47,6 +47,7 @@ def room_for(eng: Engine, needed: int, protect: set[int], files: int | None = No
     cap = eng.capacity
     files = eng.layout.ranks if files is None else files
     reserve = retire_reserve(eng, protect)
+    eng.disk.hold_catalog_room()
     short = eng.disk.shortfall(needed, files)
     if not short and eng._charged + needed + reserve <= cap * eng.high_watermark:
         eng.disk.restore()
@@ -66,6 +67,7 @@ def room_for(eng: Engine, needed: int, protect: set[int], files: int | None = No
             free(eng, short.bytes, protect, files=short.files)
     if short := eng.disk.shortfall(needed, files):
         return short.reason  # e.g. another writer took the room meanwhile
+    eng.disk.hold_catalog_room()
     eng.disk.restore()
     return None if eng._charged + needed <= cap else room.NO_SPACE
 

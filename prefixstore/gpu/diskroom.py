@@ -6,9 +6,14 @@ room is judged. The catalog's own bytes (its write-ahead log, bounded by
 capacity. Instead the engine keeps them room on the file system that holds the
 catalog:
 
-- a store's space step keeps ``CATALOG_MARGIN`` bytes (less what the log already
-  holds) and ``INODE_MARGIN`` inodes free there beyond the shards it writes (evicting by policy when the disk, not the
-  capacity, is short, and only when eviction can make the room at all);
+- the catalog's next growth is allocated inside its own files without growing them
+  (``hold_catalog_room``: its log up to ``WAL_LIMIT_BYTES``, ``ROW_ROOM`` bytes past
+  the database's end), so a commit seldom needs a free byte, even when another
+  writer takes every free byte between a check and that commit;
+- a store's space step keeps ``CATALOG_MARGIN`` bytes (less what those files hold
+  allocated, at least ``MARGIN_FLOOR``) and ``INODE_MARGIN`` inodes free there beyond
+  the shards it writes (evicting by policy when the disk, not the capacity, is short,
+  and only when eviction can make the room at all);
 - a reserve file (``RESERVE_NAME``, ``reserve_bytes`` preallocated) is held there
   and released before a catalog write that finds less than ``LOW_WATER`` bytes or
   ``INODE_LOW_WATER`` inodes free, so the commits that free bytes (evict, reclaim,
@@ -19,6 +24,7 @@ catalog:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import stat
@@ -31,15 +37,17 @@ from prefixstore.statemachine.room import NO_INODES, NO_SPACE
 
 RESERVE_NAME = "catalog.reserve"
 WAL_LIMIT_BYTES = 1 << 20
-"""The catalog's write-ahead log is truncated back to this size after a checkpoint."""
+"""The catalog's write-ahead log is truncated back to this size after a checkpoint (and
+held allocated at it, see ``DiskRoom.hold_catalog_room``)."""
 WAL_AUTOCHECKPOINT_PAGES = (WAL_LIMIT_BYTES - 32) // (4096 + 24) - 16
 """The log is checkpointed (and then reused from its start) past this many frames
 of a 4 KiB page each: 16 frames short of the size limit, so a log that reached its
 size is reused, never grown (growing needs free bytes a full disk may not have)."""
-CATALOG_MARGIN = WAL_LIMIT_BYTES + (256 << 10)
+ROW_ROOM = 256 << 10
+"""Bytes the catalog's database may grow by (new rows, copied in by a checkpoint)."""
+CATALOG_MARGIN = WAL_LIMIT_BYTES + ROW_ROOM
 """Free bytes a store leaves on the catalog's file system (log growth, new rows), less
-what the log file already holds (up to ``WAL_LIMIT_BYTES``: it is reused, not grown),
-never below ``MARGIN_FLOOR``."""
+what the catalog's files hold allocated for them already, never below ``MARGIN_FLOOR``."""
 INODE_MARGIN = 4
 """Free inodes a store leaves on the catalog's file system (the log, its index, the
 reserve's temporary file, one spare)."""
@@ -47,11 +55,44 @@ RESERVE_BYTES = 2 << 20
 LOW_WATER = 512 << 10
 """Below this many free bytes on the catalog's file system, the reserve is released."""
 MARGIN_FLOOR = LOW_WATER + (256 << 10)
-"""The least the byte margin comes to, however much the log holds: above the low-water
-mark, so the cache's own stores never make the catalog release its reserve."""
+"""The least the byte margin comes to, however much the catalog's files hold: above the
+low-water mark, so the cache's own stores never make the catalog release its reserve."""
 INODE_LOW_WATER = 2
 """Below this many free inodes there (the log and its index need one each to be
 created), the reserve is released and the disk counts as full."""
+
+
+FALLOC_FL_KEEP_SIZE = 1
+try:
+    _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+except (AttributeError, OSError):  # not Linux: the catalog's room stays free space only
+    _fallocate = None
+
+
+def allocate_beyond(path: str, offset: int, length: int) -> bool:
+    """Allocate ``path``'s blocks over [offset, offset + length) without changing its
+    size (Linux ``fallocate`` with ``FALLOC_FL_KEEP_SIZE``): its writers there then
+    need no free byte. False where that cannot be done (no room, no support)."""
+    if _fallocate is None:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return _fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) == 0
+    finally:
+        os.close(fd)
+
+
+def _allocated(path: str) -> tuple[int, int]:
+    """``path``'s size and the bytes it holds allocated ((0, 0) when missing)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0, 0
+    return st.st_size, st.st_blocks * 512
 
 
 @attrs.frozen
@@ -134,11 +175,11 @@ class DiskRoom:
     """Free-space checks for one cache and the catalog's reserve file in its root."""
 
     def __init__(self, root: str, reserve_bytes: int = RESERVE_BYTES, margin: int = CATALOG_MARGIN,
-                 log_path: str | None = None) -> None:
-        """``log_path``: the catalog's write-ahead log, whose bytes on disk count toward
-        the margin (None: not counted)."""
+                 catalog: str | None = None) -> None:
+        """``catalog``: the catalog's database file (its log beside it), whose room is
+        held in its files and counted toward the margin (None: neither)."""
         self.root = root
-        self.log_path = log_path
+        self.catalog = catalog
         self.path = os.path.join(root, RESERVE_NAME)
         self.reserve_bytes = reserve_bytes
         self.margin = margin
@@ -189,15 +230,31 @@ class DiskRoom:
                     f"{INODE_LOW_WATER} inodes (files)")
         return f"{room.bytes} bytes free", f"{LOW_WATER} bytes"
 
+    def hold_catalog_room(self) -> None:
+        """Allocate the catalog's next growth inside its files, without growing them:
+        its log up to ``WAL_LIMIT_BYTES`` (reused from its start after a checkpoint)
+        and ``ROW_ROOM`` past the database's end (a checkpoint's truncation gives that
+        back; it is taken again here). Best effort: a full disk leaves it free space."""
+        if self.catalog is None:
+            return
+        log = self.catalog + "-wal"
+        size, held = _allocated(log)
+        if size and held < WAL_LIMIT_BYTES:
+            allocate_beyond(log, 0, WAL_LIMIT_BYTES)
+        size, held = _allocated(self.catalog)
+        if size and held - size < ROW_ROOM:
+            allocate_beyond(self.catalog, size, ROW_ROOM)
+
     def catalog_room(self) -> int:
         """Free bytes the catalog's file system keeps for the catalog: the margin, less
-        the bytes its log file already holds (at most ``WAL_LIMIT_BYTES``), and at
+        what its files hold allocated for their growth (``hold_catalog_room``), and at
         least ``MARGIN_FLOOR``."""
         held = 0
-        if self.log_path is not None:
-            with contextlib.suppress(OSError):
-                held = os.stat(self.log_path).st_blocks * 512
-        return max(self.margin - min(held, WAL_LIMIT_BYTES), min(self.margin, MARGIN_FLOOR))
+        if self.catalog is not None:
+            log_size, log_held = _allocated(self.catalog + "-wal")
+            size, db_held = _allocated(self.catalog)
+            held = min(max(log_held, log_size), WAL_LIMIT_BYTES) + min(max(0, db_held - size), ROW_ROOM)
+        return max(self.margin - held, min(self.margin, MARGIN_FLOOR))
 
     def release(self) -> None:
         with contextlib.suppress(FileNotFoundError):
