@@ -276,7 +276,6 @@ WORKLOAD = textwrap.dedent("""
     from test_full_disk import CAP, LAYOUT, store
     from prefixstore.engine.api import Engine
     from prefixstore.gpu.fileio import FaultHook
-from prefixstore.statemachine.room import disk_refusal
 
     class StopInsideAWrite(FaultHook):
         armed = False
