@@ -36,6 +36,7 @@ from test_full_disk import (
     tree,
 )
 
+import prefixstore
 from prefixstore.base.errors import DiskFullError, ReadOnlyError
 from prefixstore.base.keys import Prefix
 from prefixstore.engine import structure
@@ -301,8 +302,8 @@ def run_until_killed(root: str, acks: int) -> dict[tuple[int, int], bool]:
     """A child process stores conversations of 1 and 2 blocks into ``root``; after
     ``acks`` acknowledged stores, the next one is SIGKILLed inside its shard writes
     (its intent committed). Returns the acknowledged ones."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(TESTS),
-                                                                   os.environ.get("PYTHONPATH")) if p)}
+    here = os.path.dirname(os.path.dirname(prefixstore.__file__))  # the child runs this prefixstore
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     child = subprocess.Popen([sys.executable, "-c", WORKLOAD, root, TESTS, str(acks)], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, env=env)
     acked: dict[tuple[int, int], bool] = {}
