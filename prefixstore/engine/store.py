@@ -219,11 +219,12 @@ def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     n = len(prefix)
     errors = write_all(eng, t.name, t.datas)
     if errors:
+        why = failure_reason(eng, errors, t.datas)  # before the rollback frees room
         with eng._lock:
             journal.rollback(eng, t.txn, "failed")
         check_prior(eng, t.plan, {r for r, _ in errors})
         eng.counters.inc("stores", FAILED)
-        return StoreResult(FAILED, n, failure_reason(eng, errors), t.needed)
+        return StoreResult(FAILED, n, why, t.needed)
     # A refilled row pinned by a restore is never replaced under the pin
     # (invariant 6): wait for the pin to go, up to pin_wait_s, else roll back
     # (at once when pin() holds it: a request's pin is not waited for).
@@ -259,16 +260,15 @@ def published(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     return StoreResult(status, n, None, t.needed)
 
 
-def failure_reason(eng: Engine, errors: list[tuple[int, OSError]]) -> str:
-    """Why the writes failed, per rank: a full file system is named as such (out of
-    bytes or out of inodes, ``gpu/diskroom.py``), any other error as it was raised."""
+def failure_reason(eng: Engine, errors: list[tuple[int, OSError]], datas: list[Any]) -> str:
+    """Why the writes of ``datas`` failed, per rank: a file system found full is named
+    as such (out of bytes or of inodes, ``gpu/diskroom.py``), any other error as it
+    was raised."""
     parts = []
     for r, e in errors:
         where = getattr(eng.ranks[r], "directory", None)
-        if e.errno == errno.ENOSPC and where:
-            parts.append(f"rank {r}: {enospc_reason(where)}")
-        else:
-            parts.append(f"rank {r}: {e}")
+        full = enospc_reason(where, datas[r].size) if e.errno == errno.ENOSPC and where else None
+        parts.append(f"rank {r}: {full or e}")
     return "; ".join(parts)
 
 

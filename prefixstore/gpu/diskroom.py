@@ -131,13 +131,16 @@ def low(room: Room) -> bool:
         room.inodes is not None and room.inodes < INODE_LOW_WATER)
 
 
-def enospc_reason(path: str) -> str:
-    """After ENOSPC writing under ``path``: ``no_inodes`` when its file system is
-    (nearly) out of inodes, else ``no_space``, with what it has free."""
+def enospc_reason(path: str, nbytes: int = 0) -> str | None:
+    """After ENOSPC writing ``nbytes`` under ``path``: ``no_inodes`` when its file
+    system is (nearly) out of inodes, ``no_space`` when it has too few bytes for that
+    write, with what it has free; None when it has room (the error came from elsewhere)."""
     room = free_room(path)
     if room.inodes is not None and room.inodes < INODE_MARGIN:
         return f"{NO_INODES}: its file system is out of inodes ({room.inodes} inodes, {room.bytes} bytes free)"
-    return f"{NO_SPACE}: its file system is full ({room.bytes} bytes, {room.inodes} inodes free)"
+    if room.bytes is not None and room.bytes < nbytes + LOW_WATER:
+        return f"{NO_SPACE}: its file system is full ({room.bytes} bytes, {room.inodes} inodes free)"
+    return None
 
 
 @attrs.frozen
