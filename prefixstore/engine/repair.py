@@ -329,7 +329,7 @@ def repair(
     ranks = None
     if rank_dirs:
         ranks = [LocalRank(r, d, fs, hook) for r, d in enumerate(rank_dirs)]
-    opts: dict[str, Any] = {"create": False, "ranks": ranks}
+    opts: dict[str, Any] = {"create": False, "ranks": ranks, "read_only_fallback": False}  # repair writes
     if hook is not None:
         opts["hook"] = hook
     if fs is not None:
