@@ -75,7 +75,7 @@ def run(checkpoints: int, ranks: int, repeat: int, bt: int) -> dict:
             res = eng.store(full[:i], segs, snap, tokens_from=lo)
             assert res.status == "stored", res
         store_s = time.perf_counter() - t0
-        with eng._lock:  # what eviction does to a long conversation's interior snapshots
+        with eng.guard.lock:  # what eviction does to a long conversation's interior snapshots
             for node in list(eng.index):
                 if node.children:
                     assert replace.retire_snapshot(eng, node)

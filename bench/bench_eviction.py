@@ -95,13 +95,13 @@ class SelectionRun:
         eng.index = Index()
         for node in synthetic_nodes(n, seed):
             eng.index.add(node)
-        eng.heap.rebuild(eng.index)
-        eng._charged = sum(x.nbytes for x in eng.index)
+        eng.recency.heap.rebuild(eng.index)
+        eng.account.charged = sum(x.nbytes for x in eng.index)
         self.build_s = time.perf_counter() - t0
         self._saved = evict.evict_nodes, replace.retire_snapshot  # restored by close()
         evict.evict_nodes = lambda e, nodes: self._evict_nodes(nodes) if e is eng else self._saved[0](e, nodes)
         replace.retire_snapshot = lambda e, node: self._retire(node) if e is eng else self._saved[1](e, node)
-        eng._garbage_hint = False
+        eng.account.garbage_hint = False
         self.samples: list[float] = []
         self.scan_baseline_us = self.scan_us(3 if n >= 1_000_000 else 10)
 
@@ -109,17 +109,17 @@ class SelectionRun:
         eng = self.eng
         for x in nodes:
             eng.index.remove(x.id)
-            eng._charged -= x.nbytes
+            eng.account.charged -= x.nbytes
         parent = eng.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
         if parent is not None:
-            eng.heap.offer(parent)
+            eng.recency.heap.offer(parent)
 
     def _retire(self, node: Node) -> bool:  # the in-memory part of a snapshot retirement
         node.has_snapshot = False
         node.nbytes -= self.snap
         node.generation += 1
-        self.eng._charged -= self.snap
-        self.eng.heap.offer(node)
+        self.eng.account.charged -= self.snap
+        self.eng.recency.heap.offer(node)
         return True
 
     def victims(self) -> int:
@@ -129,7 +129,7 @@ class SelectionRun:
     def step(self, batch: int) -> None:
         """Take about ``batch`` victims (just under ``batch`` snapshots' worth of bytes)."""
         before = self.victims()
-        with self.eng._lock:
+        with self.eng.guard.lock:
             t = time.perf_counter()
             space.free(self.eng, batch * self.snap - 1)
             dt = time.perf_counter() - t

@@ -170,7 +170,7 @@ def store_until_crash(eng: Engine, gate: Gate, hook, tokens: list[int]):
         gate.acked_at = gate.points
         store_tokens(eng, FOLLOW_UP)
     gate.disarm()
-    if not eng._closed:
+    if not eng.guard.closed:
         eng.close()
     return result
 

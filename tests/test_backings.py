@@ -48,18 +48,18 @@ def test_restart_keeps_durable_rows_and_drops_volatile_ones(tmp_path, backing, r
         for t in stored:
             assert_restores(eng, t, blocks=len(t) // 4)
         assert eng.audit().ok
-        before = eng._charged
+        before = eng.account.charged
     with Engine.open(root, L, CAP, backing=backing) as eng:
         rep = eng.audit()
         assert rep.ok, rep.to_dict()
         if backing == "memory":
-            assert len(eng.index) == 0 and eng._charged == 0
+            assert len(eng.index) == 0 and eng.account.charged == 0
             assert not eng.catalog.query("SELECT 1 FROM files")
             for t in stored:
                 assert eng.lookup(Prefix.from_tokens(t, 4)).outcome == "miss"
             assert not os.listdir(os.path.join(root, "rank0"))  # nothing was ever on disk
         else:
-            assert eng._charged == before
+            assert eng.account.charged == before
             for t in stored:
                 assert_restores(eng, t, blocks=len(t) // 4)
             if backing == "composite":
@@ -103,11 +103,11 @@ def test_memory_capacity_is_the_ram_budget_with_exact_accounting(tmp_path):
             assert r.ok
             one = r.nbytes
             ram = eng.stats()["backing"]["ram"]
-            assert ram["used_bytes"] == eng._charged <= 6000 == ram["capacity_bytes"]
+            assert ram["used_bytes"] == eng.account.charged <= 6000 == ram["capacity_bytes"]
         assert eng.stats()["counters"].get("evictions.evict", 0) >= 40 - 6000 // one
         rep = eng.audit()
         assert rep.ok, rep.to_dict()
-        assert rep.accounting["ram_memory_used"] == eng._charged
+        assert rep.accounting["ram_memory_used"] == eng.account.charged
 
 
 def test_composite_serves_ram_hits_and_falls_back_to_disk_after_lru_eviction(tmp_path):

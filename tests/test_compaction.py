@@ -44,7 +44,7 @@ def chain(eng: Engine, ends=(3, 6, 9, 12), retire=(3, 6, 9)) -> None:
     """The conversation's checkpoints at ``ends``; snapshots retired at ``retire``."""
     for b in ends:
         assert store_tokens(eng, CONV[: b * BT]).ok
-    with eng._lock:
+    with eng.guard.lock:
         for b in retire:
             assert replace.retire_snapshot(eng, node_at(eng, CONV[: b * BT]))
 
@@ -324,14 +324,14 @@ def test_merge_never_touches_pinned_or_fenced_rows_and_declines_large_runs(cache
         with eng.pinned(eng.lookup(P(CONV))):
             assert eng.compact().merges == 0
         mid = node_at(eng, CONV[:24])
-        with eng._lock:
-            eng._fences[mid.id] += 1
+        with eng.guard.lock:
+            eng.holds.fences[mid.id] += 1
         rep = eng.compact()  # only the run below the fenced row can merge
         assert rep.merges == 1 and spans(eng) == [(0, 3, False), (3, 6, False), (6, 12, True)]
         assert node_at(eng, CONV[:24]) is mid
-        with eng._lock:
-            eng._fences[mid.id] -= 1
-            del eng._fences[mid.id]
+        with eng.guard.lock:
+            eng.holds.fences[mid.id] -= 1
+            del eng.holds.fences[mid.id]
         rep = eng.compact(CompactionPolicy(max_merge_bytes=100))
         assert rep.merges == 0 and rep.declined
         assert eng.compact().merges == 1 and spans(eng) == [(0, 12, True)]
@@ -547,7 +547,7 @@ def test_a_merge_holds_no_fence_on_a_row_it_deleted(cache_dir, layout):
         assert hook.report is not None and len(eng.index) == 1
         assert not doomed & set(eng.index.nodes)
         assert hook.report.ok, hook.report.to_dict()
-        assert not eng._fences
+        assert not eng.holds.fences
         assert_restores(eng, CONV, blocks=12)
         clean(eng)
 

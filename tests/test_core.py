@@ -102,7 +102,7 @@ def test_snapshot_layout_only_matches_nodes_with_their_snapshot(cache_dir, layou
         store_tokens(eng, toks[:8])
         store_tokens(eng, toks)
         node = eng.index.by_key[Prefix.from_tokens(toks[:8], 4).keys[-1]]
-        with eng._lock:
+        with eng.guard.lock:
             assert eng.index.nodes[node].children
             replace.retire_snapshot(eng, eng.index.nodes[node])
         assert not eng.index.nodes[node].has_snapshot

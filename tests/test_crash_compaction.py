@@ -30,7 +30,7 @@ from conftest import (
 
 from prefixstore.base.errors import SimulatedCrash
 from prefixstore.base.keys import ROOT, Prefix
-from prefixstore.engine import health, journal, lifecycle, replace
+from prefixstore.engine import health, journal, replace
 from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import CountingHook, CrashAt, FaultFS
 from prefixstore.statemachine.compaction import CompactionPolicy
@@ -58,7 +58,7 @@ def rows(eng: Engine, among: frozenset | None = None) -> frozenset:
 
 
 def _retire(eng: Engine, *ends: int) -> None:
-    with eng._lock:
+    with eng.guard.lock:
         for b in ends:
             assert replace.retire_snapshot(eng, node_at(eng, CONV[: b * BT]))
 
@@ -91,7 +91,7 @@ def _prepare(root: str, ranks: int, use: str) -> None:
             _retire(eng, 3)
             node = node_at(eng, CONV[: 3 * BT])
             os.unlink(os.path.join(root, "rank0", f"{node.key.hex()}-g{node.generation}.st"))
-            with eng._lock:
+            with eng.guard.lock:
                 health.invalidate(eng, node, "test damage")
 
 
@@ -128,13 +128,13 @@ def _scenario(root: str, ranks: int, hook, use: str, template: str | None = None
         elif use == "refill":
             result = store_tokens(eng, CONV[: 6 * BT] + tokens_for(42, 2))  # covers the damaged row
         else:
-            with lifecycle.guard(eng), eng._lock:
+            with eng.guard, eng.guard.lock:
                 result = replace.retire_snapshot(eng, node_at(eng, CONV[: 6 * BT]))
     except SimulatedCrash:
         pass
     gate.disarm()
-    new = None if eng._closed else rows(eng, old if use == "refill" else None)
-    if not eng._closed:
+    new = None if eng.guard.closed else rows(eng, old if use == "refill" else None)
+    if not eng.guard.closed:
         eng.close()
     return L, acked, old, new, result
 

@@ -41,7 +41,7 @@ def _store_cap(ranks: int, root: str) -> int:
     """A capacity at which storing C needs a retirement and a leaf eviction first."""
     with Engine.open(root, make_layout(ranks=ranks), CAP) as eng:
         _setup(eng)
-        charged = eng._charged
+        charged = eng.account.charged
         need = store_tokens(eng, C).nbytes
     return charged + need - 1
 
@@ -63,7 +63,7 @@ def _scenario(root: str, ranks: int, hook, kind: str, cap: int):
     except SimulatedCrash:
         pass
     gate.disarm()
-    if not eng._closed:
+    if not eng.guard.closed:
         eng.close()
     return L, policy
 

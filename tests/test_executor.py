@@ -408,7 +408,7 @@ def test_crash_after_release_before_commit_leaves_the_store_absent(tmp_path, bac
     assert t.wait_released(5)
     with pytest.raises(E.SimulatedCrash):
         t.result(10)
-    assert eng._closed  # the engine died with its worker's crash
+    assert eng.guard.closed  # the engine died with its worker's crash
     with Engine.open(root, L, CAP, backing=backing) as eng:
         rep = eng.audit()
         assert rep.ok, rep.to_dict()
@@ -448,14 +448,14 @@ def test_async_stores_queued_behind_a_crash_fail_typed_and_give_back_what_they_h
     t1 = go_async(31)
     assert hook.reached.wait(5)  # the commit worker is inside the first store
     queued = [go_async(seed) for seed in (32, 33)]
-    assert eng._fences and eng.executor.pool.stats()["outstanding_bytes"] > 0
+    assert eng.holds.fences and eng.executor.pool.stats()["outstanding_bytes"] > 0
     hook.go.set()
     with pytest.raises(E.SimulatedCrash):
         t1.result(10)
     for t in queued:
         with pytest.raises(E.EngineClosedError):
             t.result(10)
-    assert eng._closed and not eng._fences and not eng._reserved
+    assert eng.guard.closed and not eng.holds.fences and not eng.holds.reserved
     assert eng.executor.pool.stats()["outstanding_bytes"] == 0
     assert eng.transfers._slots._value == 8  # Transfers(max_inflight_stores=8): every slot back
 
@@ -481,7 +481,7 @@ def _async_scenario(root, ranks, backing, hook):
     except E.SimulatedCrash:
         pass
     gate.disarm()
-    if not eng._closed:
+    if not eng.guard.closed:
         eng.close()
     return L, a, b, result, gate.acked_at
 
@@ -586,7 +586,7 @@ def test_a_queued_split_never_waits_for_an_extension_queued_behind_it(tmp_path):
         assert eng.stats()["counters"].get("replaces.split") == 1
         for blocks, prefix in ((4, toks[:16]), (8, toks[:32]), (12, toks)):
             assert_restores(eng, prefix, blocks=blocks)
-        assert eng.audit().ok and not eng._fences and not eng._reserved
+        assert eng.audit().ok and not eng.holds.fences and not eng.holds.reserved
 
 
 def test_a_store_on_another_thread_never_waits_for_a_queued_async_store(tmp_path):
@@ -614,7 +614,7 @@ def test_a_store_on_another_thread_never_waits_for_a_queued_async_store(tmp_path
         assert (upper.start, upper.end, child.parent) == (4, 8, upper.id)
         for blocks, prefix in ((4, toks[:16]), (8, toks[:32]), (12, toks)):
             assert_restores(eng, prefix, blocks=blocks)
-        assert eng.audit().ok and not eng._fences and not eng._reserved
+        assert eng.audit().ok and not eng.holds.fences and not eng.holds.reserved
 
 
 def test_a_queued_async_store_keeps_its_parent_from_eviction(tmp_path):
@@ -635,7 +635,7 @@ def test_a_queued_async_store_keeps_its_parent_from_eviction(tmp_path):
         rank.go.set()
         assert t0.result(5).status == "stored" and extend.result(5).status == "stored"
         assert_restores(eng, a, blocks=4)
-        assert eng.audit().ok and not eng._fences and not eng._reserved
+        assert eng.audit().ok and not eng.holds.fences and not eng.holds.reserved
 
 
 def test_async_store_refused_for_space_is_retried_from_its_host_copy(tmp_path):
@@ -760,7 +760,7 @@ def test_a_failed_effect_fails_its_transaction_never_the_commit_worker(tmp_path)
         workers = eng.stats()["transfers"]["workers"]["commit"]
         assert workers["restarts"] == 1
         assert eng.stats()["counters"].get("faults.txn_error") == 1
-        assert eng._charged == eng.catalog.charged()
+        assert eng.account.charged == eng.catalog.charged()
         assert_restores(eng, c)
 
 
@@ -904,7 +904,7 @@ def test_close_from_inside_an_engine_worker_is_refused_not_a_hang(tmp_path):
         fut = eng.transfers.commit.submit(eng.close)
         with pytest.raises(E.InvalidInputError, match="worker"):
             fut.result(10)
-        assert not eng._closed
+        assert not eng.guard.closed
         toks = tokens_for(40, 2)
         assert store_tokens(eng, toks).ok
-    assert eng._closed
+    assert eng.guard.closed

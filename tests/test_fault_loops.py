@@ -226,7 +226,7 @@ def _crash_op(root: str, ranks: int, kind: str, spec: tuple) -> CrashAt:
     gate.armed = True
     with contextlib.suppress(SimulatedCrash):
         _run_op(eng, kind)
-    if not eng._closed:
+    if not eng.guard.closed:
         eng.close()
     return hook
 

@@ -168,7 +168,7 @@ def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs
     interior = Prefix.from_tokens(conversation(3, 4)[0], BT).keys[-1]
     eng = Engine.open(root, LAYOUT, CAP, hook=_CrashBeforeWrite(interior.hex(), rank=1))
     node = eng.index.nodes[eng.index.by_key[interior]]
-    with pytest.raises(SimulatedCrash), eng._lock:
+    with pytest.raises(SimulatedCrash), eng.guard.lock:
         replace.retire_snapshot(eng, node)  # what eviction runs on a compactable ancestor
     lifecycle.abandon(eng)  # process death: the connection and the lock go, nothing more is committed
     if reserve == "deleted":
@@ -274,7 +274,7 @@ def test_crash_between_the_early_unlink_and_the_evict_commit(small_fs):
     hook.armed = True
     with pytest.raises(SimulatedCrash):
         eng.evict(64 << 10)
-    assert eng._closed
+    assert eng.guard.closed
     os.unlink(filler)
     with Engine.open(root, LAYOUT, CAP) as eng:
         assert eng.recovery_report.damaged  # the victims: rows kept, files gone
@@ -364,7 +364,7 @@ def test_open_on_a_full_disk_with_nothing_to_free_opens_read_only(small_fs):
             rep = eng.audit()
             assert rep.ok, rep.violations
             leaf = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(conversation(0, 8)[0], BT).keys[-1]]]
-            with eng._lock, pytest.raises(ReadOnlyError):
+            with eng.guard.lock, pytest.raises(ReadOnlyError):
                 evict.evict_nodes(eng, [leaf])  # an eviction's early unlink on a full disk: refused too
             name = restore.file_rows(eng, [leaf])[leaf.id][1][0]
             before[f"rank1/{name}"] = flip_byte(os.path.join(root, "rank1", name))
@@ -400,7 +400,7 @@ def test_read_only_open_holds_out_what_an_unfinished_transaction_touches(small_f
     interior = Prefix.from_tokens(conversation(3, 4)[0], BT).keys[-1]
     eng = Engine.open(root, LAYOUT, CAP, hook=_CrashBeforeWrite(interior.hex()))
     node = eng.index.nodes[eng.index.by_key[interior]]
-    with pytest.raises(SimulatedCrash), eng._lock:
+    with pytest.raises(SimulatedCrash), eng.guard.lock:
         replace.retire_snapshot(eng, node)
     lifecycle.abandon(eng)
     filler = spent_and_full(small_fs, root)

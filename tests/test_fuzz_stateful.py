@@ -107,7 +107,7 @@ def test_model_flags_bytes_that_differ_from_the_stored_ones(tmp_path):
 def test_model_flags_an_acknowledged_store_that_vanishes(tmp_path):
     with _driver(tmp_path) as d:
         d.apply({"op": "store", "seq": 2, "blocks": 2})
-        with d.eng._lock, d.eng.catalog.txn("store.bogus") as c:  # a row removed by a store
+        with d.eng.guard.lock, d.eng.catalog.txn("store.bogus") as c:  # a row removed by a store
             c.execute("UPDATE files SET node=NULL, status='garbage' WHERE node IS NOT NULL")
             c.execute("DELETE FROM nodes")
         with pytest.raises(Violation) as e:

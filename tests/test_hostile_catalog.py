@@ -52,7 +52,7 @@ def _crashed_store(root: str, tokens: list[int], op: str) -> int:
     with contextlib.suppress(E.SimulatedCrash):
         store_tokens(eng, tokens)
     gate.disarm()
-    if not eng._closed:
+    if not eng.guard.closed:
         eng.close()
     (tid,) = sql(root, "SELECT max(id) FROM journal")[0]
     assert tid is not None, "the crash left no unfinished transaction"
@@ -130,7 +130,7 @@ def all_served(root: str) -> None:
             assert served_bytes_are_right(eng, toks) == len(toks) // 4, lbl
         rep = eng.audit()
         assert rep.ok, rep.to_dict()
-        assert eng._charged == shard_bytes(root) <= CAP
+        assert eng.account.charged == shard_bytes(root) <= CAP
         assert not eng.catalog.query("SELECT 1 FROM nodes WHERE state!='ready'")
 
 

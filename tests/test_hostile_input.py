@@ -49,7 +49,7 @@ def contents(eng: Engine) -> tuple[Any, ...]:
         for t in ("nodes", "files", "journal")
     )
     shards = {k: v for k, v in files_hash(eng.root).items() if k.startswith("rank")}
-    return rows, shards, dict(eng._pins), eng._charged
+    return rows, shards, dict(eng.holds.pins), eng.account.charged
 
 
 @pytest.fixture

@@ -126,7 +126,7 @@ def test_a_shard_replaced_by_a_fifo_is_damage_at_once(tmp_path, kind, fifos):
 
         assert on_thread(lambda: eng.restore(m)) is None
         assert eng.index.nodes[nid].state == "damaged"
-        assert not eng._pins, eng._pins  # the restore's pins were all released
+        assert not eng.holds.pins, eng.holds.pins  # the restore's pins were all released
         assert not eng.lookup(Prefix.from_tokens(A, L.block_tokens)).hit
         assert_restores(eng, B)  # the other conversation is untouched
 

@@ -76,7 +76,7 @@ def thread_group(base, ranks: int, *, op_timeout: float = 20, fs=None, hooks=Non
 def assert_clean(eng: Engine) -> None:
     rep = eng.audit()
     assert rep.ok, rep.to_dict()
-    assert eng._charged == eng.catalog.charged()
+    assert eng.account.charged == eng.catalog.charged()
     assert not eng.catalog.journal()
 
 
@@ -160,15 +160,15 @@ def test_rank_errors_cross_the_wire_and_roll_back(tmp_path, ranks, bad):
         eng = Engine.open(str(tmp_path / "cache"), make_layout(ranks=ranks), CAP, ranks=remotes)
         a = tokens_for(3, 6)
         store_tokens(eng, a[:8])
-        charged = eng._charged
+        charged = eng.account.charged
         plan.add("write", "ENOSPC", at=1)
         plan.fail_nth("unlink", 1, "EIO")
         res = store_tokens(eng, a)
         assert res.status == "failed" and f"rank {bad}:" in res.reason and "[Errno 28]" in res.reason
         garbage = eng.stats()["garbage_bytes"]
-        assert garbage > 0 and eng._charged == charged + garbage
+        assert garbage > 0 and eng.account.charged == charged + garbage
         assert_clean(eng)
-        assert eng.reclaim() == garbage and eng._charged == charged
+        assert eng.reclaim() == garbage and eng.account.charged == charged
         # a damaged prior record (altered on the failing rank) is invalidated, then refilled
         p = node_at(eng, a[:8])
         path = os.path.join(remotes[bad].directory, f"{p.key.hex()}-g{p.generation}.st")
@@ -226,10 +226,10 @@ def _outage_then_return(eng, remotes, bad, acked, target, restart) -> None:
         assert m.hit and m.blocks == blocks  # the catalog still knows it...
         assert eng.restore(m) is None  # ...but it needs the dead rank: a miss
         assert node_at(eng, t).state == "ready"  # not damage
-    charged, n_jobs = eng._charged, eng.catalog.query("SELECT count(*) FROM files")[0][0]
+    charged, n_jobs = eng.account.charged, eng.catalog.query("SELECT count(*) FROM files")[0][0]
     res = store_tokens(eng, tokens_for(99, 2))
     assert res.status == "failed" and "unavailable" in res.reason
-    assert (eng._charged, eng.catalog.query("SELECT count(*) FROM files")[0][0]) == (charged, n_jobs)
+    assert (eng.account.charged, eng.catalog.query("SELECT count(*) FROM files")[0][0]) == (charged, n_jobs)
     assert_clean(eng)
     restart()
     assert eng.reclaim() > 0  # the dead rank's leftover of the interrupted store

@@ -128,7 +128,7 @@ def catalog_state(eng: Engine):
     return (
         eng.catalog.query("SELECT * FROM nodes ORDER BY id"),
         eng.catalog.query("SELECT * FROM files ORDER BY rank, name"),
-        eng._charged,
+        eng.account.charged,
     )
 
 
@@ -136,7 +136,7 @@ def assert_clean(eng: Engine) -> None:
     rep = eng.audit()
     assert rep.ok, rep.to_dict()
     assert not rep.unknown_files
-    assert eng._charged == eng.catalog.charged()
+    assert eng.account.charged == eng.catalog.charged()
     assert not eng.catalog.journal()
 
 
@@ -200,7 +200,7 @@ def test_partial_failure_rolls_back_to_previous_generation(tmp_path, transitions
     store_tokens(eng, a[:8])
     store_tokens(eng, a)
     p = node_at(eng, a[:8])
-    with eng._lock:
+    with eng.guard.lock:
         assert replace.retire_snapshot(eng, p)
     assert not p.has_snapshot
     gen = p.generation
@@ -238,7 +238,7 @@ def test_damaged_prior_record_is_invalidated_then_refilled(tmp_path, transitions
     p_bytes, old_gen = p.nbytes, p.generation
     old_names = {(r, os.path.basename(shard_path(eng, p, r))) for r in range(ranks)}
     damage(shard_path(eng, p, bad), how)  # by the disk or an operator, at rest
-    charged = eng._charged
+    charged = eng.account.charged
     plan.fail_nth("write", 1, "EIO", rank=bad)
     mark = len(rec.events)
     transitions.clear()
@@ -253,7 +253,7 @@ def test_damaged_prior_record_is_invalidated_then_refilled(tmp_path, transitions
     assert c.parent == p.id and c.id in p.children
     assert eng.catalog.query("SELECT parent FROM nodes WHERE id=?", (c.id,))[0][0] == p.id
     assert eng.catalog.query("SELECT state FROM nodes WHERE id=?", (p.id,))[0][0] == "damaged"
-    assert eng._charged == charged
+    assert eng.account.charged == charged
     st = eng.stats()
     assert st["damaged_bytes"] == p_bytes and st["garbage_bytes"] == 0
     assert st["counters"]["faults.damaged_node"] == 1
@@ -266,7 +266,7 @@ def test_damaged_prior_record_is_invalidated_then_refilled(tmp_path, transitions
     assert eng.stats()["counters"]["refills"] == 1
     assert p.state == "ready" and p.generation > old_gen and p.id == c.parent
     assert not old_names & set(disk(eng))  # the damaged generation is gone on every rank
-    assert eng._charged == charged  # the old generation's charge went with it
+    assert eng.account.charged == charged  # the old generation's charge went with it
     assert_restores(eng, a[:8], blocks=2)
     assert_restores(eng, a, blocks=6)
     assert store_tokens(eng, b).status == "stored"
@@ -340,11 +340,11 @@ def test_cleanup_finding_files_already_missing_completes(tmp_path, transitions, 
     store_tokens(eng, a)
     leaf = node_at(eng, a)
     os.unlink(shard_path(eng, leaf, bad))
-    charged = eng._charged
+    charged = eng.account.charged
     transitions.clear()
     assert eng.evict(prefix=Prefix.from_tokens(a, BT)) == leaf.nbytes
     assert transitions == [("evict", "REMOVED", "reclaimed", "DONE")]
-    assert eng._charged == charged - leaf.nbytes
+    assert eng.account.charged == charged - leaf.nbytes
     assert eng.stats()["garbage_bytes"] == 0
     assert_clean(eng)
     eng.close()
@@ -360,7 +360,7 @@ def test_failed_cleanup_leaves_charged_garbage_reclaimed_later(tmp_path, transit
     eng, _ = open_engine(tmp_path, ranks, plan)
     a = tokens_for(7, 5)
     store_tokens(eng, a[:8])
-    charged = eng._charged
+    charged = eng.account.charged
     plan.fail_nth("write", 1, "EIO", rank=bad)  # leaves a short temporary on rank `bad`
     plan.fail_nth("unlink", 1, "EIO", rank=bad)  # and its removal fails
     transitions.clear()
@@ -371,14 +371,14 @@ def test_failed_cleanup_leaves_charged_garbage_reclaimed_later(tmp_path, transit
     assert len(rows) == 1
     r, name, size, status, txn = rows[0]
     assert (r, status, txn) == (bad, "garbage", None)
-    assert eng._charged == charged + size and eng.stats()["garbage_bytes"] == size
+    assert eng.account.charged == charged + size and eng.stats()["garbage_bytes"] == size
     assert (bad, name + ".tmp") in disk(eng)
     assert_clean(eng)  # garbage (and its temporary) is known, charged, journal empty
     # the same checkpoint stores again meanwhile: its new generation avoids the garbage's name
     assert store_tokens(eng, a).status == "stored"
     assert_restores(eng, a, blocks=5)
     assert node_at(eng, a).generation == 2
-    assert eng._charged == charged + size + node_at(eng, a).nbytes
+    assert eng.account.charged == charged + size + node_at(eng, a).nbytes
     assert_clean(eng)
     if later == "reclaim":
         assert eng.reclaim() == size
@@ -405,10 +405,10 @@ def test_failed_evict_cleanup_stays_charged_until_reclaimed(tmp_path, transition
     transitions.clear()
     assert eng.evict(prefix=Prefix.from_tokens(a, BT)) == leaf.nbytes - size
     assert transitions == [("evict", "REMOVED", "reclaim_failed", "DONE")]
-    assert eng.stats()["garbage_bytes"] == size == eng._charged
+    assert eng.stats()["garbage_bytes"] == size == eng.account.charged
     assert_clean(eng)
     assert eng.reclaim() == size
-    assert eng._charged == 0 and not disk(eng)
+    assert eng.account.charged == 0 and not disk(eng)
     assert_clean(eng)
     eng.close()
 
@@ -475,7 +475,7 @@ def test_gpu_resident_prefix_is_bypassed(tmp_path, ranks, bad):
     assert eng.lookup(Prefix.from_tokens(a[:8], BT), gpu_blocks=2).outcome == "gpu_resident"
     assert eng.stats()["counters"]["lookups.gpu_resident"] == 1
     # and when the parent is damaged, the GPU-resident part still lets the child serve
-    with eng._lock:
+    with eng.guard.lock:
         health.invalidate(eng, p, "test")
     assert eng.lookup(full).outcome == "damaged"
     assert eng.restore(eng.lookup(full, gpu_blocks=2)) is not None

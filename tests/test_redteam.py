@@ -437,7 +437,7 @@ def test_a_simulated_crash_in_a_retry_still_propagates(tmp_path):
     with pytest.raises(SimulatedCrash):
         eng.unpin(ma)
     gate.disarm()
-    assert eng._closed  # abandoned, as a dead process
+    assert eng.guard.closed  # abandoned, as a dead process
     with Engine.open(root, eng.layout, eng.capacity) as again:
         assert again.audit().ok and not again.catalog.journal()
 
@@ -472,7 +472,7 @@ def test_close_waits_for_an_in_flight_store_and_refuses_new_calls(cache_dir):
     assert hook.reached.wait(WAIT)
     closer = threading.Thread(name="closer", target=eng.close)
     closer.start()
-    assert _until(lambda: eng._closing or not closer.is_alive()), "close() never began"
+    assert _until(lambda: eng.guard.closing or not closer.is_alive()), "close() never began"
     waited = closer.is_alive()  # it refuses new calls now, and waits for the store
     refused = None
     if waited:
@@ -574,7 +574,7 @@ def test_a_store_failing_before_its_writes_releases_its_staging_buffers(tmp_path
         assert eng.executor.pool.stats()["outstanding_bytes"] == 0
     finally:
         gate.disarm()
-        if not eng._closed:
+        if not eng.guard.closed:
             eng.close()
     with Engine.open(str(tmp_path / "c"), L, size + 8) as again:
         assert again.audit().ok

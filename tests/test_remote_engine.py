@@ -291,9 +291,9 @@ def test_a_write_through_put_waits_on_the_network_outside_the_engine_lock(redis_
             storer = threading.Thread(target=lambda: out.append(store_tokens(eng, y)))
             storer.start()
             assert entered.wait(10.0)
-            free = eng._lock.acquire(timeout=1.0)
+            free = eng.guard.lock.acquire(timeout=1.0)
             if free:
-                eng._lock.release()
+                eng.guard.lock.release()
             assert free, "the put holds the engine lock"
             assert storer.is_alive()  # still waiting on the server
             local_unaffected(eng, own)

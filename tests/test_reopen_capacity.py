@@ -21,7 +21,7 @@ def _fill(root: str, layout) -> int:
         for toks in CONVS:
             assert store_tokens(eng, toks).status == "stored"
         assert_restores(eng, CONVS[0])
-        return eng._charged
+        return eng.account.charged
 
 
 def test_reopen_with_smaller_capacity_evicts_down_to_it(cache_dir):
@@ -29,7 +29,7 @@ def test_reopen_with_smaller_capacity_evicts_down_to_it(cache_dir):
     charged = _fill(cache_dir, L)
     cap = charged // 2
     with Engine.open(cache_dir, L, cap) as eng:
-        assert eng._charged <= cap
+        assert eng.account.charged <= cap
         assert eng.counters.snapshot().get("evictions.evict", 0) > 0  # evicted as any eviction
         rep = eng.audit()
         assert rep.ok, rep.violations
@@ -56,7 +56,7 @@ def test_reopen_that_cannot_reach_the_capacity_refuses_and_releases_the_director
     with Engine.open(cache_dir, L, CAP) as eng:
         rep = eng.audit()
         assert rep.ok, rep.violations
-        assert eng._charged == rep.accounting["live"]
+        assert eng.account.charged == rep.accounting["live"]
 
 
 def test_audit_lists_an_over_capacity_engine_once(cache_dir):
@@ -66,7 +66,7 @@ def test_audit_lists_an_over_capacity_engine_once(cache_dir):
             store_tokens(eng, toks)
         # the state a reopen with a smaller capacity used to leave: capacity and its
         # catalog row below the charged bytes
-        eng.capacity = eng._charged - 1
+        eng.capacity = eng.account.charged - 1
         with eng.catalog.txn("capacity") as c:
             eng.catalog.set_meta(c, "capacity", str(eng.capacity))
         found = [v for v in eng.audit().violations if v.invariant == 3]

@@ -127,12 +127,12 @@ def test_retirement_frees_the_old_generation_once_and_charges_the_new(tmp_path):
         store_tokens(eng, toks[:8])
         store_tokens(eng, toks)
         mid = node_at(eng, toks[:8])
-        old, charged = mid.nbytes, eng._charged
+        old, charged = mid.nbytes, eng.account.charged
         freed = eng.evict(1)  # the oldest candidate: the interior node's snapshot
         assert not mid.has_snapshot and mid.generation == 2
         new = mid.nbytes
         assert 0 < new < old - 2 * L.snapshot_bytes + 1
-        assert freed == old - new == charged - eng._charged
+        assert freed == old - new == charged - eng.account.charged
         c = eng.stats()["counters"]
         assert c["evictions.retire_snapshot"] == 1
         assert c["evicted_bytes.retire_snapshot"] == old - new
@@ -155,7 +155,7 @@ def test_stores_keep_headroom_for_the_next_snapshot_retirement(tmp_path):
             cands = [n for n in eng.index if n.children and n.ready and n.has_snapshot]
             if cands:
                 rewrite = max(n.nbytes for n in cands) - L.snapshot_bytes
-                assert eng.capacity - eng._charged >= min(rewrite, eng.capacity // 8)
+                assert eng.capacity - eng.account.charged >= min(rewrite, eng.capacity // 8)
         c = eng.stats()["counters"]
         assert c["evictions.retire_snapshot"] >= 10
         assert "evictions.evict" not in c  # no leaf had to go
@@ -324,8 +324,8 @@ class _EvictDuringWrite(FaultHook):
         eng = self.box.get("eng")
         if op == "write" and eng is not None and not self.fired:
             self.fired += 1
-            self.box["fenced"] = set(eng._fences)
-            self.box["storing"] = bool(eng._inflight_blocks)
+            self.box["fenced"] = set(eng.holds.fences)
+            self.box["storing"] = bool(eng.holds.inflight_blocks)
             eng.evict(eng.capacity)
 
 

@@ -32,7 +32,6 @@ from prefixstore.engine import (
     compaction,
     config,
     evict,
-    holds,
     lifecycle,
     lookup,
     params,
@@ -48,7 +47,9 @@ from prefixstore.engine import (
 from prefixstore.engine.config import EngineConfig
 from prefixstore.engine.params import LookupParams, StoreParams
 from prefixstore.engine.results import QUEUED, REFUSED, Match, Restored, StoreResult
-from prefixstore.gpu.diskroom import RESERVE_BYTES
+from prefixstore.gpu.diskroom import RESERVE_BYTES, DiskRoom
+from prefixstore.gpu.remote import RemoteTier
+from prefixstore.gpu.tier import Backing, Tier
 from prefixstore.statemachine import policy as pol
 
 LOCK_NAME = lifecycle.LOCK_NAME
@@ -59,7 +60,6 @@ class Engine:
 
     MAX_PENDING = 256
     """Refused stores kept for retry at most; the oldest is dropped (and counted) beyond."""
-    _garbage_hint = True  # loose garbage may exist (set at open and by a failed unlink)
     disk_reserve_bytes = RESERVE_BYTES
     """Size of the catalog's reserve file (``gpu/diskroom.py``); 0 holds none."""
     read_only: DiskFullError | None = None
@@ -114,11 +114,53 @@ class Engine:
         """Use ``Engine.open`` (it checks the arguments); ``config`` or ``opts``: the options."""
         lifecycle.start(self, root, layout, capacity_bytes, config or EngineConfig.from_options(**opts))
 
+    @property
+    def capacity(self) -> int:
+        """The bytes the cache may charge (``capacity_bytes``)."""
+        return self.account.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        self.account.capacity = value
+
+    @property
+    def high_watermark(self) -> float:
+        return self.account.high_watermark
+
+    @property
+    def low_watermark(self) -> float:
+        return self.account.low_watermark
+
+    @property
+    def ranks(self) -> list[Tier]:
+        """The tier of each rank."""
+        return self.tiers.ranks
+
+    @property
+    def backing(self) -> Backing:
+        """The backing the engine runs on (``gpu/tiers/``)."""
+        return self.tiers.backing
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        """The shared remote tier (``engine/remote.py``); None without one, or once closed."""
+        return self.remotes.tier
+
+    @property
+    def heap(self) -> pol.VictimHeap:
+        """The victim heap: the eviction policy's order of the nodes."""
+        return self.recency.heap
+
+    @property
+    def disk(self) -> DiskRoom:
+        """The disk's room: free-space checks and the catalog's reserve (``gpu/diskroom.py``)."""
+        return self.account.disk
+
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self._closed:
+        if not self.guard.closed:
             self.close()
 
     def store(
@@ -145,7 +187,7 @@ class Engine:
             "store", prefix, segments, snapshot, tokens_from, valid)
         segs, snaps = validate.store_args(self, prefix, segments, snapshot, tokens_from, valid)
         lifecycle.check_writable(self, "store")
-        with lifecycle.guard(self):
+        with self.guard:
             result = store.store(self, prefix, segs, snaps, tokens_from)
             if result.status == REFUSED and valid is not None:
                 retry.enqueue(self, retry.Pending(prefix, segs, snaps, tokens_from, valid))
@@ -191,8 +233,8 @@ class Engine:
             params.alone("lookup", prefix, gpu_blocks, total_tokens)
             prefix, gpu_blocks, total_tokens = prefix.prefix, prefix.gpu_blocks, prefix.total_tokens
         validate.lookup_args(self, prefix, gpu_blocks, total_tokens)
-        with lifecycle.guard(self):
-            with self._lock:
+        with self.guard:
+            with self.guard.lock:
                 match = lookup.lookup(self, prefix, gpu_blocks, total_tokens)
             match = remote.extend(self, prefix, match, gpu_blocks, total_tokens)  # outside the lock
         self.counters.inc("lookups", match.outcome)
@@ -208,7 +250,7 @@ class Engine:
         validate.match(self, match)
         if not match.hit:
             return None
-        with lifecycle.guard(self):
+        with self.guard:
             if match.source == remote.SOURCE:
                 return remote.restore(self, match)
             return restore.restore(self, match)
@@ -219,10 +261,10 @@ class Engine:
         they changed meanwhile, or when the match reads nothing local."""
         validate.match(self, match)
         local = remote.local_reads(match)
-        with lifecycle.guard(self), self._lock:
+        with self.guard, self.guard.lock:
             if local is None or not lookup.path_current(self, local):
                 return False
-            holds.pin_request(self, [nid for nid, _ in local.path])
+            self.holds.pin_request([nid for nid, _ in local.path])
             return True
 
     def unpin(self, match: Match) -> None:
@@ -230,12 +272,12 @@ class Engine:
         validate.match(self, match)
         local = remote.local_reads(match)
         path = local.path if local is not None else ()
-        with lifecycle.guard(self):
-            with self._lock:
+        with self.guard:
+            with self.guard.lock:
                 for nid, _ in path:
-                    if self._request_pins[nid] <= 0:
+                    if self.holds.request_pins[nid] <= 0:
                         raise InvalidInputError(f"node {nid} is not pinned")
-                holds.unpin_request(self, [nid for nid, _ in path])
+                self.holds.unpin_request([nid for nid, _ in path])
             self.retry_pending()
 
     @contextmanager
@@ -253,14 +295,14 @@ class Engine:
         (a leaf is evicted; an interior node refuses). Returns bytes freed."""
         nbytes, prefix = validate.evict_args(self, nbytes, prefix)
         lifecycle.check_writable(self, "evict")
-        with lifecycle.guard(self):
-            with self._lock:
-                before = self._charged
+        with self.guard:
+            with self.guard.lock:
+                before = self.account.charged
                 if prefix is not None:
                     evict_leaf(self, prefix)
                 elif nbytes is not None:
-                    space.free(self, min(self._charged, nbytes))
-                freed = before - self._charged
+                    space.free(self, min(self.account.charged, nbytes))
+                freed = before - self.account.charged
             self.retry_pending()
             return freed
 
@@ -268,11 +310,11 @@ class Engine:
         """Unlink garbage left by failed cleanups (then retry queued stores); returns
         bytes reclaimed."""
         lifecycle.check_writable(self, "reclaim")
-        with lifecycle.guard(self):
-            with self._lock:
-                before = self._charged
+        with self.guard:
+            with self.guard.lock:
+                before = self.account.charged
                 space.reclaim_loose(self)
-                freed = before - self._charged
+                freed = before - self.account.charged
             self.retry_pending()
             return freed
 
@@ -300,7 +342,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Counters, capacity and node counts as one dict."""
-        with lifecycle.guard(self), self._lock:
+        with self.guard, self.guard.lock:
             out = stats.collect(self)
         stats.publish(self, out)
         return out
@@ -308,7 +350,7 @@ class Engine:
     def audit(self, *, checksums: bool = True):
         """Check every invariant against this engine's directory (and its memory)."""
         validate.flag("checksums", checksums)
-        with lifecycle.guard(self), self._lock:
+        with self.guard, self.guard.lock:
             report = audit.audit_engine(self, checksums=checksums)
             remote.note(self, report)
             return report
@@ -332,6 +374,6 @@ def evict_leaf(eng: Engine, prefix: Prefix) -> None:
     node = eng.index.get(nid) if nid is not None else None
     if node is None or space.blocked(eng, node.id, pol.EVICT) or not node.is_leaf:
         return
-    before = eng._charged
+    before = eng.account.charged
     evict.evict_nodes(eng, [node])
-    eng.counters.evicted(pol.EVICT, before - eng._charged)
+    eng.counters.evicted(pol.EVICT, before - eng.account.charged)

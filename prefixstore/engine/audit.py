@@ -332,21 +332,21 @@ def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
     """Audit a live engine's directory plus its in-memory state (caller holds its lock)."""
     rep = audit_dir(
         eng.root,
-        rank_dirs=tiering.audit_dirs(eng.ranks),
+        rank_dirs=tiering.audit_dirs(eng.tiers.ranks),
         checksums=checksums,
-        quiescent=not eng._fences,
+        quiescent=not eng.holds.fences,
         live=eng.read_only is None,  # a read-only engine never writes: read as at rest, creating nothing
     )
     catalog_charged = rep.accounting.get("charged", 0)
-    if eng._charged != catalog_charged:
-        rep.add(3, f"engine counts {eng._charged} charged bytes, catalog rows sum to {catalog_charged}")
+    if eng.account.charged != catalog_charged:
+        rep.add(3, f"engine counts {eng.account.charged} charged bytes, catalog rows sum to {catalog_charged}")
     # the catalog's sum against its recorded capacity is checked by audit_dir; only a
     # different fact (the engine's own count or capacity) is a violation of its own
-    if eng._charged > eng.capacity and (eng._charged, eng.capacity) != (catalog_charged,
+    if eng.account.charged > eng.account.capacity and (eng.account.charged, eng.account.capacity) != (catalog_charged,
                                                                         rep.accounting.get("capacity")):
-        rep.add(3, f"engine charges {eng._charged} bytes, above its capacity {eng.capacity}")
+        rep.add(3, f"engine charges {eng.account.charged} bytes, above its capacity {eng.account.capacity}")
     _audit_index(eng, rep)
-    held = {n for n, c in eng._pins.items() if c} | {n for n, c in eng._fences.items() if c}
+    held = {n for n, c in eng.holds.pins.items() if c} | {n for n, c in eng.holds.fences.items() if c}
     gone = sorted(n for n in held if n not in eng.index.nodes)
     for n in gone:
         rep.add(6, f"node {n} is pinned or fenced but no longer in the index")

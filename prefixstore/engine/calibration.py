@@ -16,7 +16,7 @@ def resolve(eng: Any, bandwidth: Any) -> dict[str, Any] | None:
     """Apply the ``bandwidth`` option to ``eng``: returns the calibration used (None: the
     cost model's). A new measurement is stored in the catalog meta."""
     stored = eng.catalog.meta(META_KEY) if isinstance(bandwidth, str) else None
-    got = calibrate.resolve(bandwidth, stored, executor=eng.executor, backing_kind=eng.backing.kind,
+    got = calibrate.resolve(bandwidth, stored, executor=eng.executor, backing_kind=eng.tiers.backing.kind,
                             root=eng.root)
     if got.to_store is not None:
         with eng.catalog.txn("calibration") as c:

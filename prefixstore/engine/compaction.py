@@ -25,7 +25,7 @@ import attrs
 
 from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
 from prefixstore.base.log import log
-from prefixstore.engine import lifecycle, replace
+from prefixstore.engine import replace
 from prefixstore.engine.driver import InvariantViolation
 from prefixstore.statemachine.compaction import (
     CompactionPolicy,
@@ -62,12 +62,12 @@ def compact(
     """One pass: plan merges under the lock, run each as its own transaction."""
     policy = policy or eng.compaction_policy or CompactionPolicy()
     rep = CompactionReport()
-    with lifecycle.guard(eng):
-        with eng._lock:
+    with eng.guard:
+        with eng.guard.lock:
             rep.rows_before = len(eng.index)
             jobs = plan(eng, policy, rep)
         for job in jobs[: policy.max_jobs]:
-            if should_stop() or eng._closed:
+            if should_stop() or eng.guard.closed:
                 break
             out = replace.run(eng, job, space="watermark", pin_wait_s=policy.pin_wait_s)
             if out.ok:
@@ -75,7 +75,7 @@ def compact(
                 rep.rows_merged += len(job.old)
             else:
                 rep.aborted.append(out.reason or "?")
-        with eng._lock:
+        with eng.guard.lock:
             rep.rows_after = len(eng.index)
     return rep
 
@@ -104,7 +104,7 @@ def verdict(eng: Engine, policy: CompactionPolicy, rows: list[Node]) -> Verdict:
     stats = RunStats(
         rows=len(rows),
         bytes_per_rank=sum(x.nbytes for x in rows) // eng.layout.ranks,
-        age=eng._clock - max(x.last_used for x in rows),
+        age=eng.recency.clock - max(x.last_used for x in rows),
         rows_total=len(eng.index),
     )
     return merge_verdict(policy, stats)
@@ -115,7 +115,7 @@ def find_runs(eng: Engine, policy: CompactionPolicy) -> list[list[Node]]:
     L = eng.layout
 
     def free(x: Node) -> bool:
-        return x.ready and not eng._pins[x.id] and not eng._fences[x.id]
+        return x.ready and not eng.holds.pins[x.id] and not eng.holds.fences[x.id]
 
     def interior(x: Node) -> bool:
         if not (free(x) and len(x.children) == 1):
@@ -200,9 +200,9 @@ class Compactor:
         while not self._stop.is_set():
             self._wake.wait(self.policy.interval_s)
             self._wake.clear()
-            if self._stop.is_set() or eng._closed:
+            if self._stop.is_set() or eng.guard.closed:
                 return
-            sig = (eng._clock, len(eng.index), eng._charged)
+            sig = (eng.recency.clock, len(eng.index), eng.account.charged)
             if sig == last and not self._force:
                 continue
             self._force = False

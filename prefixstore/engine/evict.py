@@ -20,7 +20,7 @@ def evict_nodes(eng: Engine, nodes: list[Node]) -> None:
     recovery finds them damaged (charged, evictable).
     """
     ids = [n.id for n in nodes]
-    if eng.disk.tight():
+    if eng.account.disk.tight():
         journal.unlink_rows(eng, eng.catalog.files_of(ids))
     def remove(tid: int) -> None:
         for n in nodes:
@@ -31,10 +31,10 @@ def evict_nodes(eng: Engine, nodes: list[Node]) -> None:
     try:  # the removal is published: an unexpected error must not strand the txn
         for n in nodes:
             eng.index.remove(n.id)
-            eng._dirty_recency.discard(n.id)
+            eng.recency.forget(n.id)
         parent = eng.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
         if parent is not None:
-            eng.heap.offer(parent)
+            eng.recency.heap.offer(parent)
         journal.run(eng, txn, txn.outputs)
     except BaseException as exc:
         pipeline.fail_txn(eng, txn, exc)

@@ -20,6 +20,6 @@ def invalidate(eng: Engine, node: Node, why: str) -> None:
         with eng.catalog.txn("invalidate") as c:
             eng.catalog.mark_damaged(c, node.id)
     node.state = NODE.next(node.state, "invalidated")
-    eng.heap.offer(node)
+    eng.recency.heap.offer(node)
     eng.counters.inc("faults", "damaged_node")
     log.warning("node_damaged", node=node.id, key=node.key.hex()[:12], why=why)

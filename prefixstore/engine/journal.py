@@ -46,7 +46,7 @@ def handlers(eng: Engine) -> dict[str, Mapping[str, Handler]]:
 
 def durable(eng: Engine, rank: int, name: str) -> bool | None:
     """Whether rank ``rank`` holds ``name`` durably; None when its tier cannot tell."""
-    tier = eng.ranks[rank]
+    tier = eng.tiers.ranks[rank]
     return tier.durable(name) if has(tier, Capability.REPORTS_DURABILITY) else None
 
 
@@ -77,7 +77,7 @@ def unlink_owned(eng: Engine, txn: Txn, ok: str, failed: str, *, barrier: bool) 
     with eng.catalog.txn(f"{txn.kind}.{ok}") as c:
         eng.catalog.settle_files(c, rows, left)
         outs = eng.driver.fire(c, txn, failed if left else ok)
-    eng._charged -= unlinked_bytes(rows, left)
+    eng.account.charged -= unlinked_bytes(rows, left)
     eng.driver.run_outputs(txn, outs)
 
 
@@ -112,15 +112,15 @@ def unlink_rows(eng: Engine, rows) -> set[tuple[int, str]]:
     touched: set[int] = set()
     for r, name, _size in rows:
         try:
-            eng.ranks[r].remove(name)
+            eng.tiers.ranks[r].remove(name)
             touched.add(r)
         except OSError:
             eng.counters.inc("faults", "unlink")
             failed.add((r, name))
-            eng._garbage_hint = True
+            eng.account.garbage_hint = True
     for r in sorted(touched):
         try:
-            eng.ranks[r].sync_dir()
+            eng.tiers.ranks[r].sync_dir()
         except OSError:
             eng.counters.inc("faults", "fsync_dir")
     return failed
@@ -134,7 +134,7 @@ def reclaim_rows(eng: Engine, tid: int | None, rows) -> None:
     left = unlink_rows(eng, rows)
     with eng.catalog.txn("reclaim") as c:
         eng.catalog.delete_files(c, rows, left)
-    eng._charged -= unlinked_bytes(rows, left)
+    eng.account.charged -= unlinked_bytes(rows, left)
 
 
 def unlinked_bytes(rows, left: set[tuple[int, str]]) -> int:

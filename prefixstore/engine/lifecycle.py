@@ -4,10 +4,8 @@ load, fit), the call guard every public call runs inside, and close."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
-from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -16,13 +14,11 @@ from prefixstore.base.errors import (
     CapacityError,
     CatalogIOError,
     DiskFullError,
-    EngineClosedError,
     InvalidInputError,
     LayoutMismatchError,
     NotACacheError,
     PrefixStoreError,
     ReadOnlyError,
-    SimulatedCrash,
 )
 from prefixstore.base.layout import Layout
 from prefixstore.base.log import log
@@ -36,7 +32,6 @@ from prefixstore.engine import (
     loading,
     pipeline,
     readonly,
-    recency,
     recovery,
     remote,
     space,
@@ -44,6 +39,7 @@ from prefixstore.engine import (
     tiering,
     trust,
 )
+from prefixstore.engine.account import Account
 from prefixstore.engine.catalog import (
     CATALOG_NAME,
     Catalog,
@@ -53,7 +49,13 @@ from prefixstore.engine.catalog import (
 )
 from prefixstore.engine.config import EngineConfig
 from prefixstore.engine.counters import Counters
+from prefixstore.engine.guard import CallGuard, Lifetime
+from prefixstore.engine.holds import Holds
 from prefixstore.engine.index import Index
+from prefixstore.engine.recency import Recency
+from prefixstore.engine.remote import RemoteLink
+from prefixstore.engine.retry import RetryQueue
+from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import tiers
 from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.executor import make_executor
@@ -65,53 +67,6 @@ if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
 
 LOCK_NAME = dirlock.LOCK_NAME
-
-
-class CallGuard:
-    """Every public call runs inside: refused once the engine is closed or closing (a
-    call nested in one already running on this thread goes on), counted in flight for
-    ``close``; a ``SimulatedCrash`` abandons the engine; an untyped error from a
-    resource closed under the call becomes ``EngineClosedError``.
-
-    One reusable object per engine (a class: cheaper than a generator on the request
-    path); the per-call state is the thread's nesting depth, kept in ``eng._local``.
-    """
-
-    __slots__ = ("eng",)
-
-    def __init__(self, eng: Engine) -> None:
-        self.eng = eng
-
-    def __enter__(self) -> None:
-        eng = self.eng
-        depth = getattr(eng._local, "depth", 0)
-        with eng._calls_cv:
-            if eng._closed or (eng._closing and not depth):
-                raise EngineClosedError("engine is closed")
-            eng._calls += 1
-        eng._local.depth = depth + 1
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        eng = self.eng
-        try:
-            if kind is not None:
-                if issubclass(kind, SimulatedCrash):
-                    abandon(eng)
-                elif issubclass(kind, Exception) and eng._closed and not isinstance(exc, PrefixStoreError):
-                    # closed under the call (its catalog, pools, workers): a typed error
-                    raise EngineClosedError(f"engine closed during the call ({kind.__name__})") from exc
-            return False
-        finally:
-            eng._local.depth -= 1
-            with eng._calls_cv:
-                eng._calls -= 1
-                if eng._closing:
-                    eng._calls_cv.notify_all()
-
-
-def guard(eng: Engine) -> CallGuard:
-    """Every public call runs inside (see ``CallGuard``)."""
-    return eng._guarded
 
 
 # -- open -------------------------------------------------------------------------------------
@@ -133,7 +88,9 @@ def open_cache(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     init_state(eng, root, layout, capacity_bytes, o)
     check_root(eng, o.create)
     take_lock(eng)
-    eng.disk = DiskRoom(root, eng.disk_reserve_bytes, catalog=catalog_path(root))
+    eng.account = Account(int(capacity_bytes), o.high_watermark, o.low_watermark,
+                          DiskRoom(root, eng.disk_reserve_bytes, catalog=catalog_path(root)))
+    stats.watch(eng)
     logs = log_files(root)
     try:
         open_catalog(eng, o)
@@ -149,7 +106,7 @@ def open_cache(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     try:
         remote.open_tier(eng, o)
     except BaseException:
-        shutdown(eng)  # the lock and catalog are released as by a failed open
+        shutdown(eng.life)  # the lock and catalog are released as by a failed open
         raise
 
 
@@ -157,8 +114,6 @@ def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     """The engine's attributes before anything on disk is touched."""
     eng.root = root
     eng.layout = layout
-    eng.capacity = int(capacity_bytes)
-    eng.high_watermark, eng.low_watermark = o.high_watermark, o.low_watermark
     eng.cost = o.cost
     eng.policy_name = o.policy
     eng.admission = o.admission
@@ -167,47 +122,33 @@ def init_state(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     eng.fs = o.fs or OsFS()
     eng.counters = Counters(o.registry)
     eng.executor = make_executor(o.executor)
-    eng._lock = threading.RLock()
-    eng._settled = threading.Condition(eng._lock)  # notified when a store finishes
-    eng._closed = False
-    eng._guarded = CallGuard(eng)
-    eng._closing = False  # close() started: new public calls are refused
-    eng._calls = 0  # public calls in flight, all threads (close waits for them)
-    eng._calls_cv = threading.Condition(threading.Lock())
-    eng._local = threading.local()  # .depth: this thread's nested public calls
-    eng._dir_lock = None
-    eng.remote = None  # the shared remote tier (engine/remote.py), set once open succeeded
+    eng.life = Lifetime()
+    eng.guard = CallGuard(eng.life)
+    eng.remotes = RemoteLink()  # the shared remote tier (engine/remote.py), set once open succeeded
+    eng.life.remote = eng.remotes
     eng.identity = uuid.uuid4().hex  # carried by this engine's Matches (validate.match)
     eng.model_identity = o.identity  # the model the cache belongs to (engine/identity.py)
-    eng._pins = Counter()  # every pin: pin()'s and running restores'
-    eng._request_pins = Counter()  # the pins taken by pin() (a request holds them)
-    eng._fences = Counter()
-    # The part of _fences that queued async stores hold as reservations of the rows
-    # they build on: no eviction or merge removes such a row, but no transaction is in
-    # flight on it, so no store or compact-replace that keeps the row waits for it.
-    eng._reserved = Counter()
-    eng._inflight_blocks = {}
-    eng._pending = deque()
-    eng._retrying = False
-    eng._dirty_recency = set()
+    eng.holds = Holds()
+    eng.retries = RetryQueue(eng.MAX_PENDING)
     eng.compaction_policy = None  # set by compaction.start_worker; compact() default
     eng.compactor = None  # the background compaction worker, when enabled
     eng.index = Index()
-    eng.heap = pol.VictimHeap(o.policy, layout.has_snapshot)
+    heap = pol.VictimHeap(o.policy, layout.has_snapshot)
     if pol.takes_retention(o.policy) and isinstance(o.admission, pol.Retention):
-        eng.heap.retention = o.admission  # its rule orders the leaves (the index load rebuilds the heap)
+        heap.retention = o.admission  # its rule orders the leaves (the index load rebuilds the heap)
+    eng.recency = Recency(heap)
     eng.driver = journal.build(eng)  # an output with no handler fails here, at open
-    stats.watch(eng)
 
 
 def open_catalog(eng: Engine, o: EngineConfig) -> None:
     """Open the catalog (after refusing symlinked own directories, with nothing touched)."""
     root, layout = eng.root, eng.layout
     cachedirs.check_own_dirs(root, layout.ranks if o.ranks is None and o.backing != "memory" else 0)
-    if o.ranks is None and eng.disk.full() and os.path.exists(os.path.join(root, CATALOG_NAME)):
+    if o.ranks is None and eng.account.disk.full() and os.path.exists(os.path.join(root, CATALOG_NAME)):
         recovery.room_before_open(root, layout.ranks)
     eng.catalog = Catalog(root, synchronous=o.synchronous, hook=eng.hook, create=o.create,
-                          before_write=eng.disk.before_catalog_write)
+                          before_write=eng.account.disk.before_catalog_write)
+    eng.life.catalog = eng.catalog
 
 
 def open_effects(eng: Engine, o: EngineConfig) -> None:
@@ -217,28 +158,30 @@ def open_effects(eng: Engine, o: EngineConfig) -> None:
     check_layout(eng)
     identity.check(eng)
     recovery.check_backing(eng)
-    eng.backing = tiering.open_backing(eng, o.backing, o.ram_bytes)
-    eng.ranks = list(o.ranks) if o.ranks is not None else [
+    backing = tiering.open_backing(eng, o.backing, o.ram_bytes)
+    given = list(o.ranks) if o.ranks is not None else [
         LocalRank(r, os.path.join(eng.root, rank_dir_name(r)), eng.fs, eng.hook) for r in range(layout.ranks)
     ]
-    eng.ranks = eng.backing.bind(eng.ranks, given=o.ranks is not None)
-    if len(eng.ranks) != layout.ranks:
-        raise InvalidInputError(f"{len(eng.ranks)} rank executors for {layout.ranks} ranks")
-    eng._pool = ThreadPoolExecutor(max_workers=max(1, layout.ranks), thread_name_prefix="rank")
-    eng.disk.bind(tiering.local_dirs(eng.ranks), layout.ranks)
+    ranks = backing.bind(given, given=o.ranks is not None)
+    if len(ranks) != layout.ranks:
+        raise InvalidInputError(f"{len(ranks)} rank executors for {layout.ranks} ranks")
+    eng.tiers = Tiers(backing, ranks, ThreadPoolExecutor(max_workers=max(1, layout.ranks), thread_name_prefix="rank"))
+    eng.life.pool = eng.tiers.pool
+    eng.account.disk.bind(tiering.local_dirs(ranks), layout.ranks)
     eng.recovery_report = recovery.recover(eng)
     loading.load(eng)
     fit(eng)
-    if o.read_only_fallback and o.ranks is None and o.backing == "disk" and eng.disk.full():
+    if o.read_only_fallback and o.ranks is None and o.backing == "disk" and eng.account.disk.full():
         # recovered, and still no room to write: read-only rather than evict for room
         raise disk_full(eng, "the cache opens read-only rather than evict checkpoints for room")
     eng.calibration = calibration.resolve(eng, o.bandwidth)
     eng.transfers = pipeline.Transfers(layout.ranks)
+    eng.life.transfers = eng.transfers
     eng.compactor = compaction.start_worker(eng, o.compaction)
 
 
 def drop_pool(eng: Engine) -> None:
-    pool = getattr(eng, "_pool", None)
+    pool, eng.life.pool = eng.life.pool, None
     if pool is not None:
         pool.shutdown(wait=False)
 
@@ -249,7 +192,7 @@ def fall_back(eng: Engine, exc: BaseException, o: EngineConfig, logs: frozenset[
     full disk: as DiskFullError)."""
     if isinstance(exc, DiskFullError):
         reason: DiskFullError | None = exc  # recovered, and no room: closing the catalog may have freed its log
-    elif isinstance(exc, CatalogIOError) and eng.disk.full():
+    elif isinstance(exc, CatalogIOError) and eng.account.disk.full():
         reason = disk_full(eng, "nothing this cache can free without a catalog write")
     else:
         reason = None
@@ -271,7 +214,7 @@ def fall_back(eng: Engine, exc: BaseException, o: EngineConfig, logs: frozenset[
 def disk_full(eng: Engine, why: str) -> DiskFullError:
     """The error naming the full disk under the catalog: what it has free (bytes,
     inodes), ``why`` the open gave up on writing, and what to free."""
-    free, remedy = eng.disk.lack()
+    free, remedy = eng.account.disk.lack()
     return DiskFullError(f"{eng.root}: the disk is full ({free}, no reserve left; {why}): "
                          f"free {remedy} on that file system and open again")
 
@@ -281,23 +224,27 @@ def open_read_only(eng: Engine, reason: DiskFullError, bandwidth: Any, logs: fro
     ``logs``: the catalog's log files before the failed open (those it created are removed)."""
     drop_empty_log(eng.root, logs)
     eng.catalog = Catalog.open_read_only(eng.root, reason, eng.hook)
+    eng.life.catalog = eng.catalog
     try:
         check_layout(eng)
         identity.check(eng)
         recovery.check_structure(eng)
         if (eng.catalog.meta(tiers.META_KEY) or "disk") != "disk":
             raise reason
-        eng.backing = tiering.open_backing(eng, "disk", None)
-        eng.ranks = eng.backing.bind([LocalRank(r, os.path.join(eng.root, rank_dir_name(r)), eng.fs, eng.hook)
-                                      for r in range(eng.layout.ranks)], given=False)
-        eng._pool = ThreadPoolExecutor(max_workers=max(1, eng.layout.ranks), thread_name_prefix="rank")
-        eng.disk.bind([r.directory for r in eng.ranks], eng.layout.ranks)
+        backing = tiering.open_backing(eng, "disk", None)
+        ranks = backing.bind([LocalRank(r, os.path.join(eng.root, rank_dir_name(r)), eng.fs, eng.hook)
+                              for r in range(eng.layout.ranks)], given=False)
+        eng.tiers = Tiers(backing, ranks, ThreadPoolExecutor(max_workers=max(1, eng.layout.ranks),
+                                                             thread_name_prefix="rank"))
+        eng.life.pool = eng.tiers.pool
+        eng.account.disk.bind([r.directory for r in ranks], eng.layout.ranks)
         if getattr(eng, "recovery_report", None) is None:  # kept when recovery ran before
             eng.recovery_report = recovery.RecoveryReport()
         loading.load(eng)
         eng.unsettled = readonly.hold_out(eng.catalog, eng.index)
         eng.calibration = calibration.resolve(eng, None if isinstance(bandwidth, str) else bandwidth)
         eng.transfers = pipeline.Transfers(eng.layout.ranks)
+        eng.life.transfers = eng.transfers
         eng.compactor = None
     except BaseException:
         drop_pool(eng)
@@ -326,13 +273,11 @@ def check_root(eng: Engine, create: bool) -> None:
 
 
 def take_lock(eng: Engine) -> None:
-    eng._dir_lock = dirlock.acquire(eng.root, "is open in another engine")
+    eng.life.dir_lock = dirlock.acquire(eng.root, "is open in another engine")
 
 
 def release_lock(eng: Engine) -> None:
-    if eng._dir_lock is not None:
-        eng._dir_lock.release()
-        eng._dir_lock = None
+    eng.life.release_lock()
 
 
 def check_layout(eng: Engine) -> None:
@@ -341,7 +286,7 @@ def check_layout(eng: Engine) -> None:
     if stored is None:
         with cat.txn("init") as c:
             cat.set_meta(c, "layout", eng.layout.to_json())
-            cat.set_meta(c, "capacity", str(eng.capacity))
+            cat.set_meta(c, "capacity", str(eng.account.capacity))
         return
     created = Layout.from_json(stored)
     if created != eng.layout:
@@ -349,9 +294,9 @@ def check_layout(eng: Engine) -> None:
             f"{eng.root} was created with another layout (created vs given: "
             f"{'; '.join(created.differences(eng.layout))})"
         )
-    if cat.meta("capacity") != str(eng.capacity) and cat.read_only is None:
+    if cat.meta("capacity") != str(eng.account.capacity) and cat.read_only is None:
         with cat.txn("capacity") as c:
-            cat.set_meta(c, "capacity", str(eng.capacity))
+            cat.set_meta(c, "capacity", str(eng.account.capacity))
 
 
 def fit(eng: Engine) -> None:
@@ -359,19 +304,19 @@ def fit(eng: Engine) -> None:
     hold the catalog's room in its files and take the disk reserve back if they fit. The disk's room is no reason to evict here
     (a full disk opens read-only instead, see ``open_effects``). Raises CapacityError
     when the capacity cannot be reached."""
-    with eng._lock:
-        over = eng._charged - eng.capacity
+    with eng.guard.lock:
+        over = eng.account.charged - eng.account.capacity
         if over > 0:
             freed = space.free(eng, over)
             eng.recovery_report.evicted += freed
-            log.info("open_evicted", bytes=freed, charged=eng._charged, capacity=eng.capacity)
-        if eng._charged > eng.capacity:
+            log.info("open_evicted", bytes=freed, charged=eng.account.charged, capacity=eng.account.capacity)
+        if eng.account.charged > eng.account.capacity:
             raise CapacityError(
-                f"{eng.root}: {eng._charged} bytes stay charged after evicting what open "
-                f"can, above capacity_bytes={eng.capacity}; open with a larger capacity"
+                f"{eng.root}: {eng.account.charged} bytes stay charged after evicting what open "
+                f"can, above capacity_bytes={eng.account.capacity}; open with a larger capacity"
             )
-        eng.disk.hold_catalog_room()
-        eng.disk.restore()
+        eng.account.disk.hold_catalog_room()
+        eng.account.disk.restore()
 
 
 # -- close -------------------------------------------------------------------------------------
@@ -379,7 +324,7 @@ def fit(eng: Engine) -> None:
 
 def close(eng: Engine) -> None:
     """The body of ``Engine.close`` (see there)."""
-    if eng._closed:
+    if eng.guard.closed:
         return
     if eng.transfers.commit.current or eng.transfers.retry.current:
         # e.g. from a queued store's valid() callback: draining would wait for itself
@@ -388,54 +333,36 @@ def close(eng: Engine) -> None:
     if eng.compactor is not None:
         eng.compactor.stop()  # outside the lock: the worker may be waiting for it
     deadline = time.monotonic() + eng.close_wait_s
-    quiesce(eng, deadline)
+    quiesce(eng.guard, deadline)
     # Jobs queued since the drain are refused by the guard; let them release what they hold.
     eng.transfers.drain(max(0.0, deadline - time.monotonic()))
-    remote.close_tier(eng, min(eng.remote_flush_s, max(0.0, deadline - time.monotonic())))
-    with eng._lock:
-        if eng._closed:  # abandoned meanwhile (a simulated crash)
+    eng.remotes.close(min(eng.remote_flush_s, max(0.0, deadline - time.monotonic())))
+    with eng.guard.lock:
+        if eng.guard.closed:  # abandoned meanwhile (a simulated crash)
             return
         try:
             if eng.read_only is None:
-                recency.flush(eng)
+                eng.recency.flush(eng.index, eng.catalog)
         finally:
-            shutdown(eng)
+            shutdown(eng.life)
 
 
-def quiesce(eng: Engine, deadline: float) -> None:
+def quiesce(guard: CallGuard, deadline: float) -> None:
     """Refuse new public calls; wait until those in flight on other threads end
     (or ``deadline``, a ``time.monotonic()`` value, passes)."""
-    mine = getattr(eng._local, "depth", 0)  # close() called from inside a call
-    with eng._calls_cv:
-        eng._closing = True
-        while eng._calls > mine:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("close_timeout", in_flight=eng._calls - mine)
-                return
-            eng._calls_cv.wait(left)
+    guard.quiesce(deadline)
 
 
 def is_closed(eng: Engine) -> bool:
     """Whether ``eng`` was closed or abandoned (its calls are refused)."""
-    return eng._closed
+    return eng.guard.closed
 
 
 def abandon(eng: Engine) -> None:
     """Model process death: drop the connection (uncommitted work rolls back)."""
-    shutdown(eng)
+    shutdown(eng.life)
 
 
-def shutdown(eng: Engine) -> None:
-    eng._closed = True
-    remote.close_tier(eng, 0.0)
-    transfers = getattr(eng, "transfers", None)
-    if transfers is not None:
-        transfers.stop(wait=False)
-    pool = getattr(eng, "_pool", None)
-    if pool is not None:
-        pool.shutdown(wait=False, cancel_futures=True)
-    cat = getattr(eng, "catalog", None)
-    if cat is not None:
-        cat.close()
-    release_lock(eng)
+def shutdown(life: Lifetime) -> None:
+    """Release what the engine holds (see ``Lifetime.shutdown``)."""
+    life.shutdown()

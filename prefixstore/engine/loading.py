@@ -24,7 +24,7 @@ def load(eng: Engine, keep: bool = False) -> None:
     old = eng.index.nodes if keep else {}
     eng.index = Index()
     sizes = eng.catalog.live_sizes()
-    clock = eng._clock if keep else 0
+    clock = eng.recency.clock if keep else 0
     for r in eng.catalog.node_rows():
         node = Node(
             id=r[0], key=bytes(r[1]), parent=r[2], start=r[3], end=r[4], digests=bytes(r[5]),
@@ -40,6 +40,6 @@ def load(eng: Engine, keep: bool = False) -> None:
             node = prev
         eng.index.add(node)
         clock = max(clock, node.last_used, node.snap_used)
-    eng._clock = clock
-    eng._charged = eng.catalog.charged()
-    eng.heap.rebuild(eng.index)
+    eng.recency.clock = clock
+    eng.account.charged = eng.catalog.charged()
+    eng.recency.heap.rebuild(eng.index)

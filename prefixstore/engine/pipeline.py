@@ -47,9 +47,7 @@ from prefixstore.base.errors import (
     SimulatedCrash,
 )
 from prefixstore.engine import (
-    holds,
     journal,
-    lifecycle,
     loading,
     replace,
     retry,
@@ -97,7 +95,7 @@ class Transfers:
         def run() -> None:
             with self._lock:
                 self._retry_queued = False
-            if not (eng._closed or eng._closing):
+            if not (eng.guard.closed or eng.guard.closing):
                 eng.retry_pending()
 
         try:
@@ -171,7 +169,7 @@ def write_shard(eng: Engine, r: int, name: str, d: Any) -> None:
     """Apply one rank's write of a store: bytes, or a staged buffer (adopted by a RAM
     tier, or written from in place). Any failure of the effect is an OSError, so it
     fails the transaction (rolled back), never the thread that ran it."""
-    rank = eng.ranks[r]
+    rank = eng.tiers.ranks[r]
     try:
         if not isinstance(d, Staged):
             rank.write_shard(name, d)
@@ -196,9 +194,9 @@ def fail_txn(eng: Engine, txn: Txn, exc: BaseException) -> None:
     forward if it had published, back otherwise. A simulated crash is left to recovery,
     and so is a transaction the catalog can no longer read or end (it then refuses
     writes until reopened); the caller raises ``exc`` either way, never this step's error."""
-    if isinstance(exc, SimulatedCrash) or eng._closed:
+    if isinstance(exc, SimulatedCrash) or eng.guard.closed:
         return
-    with eng._lock:
+    with eng.guard.lock:
         try:
             with eng.catalog.reading() as c:
                 step = eng.driver.abort(c, txn)
@@ -256,8 +254,8 @@ def store_async(
     """Stage the checkpoint now, commit it on the commit worker (see module doc)."""
     segs, snaps = validate.store_args(eng, prefix, segments, snapshot, tokens_from, valid)
     tr = eng.transfers
-    with lifecycle.guard(eng):
-        with eng._lock:
+    with eng.guard:
+        with eng.guard.lock:
             peek = _peek(eng, prefix, tokens_from)
         if isinstance(peek, StoreTicket):
             return peek
@@ -305,7 +303,7 @@ def _peek(eng: Engine, prefix: Any, tokens_from: int) -> StoreTicket | tuple[int
         first = spans.refill_from(eng, prefix, tokens_from, start)  # < start: refills
     else:  # a compact-replace, in flight or inside a span: the commit re-plans (and may stage again)
         gen, held, first = 1, [], tokens_from // bt
-    holds.reserve(eng, held)
+    eng.holds.reserve(held)
     return gen, held, first
 
 
@@ -348,7 +346,7 @@ class _QueuedStore:
         eng, staged, bt = self.eng, self.staged, self.eng.layout.block_tokens
         try:
             _start(eng, self.held, self.started)
-            with lifecycle.guard(eng):
+            with eng.guard:
                 ex = eng.executor
                 for s in staged:
                     s.checksum(ex.gate, ex.stats)
@@ -373,8 +371,8 @@ class _QueuedStore:
 
 def _start(eng: Engine, ids: list[int], started: threading.Event) -> None:
     """A queued store's job begins: its reservations on ``ids`` become plain fences."""
-    with eng._lock:
-        holds.begin_reserved(eng, ids)
+    with eng.guard.lock:
+        eng.holds.begin_reserved(ids)
         started.set()
 
 
@@ -382,12 +380,12 @@ def _unfence(eng: Engine, ids: list[int], reserved: bool) -> None:
     """Drop the fences on ``ids`` (``reserved``: still the reservations of a queued job)."""
     if not ids:
         return
-    with eng._lock:
+    with eng.guard.lock:
         if reserved:
-            holds.unreserve(eng, ids)
+            eng.holds.unreserve(ids)
         else:
-            holds.unfence(eng, ids)
-        eng._settled.notify_all()
+            eng.holds.unfence(ids)
+        eng.guard.settled.notify_all()
 
 
 # ------------------------------------------------------------------------------ restore
@@ -415,7 +413,7 @@ def _fetch(eng: Engine, x: Node, r: int, row: tuple[str, int, str], from_ram: bo
     when it holds none); otherwise read it from the tier into a staging buffer and
     verify it there (``gpu/verify.py``), then offer it to a tier that ``PROMOTES``."""
     name, size, ck = row
-    rank = eng.ranks[r]
+    rank = eng.tiers.ranks[r]
     ex = eng.executor
     got = (verify.resident(rank, name, size) if from_ram
            else verify.read(rank, name, size, ck, pool=ex.pool, stats=ex.stats))

@@ -89,9 +89,9 @@ def recover(eng: Engine) -> RecoveryReport:
     rep = RecoveryReport()
     check_structure(eng)
     reconcile(eng, rep)
-    eng._charged = eng.catalog.charged()
-    eng._clock = 0
-    if eng.disk.tight():
+    eng.account.charged = eng.catalog.charged()
+    eng.recency.clock = 0
+    if eng.account.disk.tight():
         _room_first(eng)
     for row in eng.catalog.journal():
         with eng.catalog.reading() as c:
@@ -101,10 +101,10 @@ def recover(eng: Engine) -> RecoveryReport:
     # 'writing' rows whose transaction is gone cannot exist; treat any as garbage.
     with eng.catalog.txn("recover.stray") as c:
         eng.catalog.garbage_stray_writing(c)
-    before = eng._charged
+    before = eng.account.charged
     garbage = eng.catalog.garbage_files()
     journal.reclaim_rows(eng, None, garbage)
-    rep.garbage_reclaimed = before - eng._charged
+    rep.garbage_reclaimed = before - eng.account.charged
     _orphans(eng, rep)
     _verify_live(eng, rep)
     return rep
@@ -213,14 +213,14 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
     current = structure.current_shards(nodes)
     for f in files:
         rank, name, size = f[0], f[1], f[4]
-        if not 0 <= rank < len(eng.ranks):
+        if not 0 <= rank < len(eng.tiers.ranks):
             continue
         owner = current.get(name)
         if owner is not None and structure.misowned(owner, nodes, f):
             fixes.append((cat.attach_file, (rank, name, owner, nodes[owner][structure.GEN])))
             rep.reattached.append(f"rank{rank}/{name} to node {owner}")
         if not isinstance(size, int) or size < 0:
-            actual = eng.ranks[rank].size(name) or 0
+            actual = eng.tiers.ranks[rank].size(name) or 0
             fixes.append((cat.set_file_size, (rank, name, actual)))
             rep.resized.append(f"rank{rank}/{name}: {size!r} -> {actual}")
     known = {(f[0], f[1]) for f in files}
@@ -229,7 +229,7 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
         owner = current.get(f[1])
         if owner is not None and structure.misowned(owner, nodes, f):
             reattached.add((owner, f[0]))
-    for rank in eng.ranks:
+    for rank in eng.tiers.ranks:
         if has(rank, Capability.VOLATILE):
             continue
         for entry in rank.listdir():
@@ -271,7 +271,7 @@ def _orphans(eng: Engine, rep: RecoveryReport) -> None:
     known: dict[int, set[str]] = {}
     for r, name in eng.catalog.file_names():
         known.setdefault(r, set()).add(name)
-    for rank in eng.ranks:
+    for rank in eng.tiers.ranks:
         mine = known.get(rank.rank, set())
         removed = False
         for entry in rank.listdir():
@@ -308,10 +308,10 @@ def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
         ok = len(files) == ranks and {f[0] for f in files} == set(range(ranks))
         if ok:
             for r, name, size, ck in files:
-                actual = eng.ranks[r].size(name)
+                actual = eng.tiers.ranks[r].size(name)
                 if actual == size:
                     continue
-                if actual is not None and _matches(eng.ranks[r], name, actual, ck):
+                if actual is not None and _matches(eng.tiers.ranks[r], name, actual, ck):
                     resized.append((actual, r, name))  # the row's size is wrong, not the file
                     rep.resized.append(f"rank{r}/{name}: {size!r} -> {actual} (the file matches its checksum)")
                     continue

@@ -76,31 +76,43 @@ class Backfill:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+@attrs.define(slots=True, eq=False)
+class RemoteLink:
+    """The engine's remote tier once open (None without one, and once closed), the
+    backfill of what it sends, and the per-thread mark of a store that keeps a remote
+    checkpoint's local copy (not sent back)."""
+
+    tier: RemoteTier | None = None
+    backfill: Backfill | None = None
+    local: threading.local = attrs.field(factory=threading.local)
+    """``from_remote``: this thread is storing the local copy of a remote checkpoint."""
+
+    def close(self, timeout: float) -> None:
+        """Send what is being sent and flush queued writes, within ``timeout`` seconds in
+        all, then disconnect (idempotent)."""
+        tier, self.tier = self.tier, None
+        if tier is None:
+            return
+        deadline = time.monotonic() + timeout
+        if self.backfill is not None:
+            self.backfill.finish(timeout)
+        if not tier.close(max(0.0, deadline - time.monotonic())):
+            log.warning("remote_unflushed", remote=tier.url.redacted(), left=tier.stats()["queue_depth"])
+
+
 # -- open / close -------------------------------------------------------------------------------
 
 
 def open_tier(eng: Engine, o: EngineConfig) -> None:
-    """Set ``eng.remote``: the tier of ``o.remote`` (None without one), its collector in
-    the engine's registry."""
+    """Set ``eng.remotes``'s tier: the tier of ``o.remote`` (None without one), its
+    collector in the engine's registry."""
     if o.remote is None:
         return
     tier = RemoteTier.for_layout(o.remote, eng.layout, o.remote_options)
     eng.counters.registry.register(RemoteCollector(tier.stats))
-    eng.remote_backfill = Backfill()
-    eng.remote = tier
+    eng.remotes.backfill = Backfill()
+    eng.remotes.tier = tier
     log.info("remote_opened", remote=tier.url.redacted(), write_behind=tier.config.write_behind)
-
-
-def close_tier(eng: Engine, timeout: float) -> None:
-    """Send what is being sent and flush queued writes, within ``timeout`` seconds in
-    all, then disconnect (idempotent)."""
-    tier, eng.remote = eng.remote, None
-    if tier is None:
-        return
-    deadline = time.monotonic() + timeout
-    eng.remote_backfill.finish(timeout)
-    if not tier.close(max(0.0, deadline - time.monotonic())):
-        log.warning("remote_unflushed", remote=tier.url.redacted(), left=tier.stats()["queue_depth"])
 
 
 # -- store --------------------------------------------------------------------------------------
@@ -122,8 +134,8 @@ def prepare(eng: Engine, t: Any) -> Offer | None:
     puts, each rank's shard bytes with the catalog's checksums. None when there is no
     remote, for a local copy of a remote checkpoint (not sent back), or on an error
     (logged: the local store stands whatever the remote does)."""
-    tier = eng.remote
-    if tier is None or getattr(eng._local, "from_remote", False):
+    tier = eng.remotes.tier
+    if tier is None or getattr(eng.remotes.local, "from_remote", False):
         return None
     try:
         blobs = [bytes(d.buffer.mv()[: d.size]) if isinstance(d, Staged) else bytes(d) for d in t.datas]
@@ -131,7 +143,7 @@ def prepare(eng: Engine, t: Any) -> Offer | None:
                 for d, b in zip(t.datas, blobs, strict=True)]
         m = tier.manifest_for(t.key, blobs, start=t.plan.start, end=t.end, generation=t.gen,
                               snapshot=eng.layout.has_snapshot, checksums=sums)
-        eng.remote_backfill.sent.add((t.key, t.gen))
+        eng.remotes.backfill.sent.add((t.key, t.gen))
         unsent = unsent_ancestors(eng, t.plan.parent)
         rows = local_restore.file_rows(eng, unsent) if unsent else {}
         return Offer(t.key, m, blobs, [(x, rows[x.id]) for x in unsent])
@@ -144,13 +156,13 @@ def send(eng: Engine, offer: Offer | None) -> None:
     """Put a prepared checkpoint, outside the engine lock: a write-through put waits on
     the network (within its ``write_timeout``) while other calls go on; write-behind
     only queues it. The ancestors go through the backfill thread. Never raises."""
-    tier = eng.remote
+    tier = eng.remotes.tier
     if offer is None or tier is None:
         return
     try:
         tier.put(offer.key, offer.manifest, offer.blobs)
         if offer.ancestors:
-            eng.remote_backfill.submit(send_nodes, eng, tier, offer.ancestors)
+            eng.remotes.backfill.submit(send_nodes, eng, tier, offer.ancestors)
     except Exception as exc:
         log.warning("remote_offer_failed", key=offer.key.hex()[:12], reason=f"{type(exc).__name__}: {exc}")
 
@@ -159,7 +171,7 @@ def unsent_ancestors(eng: Engine, parent: Node | None) -> list[Node]:
     """The ready nodes of ``parent``'s path not sent to the remote (marked sent now). Lock held."""
     if parent is None:
         return []
-    sent = eng.remote_backfill.sent
+    sent = eng.remotes.backfill.sent
     out = [x for x in eng.index.path(parent) if x.ready and (x.key, x.generation) not in sent]
     sent.update((x.key, x.generation) for x in out)
     return out
@@ -171,7 +183,7 @@ def send_nodes(eng: Engine, tier: RemoteTier, nodes: list[tuple[Node, dict]]) ->
     for x, rows in nodes:
         if set(rows) != set(range(eng.layout.ranks)):
             continue
-        got = [verify.read(eng.ranks[r], *rows[r]) for r in range(eng.layout.ranks)]
+        got = [verify.read(eng.tiers.ranks[r], *rows[r]) for r in range(eng.layout.ranks)]
         if not all(isinstance(g, verify.Shard) for g in got):
             continue
         blobs = [g.data for g in got]
@@ -190,7 +202,7 @@ def extend(eng: Engine, prefix: Prefix, local: Match, gpu_blocks: int, total_tok
     """``local`` (the local tiers' answer), or a remote Match when the remote holds a
     deeper checkpoint of ``prefix`` beyond the GPU-resident blocks that the cost rule
     finds worth fetching. One round trip, within the tier's lookup budget."""
-    tier = eng.remote
+    tier = eng.remotes.tier
     n = len(prefix)
     held = local.blocks if local.outcome in ("hit", "gpu_resident") else gpu_blocks
     if tier is None or held >= n:
@@ -264,7 +276,7 @@ def restore(eng: Engine, match: Match) -> Restored | None:
     server is down or slow, a blob is absent or does not verify) the local tiers'
     shallower hit is restored instead (its ``Restored.match`` says so), else None.
     A verified remote restore is also stored locally when the policy admits it."""
-    tier, ref = eng.remote, match.remote
+    tier, ref = eng.remotes.tier, match.remote
     got = tier.fetch_path(ref.hit.path) if tier is not None else []
     decoded = decode_path(eng, tier, ref.hit.path, got) if len(got) == len(ref.hit.path) else None
     if decoded is None:
@@ -334,7 +346,7 @@ def keep_local(eng: Engine, prefix: Prefix, segments: list, snaps: list, tokens_
     admission, space and policy decide); not sent back to the remote."""
     if eng.read_only is not None:
         return
-    eng._local.from_remote = True
+    eng.remotes.local.from_remote = True
     try:
         res = store.store(eng, prefix, segments, snaps if eng.layout.has_snapshot else None, tokens_from)
         if res.ok:
@@ -342,7 +354,7 @@ def keep_local(eng: Engine, prefix: Prefix, segments: list, snaps: list, tokens_
     except InvalidInputError:  # the local plan needs rows below the GPU-resident part
         pass
     finally:
-        eng._local.from_remote = False
+        eng.remotes.local.from_remote = False
 
 
 # -- stats / audit ------------------------------------------------------------------------------
@@ -350,7 +362,7 @@ def keep_local(eng: Engine, prefix: Prefix, segments: list, snaps: list, tokens_
 
 def stats(eng: Engine) -> dict[str, Any] | None:
     """The remote's counters and gauges with its redacted URL; None without one."""
-    tier = eng.remote
+    tier = eng.remotes.tier
     if tier is None:
         return None
     return {"url": tier.url.redacted(), **tier.stats()}

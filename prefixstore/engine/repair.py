@@ -339,8 +339,8 @@ def repair(
         rep.recovery = eng.recovery_report
         _invalidate_bad_shards(eng, rep)
         rep.reclaimed = eng.reclaim()
-        with eng._lock:
-            over = eng._charged - eng.capacity
+        with eng.guard.lock:
+            over = eng.account.charged - eng.account.capacity
         if over > 0:
             rep.evicted = eng.evict(over)
         final = eng.audit()
@@ -472,7 +472,7 @@ def _entries(dirs: Sequence[str]) -> frozenset[tuple[int, str]]:
 
 
 def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
-    with eng._lock:
+    with eng.guard.lock:
         nodes = [n for n in eng.index if n.ready]
         files: dict[int, list[tuple[int, str, str]]] = {}
         for nid, r, name, _size, ck in eng.catalog.all_live_files():
@@ -483,7 +483,7 @@ def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
         why = None
         for r, name, ck in sorted(files.get(node.id, [])):
             try:
-                data = eng.ranks[r].read_shard(name)
+                data = eng.tiers.ranks[r].read_shard(name)
             except FileNotFoundError:
                 why = f"rank {r}: shard missing"
             except NotRegularFileError as exc:
@@ -498,6 +498,6 @@ def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
             if why is not None:
                 break
         if why is not None:
-            with eng._lock:
+            with eng.guard.lock:
                 health.invalidate(eng, node, why)
             rep.invalidated.append((node.id, why))

@@ -40,7 +40,7 @@ import torch
 from prefixstore.base.errors import SimulatedCrash
 from prefixstore.base.keys import DIGEST_SIZE, ROOT
 from prefixstore.base.log import log
-from prefixstore.engine import health, holds, journal, pipeline, restore, store
+from prefixstore.engine import health, journal, pipeline, restore, store
 from prefixstore.engine import space as engine_space
 from prefixstore.engine.driver import Txn
 from prefixstore.engine.index import Node
@@ -197,10 +197,10 @@ def run(
     ``held``: old rows the caller fences itself (one fence each: an async store
     refilling them), not counted as another transaction's.
     """
-    assert locked or not eng._lock._is_owned(), "run(locked=False) needs the engine lock released"
+    assert locked or not eng.guard.lock._is_owned(), "run(locked=False) needs the engine lock released"
     # a store's job (wait_pinned) is refused only by pin()'s pins, not a restore's
-    with eng._lock:
-        prepared = _prepare(eng, job, eng._request_pins if wait_pinned else eng._pins, held)
+    with eng.guard.lock:
+        prepared = _prepare(eng, job, eng.holds.request_pins if wait_pinned else eng.holds.pins, held)
     if isinstance(prepared, Outcome):
         return prepared
     rows, attempt = prepared
@@ -217,7 +217,7 @@ def run(
             eng.counters.inc("replaces", f"{job.use}_aborted")
         raise
     finally:
-        with eng._lock:
+        with eng.guard.lock:
             _unfence(eng, job, attempt.fenced, attempt.fenced)
 
 
@@ -245,7 +245,7 @@ def _prepare(
     for r in job.new:
         r.gen = next_generation(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
         r.name = shard_name(r.key, r.gen)
-    holds.fence(eng, [n.id for n in job.old])
+    eng.holds.fence([n.id for n in job.old])
     return rows, _Attempt(set(job.old_ids))
 
 
@@ -259,24 +259,24 @@ def _write_and_swap(
         return got
     _encode(eng, job, job.assemble(got))
     needed = sum(len(b) for r in job.new for b in r.blobs)
-    with eng._lock:
+    with eng.guard.lock:
         if not _room(eng, needed, space, protect | job.old_ids):
             return _abort(eng, job, "no_space", "refused")
         attempt.txn = txn = _intent(eng, job)
-        eng._charged += needed
+        eng.account.charged += needed
     for r in job.new:
         errors = store.write_all(eng, r.name, r.blobs)
         if errors:
-            with eng._lock:
+            with eng.guard.lock:
                 journal.rollback(eng, txn, "failed")
             msg = "; ".join(f"rank {rk}: {e}" for rk, e in errors)
             return _abort(eng, job, msg, "failed")
     deadline = time.monotonic() + (0 if locked else pin_wait_s)
     while True:
-        with eng._lock:
+        with eng.guard.lock:
             # a store does not wait for a row pin() holds (a request using it)
-            why = _check(eng, job, fences=1, pins=eng._request_pins if wait_pinned else None, held=held)
-            pinned = any(eng._pins[n.id] for n in job.old)
+            why = _check(eng, job, fences=1, pins=eng.holds.request_pins if wait_pinned else None, held=held)
+            pinned = any(eng.holds.pins[n.id] for n in job.old)
             if why or (pinned and time.monotonic() >= deadline):
                 journal.rollback(eng, txn, "stale")
                 return _abort(eng, job, why or "pinned", "skipped")
@@ -307,11 +307,11 @@ def _unfence(eng: Engine, job: Job, fenced: set[int], ids: set[int]) -> None:
     if not ids:
         return
     fenced.difference_update(ids)
-    holds.unfence(eng, ids)
+    eng.holds.unfence(ids)
     for n in job.old:
         if n.id in ids and eng.index.get(n.id) is n:
-            eng.heap.offer(n)
-    eng._settled.notify_all()  # stores waiting for these rows re-plan
+            eng.recency.heap.offer(n)
+    eng.guard.settled.notify_all()  # stores waiting for these rows re-plan
 
 
 def _abort(eng: Engine, job: Job, why: str, status: str) -> Outcome:
@@ -333,7 +333,7 @@ def _check(
             return "stale"
         if pins is not None and pins[n.id]:
             return "pinned"
-        in_flight = eng._fences[n.id] - (0 if n.id in dropped else eng._reserved[n.id])
+        in_flight = eng.holds.fences[n.id] - (0 if n.id in dropped else eng.holds.reserved[n.id])
         if in_flight != fences + (n.id in held):
             return "fenced"
         if n.state != job.state:
@@ -365,7 +365,7 @@ def _read(eng: Engine, job: Job, rows) -> dict[int, list[RankPart]] | Outcome:
             continue
         res = restore.read_node(eng, n, rows[n.id], job.reads[n.id])
         if isinstance(res, str):
-            with eng._lock:
+            with eng.guard.lock:
                 health.invalidate(eng, n, res)
             return _abort(eng, job, f"damaged: {res}", "skipped")
         if res is None:
@@ -394,8 +394,8 @@ def _encode(eng: Engine, job: Job, data: list[list[RankPart]]) -> None:
 def _room(eng: Engine, needed: int, space: str, protect: set[int]) -> bool:
     if space == "make":
         return engine_space.make_space(eng, needed, protect)
-    limit = eng.capacity if space == "capacity" else eng.capacity * eng.high_watermark
-    return eng._charged + needed <= limit and not eng.disk.shortfall(needed)
+    limit = eng.account.capacity if space == "capacity" else eng.account.capacity * eng.account.high_watermark
+    return eng.account.charged + needed <= limit and not eng.account.disk.shortfall(needed)
 
 
 def _intent(eng: Engine, job: Job) -> Txn:
@@ -447,7 +447,7 @@ def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
         del idx.nodes[n.id]
         if idx.by_key.get(n.key) == n.id:
             del idx.by_key[n.key]
-        eng._dirty_recency.discard(n.id)
+        eng.recency.forget(n.id)
     if parent is not None:
         parent.children.discard(job.old[0].id)
     prev, pkey = parent, (parent.key if parent is not None else ROOT)
@@ -470,7 +470,7 @@ def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
             prev.children.add(nid)
         for k in node.block_keys(pkey):
             idx.blocks[k] = nid
-        eng.heap.offer(node)
+        eng.recency.heap.offer(node)
         prev, pkey = node, node.key
     if parent is not None:
-        eng.heap.offer(parent)
+        eng.recency.heap.offer(parent)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prefixstore.engine import health, holds, lookup, pipeline, recency
+from prefixstore.engine import health, lookup, pipeline
 from prefixstore.engine.index import Node
 from prefixstore.engine.results import Match, Restored
 from prefixstore.gpu import shards, verify
@@ -19,7 +19,7 @@ FileRows = dict[int, tuple[str, int, str]]
 
 def restore(eng: Engine, match: Match) -> Restored | None:
     """Read, verify and return the tensors of ``match`` (a hit); None on a miss."""
-    with eng._lock:
+    with eng.guard.lock:
         if not lookup.path_current(eng, match):
             eng.counters.inc("lookups", "stale")
             return None
@@ -29,12 +29,12 @@ def restore(eng: Engine, match: Match) -> Restored | None:
             return None
         rows = file_rows(eng, nodes)
         ids = [x.id for x in nodes]
-        holds.take(eng._pins, ids)
+        eng.holds.pin(ids)
     try:
         # Reads overlap uploads; each shard lands in its slice of the output (no cat).
         got = pipeline.restore_nodes(eng, nodes, rows, match)
         if isinstance(got, pipeline.Damage):
-            with eng._lock:
+            with eng.guard.lock:
                 # only the generation this restore read can be declared damaged
                 if got.node.generation == dict(match.path).get(got.node.id):
                     health.invalidate(eng, got.node, got.why)
@@ -44,16 +44,14 @@ def restore(eng: Engine, match: Match) -> Restored | None:
             return None
         segments, snaps, files = got
     finally:
-        with eng._lock:
-            holds.drop(eng._pins, ids)
-    with eng._lock:
-        now = recency.tick(eng)
+        with eng.guard.lock:
+            eng.holds.unpin(ids)
+    with eng.guard.lock:
+        now = eng.recency.tick()
         for x in nodes:
-            x.last_used = now
-            eng._dirty_recency.add(x.id)
-            eng.heap.offer(x)
+            eng.recency.used(x, now)
         end.snap_used = now
-        eng.heap.offer(end)
+        eng.recency.heap.offer(end)
     return Restored(match, segments, snaps, match.gpu_tokens, match.tokens, files)
 
 
@@ -92,7 +90,7 @@ def read_node(eng: Engine, node: Node, rows: FileRows, with_snap: bool):
     def one(r: int):
         name, size, ck = rows[r]
         header = verify.Header(L, tokens, node.has_snapshot, {**meta, "rank": str(r)})
-        got = verify.read(eng.ranks[r], name, size, ck, header=header)
+        got = verify.read(eng.tiers.ranks[r], name, size, ck, header=header)
         if isinstance(got, verify.Damage):
             return f"rank {r}: {got.why}"
         if isinstance(got, verify.Transient):  # an I/O error or a rank process down: a miss
@@ -100,7 +98,7 @@ def read_node(eng: Engine, node: Node, rows: FileRows, with_snap: bool):
             return None
         return got.segments, (got.snapshot if with_snap else {})
 
-    out = [one(0)] if L.ranks == 1 else list(eng._pool.map(one, range(L.ranks)))
+    out = [one(0)] if L.ranks == 1 else list(eng.tiers.pool.map(one, range(L.ranks)))
     for o in out:
         if isinstance(o, str):
             return o
@@ -117,11 +115,11 @@ def verify_shards(eng: Engine, rows: FileRows, deep: set[int]) -> str | None:
 
     def one(r: int) -> str | None:
         name, size, ck = rows[r]
-        got = (verify.stat(eng.ranks[r], name, size) if r not in deep
-               else verify.read(eng.ranks[r], name, size, ck))
+        got = (verify.stat(eng.tiers.ranks[r], name, size) if r not in deep
+               else verify.read(eng.tiers.ranks[r], name, size, ck))
         if isinstance(got, verify.Transient):
             eng.counters.inc("faults", "verify")
         return f"rank {r}: {got.why}" if isinstance(got, verify.Damage) else None
 
-    found = [one(0)] if eng.layout.ranks == 1 else list(eng._pool.map(one, range(eng.layout.ranks)))
+    found = [one(0)] if eng.layout.ranks == 1 else list(eng.tiers.pool.map(one, range(eng.layout.ranks)))
     return next((w for w in found if w), None)

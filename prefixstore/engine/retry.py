@@ -3,6 +3,7 @@ checkpoint is still valid."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ from prefixstore.base.errors import InvalidInputError, SimulatedCrash
 from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import RankTensors
 from prefixstore.base.log import log
-from prefixstore.engine import lifecycle, store
+from prefixstore.engine import store
 from prefixstore.engine.results import DUPLICATE, REFILLED, REFUSED, STORED
 
 if TYPE_CHECKING:
@@ -33,17 +34,56 @@ class Pending:
     valid: Callable[[], bool]
 
 
+@attrs.define(slots=True, eq=False)
+class RetryQueue:
+    """The queued stores, oldest first, at most ``max_pending``; whether a retry pass
+    is running (one at a time). Changed under the engine lock."""
+
+    max_pending: int
+    pending: deque[Pending] = attrs.field(factory=deque)
+    retrying: bool = False
+
+    def take_all(self) -> list[Pending] | None:
+        """Start a retry pass: every queued store (the queue empties); None when a pass
+        is running or nothing is queued. Lock held."""
+        if self.retrying or not self.pending:
+            return None
+        self.retrying = True
+        todo = list(self.pending)
+        self.pending.clear()
+        return todo
+
+    def put_back(self, kept: list[Pending]) -> None:
+        """End a retry pass: ``kept`` go back at the head of the queue. Lock held."""
+        self.pending.extendleft(reversed(kept))
+        self.retrying = False
+
+    def add(self, p: Pending) -> list[str]:
+        """Queue ``p``; the events of the stores it pushed out (``superseded``: a queued
+        store of the same checkpoint; ``overflow``: the oldest, beyond ``max_pending``). Lock held."""
+        key = p.prefix.keys[-1]
+        events: list[str] = []
+        for old in list(self.pending):
+            if old.prefix.keys[-1] == key:
+                self.pending.remove(old)
+                events.append("superseded")
+        self.pending.append(p)
+        while len(self.pending) > self.max_pending:
+            self.pending.popleft()
+            events.append("overflow")
+        return events
+
+
 def run(eng: Engine) -> None:
     """The body of ``Engine.retry_pending`` (see there)."""
-    if not eng._pending and not eng._closed:  # the common case, without the lock
+    queue = eng.retries
+    if not queue.pending and not eng.guard.closed:  # the common case, without the lock
         return
-    with lifecycle.guard(eng):
-        with eng._lock:
-            if eng._retrying or not eng._pending:
-                return
-            eng._retrying = True
-            todo = list(eng._pending)
-            eng._pending.clear()
+    with eng.guard:
+        with eng.guard.lock:
+            todo = queue.take_all()
+        if todo is None:
+            return
         keep: list[Pending] = []
         i = 0
         try:
@@ -53,9 +93,8 @@ def run(eng: Engine) -> None:
                 if retry_logged(eng, p) == "kept":
                     keep.append(p)
         finally:
-            with eng._lock:
-                eng._pending.extendleft(reversed(keep + todo[i:]))
-                eng._retrying = False
+            with eng.guard.lock:
+                queue.put_back(keep + todo[i:])
 
 
 def retry_logged(eng: Engine, p: Pending) -> str:
@@ -102,17 +141,8 @@ def retry_one(eng: Engine, p: Pending) -> tuple[str, str | None]:
 
 def enqueue(eng: Engine, p: Pending) -> None:
     """Queue a refused store; a queued store of the same checkpoint is superseded."""
-    key = p.prefix.keys[-1]
-    events: list[str] = []
-    with eng._lock:
-        for old in list(eng._pending):
-            if old.prefix.keys[-1] == key:
-                eng._pending.remove(old)
-                events.append("superseded")
-        eng._pending.append(p)
-        while len(eng._pending) > eng.MAX_PENDING:
-            eng._pending.popleft()
-            events.append("overflow")
+    with eng.guard.lock:
+        events = eng.retries.add(p)
     eng.counters.inc("retries", "queued")
     for event in events:
         eng.counters.inc("retries", event)

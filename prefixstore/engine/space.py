@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prefixstore.engine import evict, holds, journal, replace
+from prefixstore.engine import evict, journal, replace
 from prefixstore.engine.index import Node
 from prefixstore.gpu.diskroom import Shortfall
 from prefixstore.statemachine import policy as pol
@@ -44,32 +44,32 @@ def room_for(eng: Engine, needed: int, protect: set[int], files: int | None = No
     could free (``statemachine/room.py``): a store the disk cannot hold is refused
     with nothing evicted. Taking the catalog's reserve back is never a reason to evict.
     """
-    cap = eng.capacity
+    cap = eng.account.capacity
     files = eng.layout.ranks if files is None else files
     reserve = retire_reserve(eng, protect)
-    eng.disk.hold_catalog_room()
-    short = eng.disk.shortfall(needed, files)
-    if not short and eng._charged + needed + reserve <= cap * eng.high_watermark:
-        eng.disk.restore()
+    eng.account.disk.hold_catalog_room()
+    short = eng.account.disk.shortfall(needed, files)
+    if not short and eng.account.charged + needed + reserve <= cap * eng.account.high_watermark:
+        eng.account.disk.restore()
         return None
     if needed > cap - held_bytes(eng, protect):
         return room.NO_SPACE
     if short and (why := disk_refusal(eng, short, protect)) is not None:
         return why
-    target = max(0.0, min(cap * eng.low_watermark, cap) - needed - reserve)
-    target = min(target, eng._charged - short.bytes)
-    with holds.fenced(eng, protect):
-        free(eng, eng._charged - target, protect, files=short.files)
+    target = max(0.0, min(cap * eng.account.low_watermark, cap) - needed - reserve)
+    target = min(target, eng.account.charged - short.bytes)
+    with eng.holds.fenced(protect):
+        free(eng, eng.account.charged - target, protect, files=short.files)
         for _ in range(DISK_ROUNDS):  # what the evictions' own commits took meanwhile
-            short = eng.disk.shortfall(needed, files)
+            short = eng.account.disk.shortfall(needed, files)
             if not short or disk_refusal(eng, short, protect) is not None:
                 break
             free(eng, short.bytes, protect, files=short.files)
-    if short := eng.disk.shortfall(needed, files):
+    if short := eng.account.disk.shortfall(needed, files):
         return short.reason  # e.g. another writer took the room meanwhile
-    eng.disk.hold_catalog_room()
-    eng.disk.restore()
-    return None if eng._charged + needed <= cap else room.NO_SPACE
+    eng.account.disk.hold_catalog_room()
+    eng.account.disk.restore()
+    return None if eng.account.charged + needed <= cap else room.NO_SPACE
 
 
 def disk_refusal(eng: Engine, short: Shortfall, protect: set[int]) -> str | None:
@@ -77,9 +77,9 @@ def disk_refusal(eng: Engine, short: Shortfall, protect: set[int]) -> str | None
     or None."""
     held, held_nodes = held_room(eng, protect)
     files = (len(eng.index) - held_nodes) * eng.layout.ranks
-    if short.files > files and eng._garbage_hint:
+    if short.files > files and eng.account.garbage_hint:
         files += len(eng.catalog.loose_garbage())
-    return room.disk_refusal(short.bytes, short.files, eng._charged - held, files)
+    return room.disk_refusal(short.bytes, short.files, eng.account.charged - held, files)
 
 
 def retire_reserve(eng: Engine, protect: set[int]) -> int:
@@ -89,15 +89,15 @@ def retire_reserve(eng: Engine, protect: set[int]) -> int:
     The rewrite of the largest retirement candidate, counting the protected parent
     of the store in progress (it becomes one), at most an eighth of capacity.
     """
-    if not eng.heap.retires:
+    if not eng.recency.heap.retires:
         return 0
-    biggest = eng.heap.largest_retire(eng.index.get)
+    biggest = eng.recency.heap.largest_retire(eng.index.get)
     for nid in protect:
         node = eng.index.get(nid)
         if node is not None and node.ready and node.has_snapshot:
             biggest = max(biggest, node.nbytes)
     snap = eng.layout.ranks * eng.layout.snapshot_bytes
-    return min(pol.retire_rewrite_bytes(biggest, snap), eng.capacity // 8)
+    return min(pol.retire_rewrite_bytes(biggest, snap), eng.account.capacity // 8)
 
 
 def held_bytes(eng: Engine, protect: set[int]) -> int:
@@ -108,14 +108,14 @@ def held_bytes(eng: Engine, protect: set[int]) -> int:
 
 def held_room(eng: Engine, protect: set[int]) -> tuple[int, int]:
     """``held_bytes``, and how many nodes hold them (their files cannot go)."""
-    blocked_ids = set(eng._pins) | set(eng._fences) | set(protect)
+    blocked_ids = set(eng.holds.pins) | set(eng.holds.fences) | set(protect)
     snap = eng.layout.ranks * eng.layout.snapshot_bytes
     held, seen = 0, set()
     for nid in blocked_ids:
         node = eng.index.get(nid)
         while node is not None and node.id not in seen:
             seen.add(node.id)
-            if node.id not in blocked_ids and eng.heap.retires and node.ready and node.has_snapshot:
+            if node.id not in blocked_ids and eng.recency.heap.retires and node.ready and node.has_snapshot:
                 held += pol.retire_rewrite_bytes(node.nbytes, snap)
             else:
                 held += node.nbytes
@@ -134,16 +134,16 @@ def free(eng: Engine, amount: float, protect: set[int] = frozenset(), files: int
     fenced or protected are set aside for this call; a retirement lacking room for
     its rewrite waits until later victims made the room.
     """
-    start = eng._charged
+    start = eng.account.charged
     goal = start - amount
     gone = 0  # files freed
-    if (eng._charged > goal or files) and eng._garbage_hint:
+    if (eng.account.charged > goal or files) and eng.account.garbage_hint:
         gone += reclaim_loose(eng)
     held: list[pol.Entry] = []
     waiting: list[pol.Entry] = []  # retirements lacking room, oldest first
     failed: list[Node] = []
     try:
-        while eng._charged > goal or gone < files:
+        while eng.account.charged > goal or gone < files:
             entry = next_victim(eng, waiting)
             if entry is None:
                 break
@@ -162,29 +162,29 @@ def free(eng: Engine, amount: float, protect: set[int] = frozenset(), files: int
                 gone += taken
     finally:
         for entry in held + waiting:
-            eng.heap.push(entry)
+            eng.recency.heap.push(entry)
         for node in failed:
             if node.id in eng.index.nodes:
-                eng.heap.offer(node)
-        eng.heap.compact_if_stale(len(eng.index), lambda: eng.index)
-    return start - eng._charged
+                eng.recency.heap.offer(node)
+        eng.recency.heap.compact_if_stale(len(eng.index), lambda: eng.index)
+    return start - eng.account.charged
 
 
 def next_victim(eng: Engine, waiting: list[pol.Entry]) -> pol.Entry | None | bool:
     """The next candidate: a waiting retirement that now fits, else the policy's next;
     None when there is none, False when a stale waiting entry was dropped."""
-    if waiting and not eng.heap.is_current(waiting[0], eng.index.get):
+    if waiting and not eng.recency.heap.is_current(waiting[0], eng.index.get):
         waiting.pop(0)  # its node changed meanwhile (e.g. became a leaf and went)
         return False
     if waiting and retire_fits(eng, eng.index.nodes[waiting[0][2]]):
         return waiting.pop(0)
-    return eng.heap.pop_valid(eng.index.get)
+    return eng.recency.heap.pop_valid(eng.index.get)
 
 
 def take_victim(eng: Engine, node: Node, action: str) -> int | None:
     """Run ``action`` on ``node`` and count what it freed; the shard files it removed,
     or None when a retirement failed."""
-    before = eng._charged
+    before = eng.account.charged
     if action == pol.EVICT:
         evict.evict_nodes(eng, [node])
         gone = 1
@@ -196,28 +196,28 @@ def take_victim(eng: Engine, node: Node, action: str) -> int | None:
         return None
     else:
         gone = 0  # a retirement replaces each file with a new one
-    eng.counters.evicted(action, before - eng._charged)
+    eng.counters.evicted(action, before - eng.account.charged)
     return gone * eng.layout.ranks
 
 
 def reclaim_loose(eng: Engine) -> int:
     """Unlink loose garbage (files no transaction owns any more, left by a failed
     unlink or found at open); returns how many files it had."""
-    eng._garbage_hint = False
+    eng.account.garbage_hint = False
     rows = eng.catalog.loose_garbage()
-    before = eng._charged
+    before = eng.account.charged
     journal.reclaim_rows(eng, None, rows)
-    if before > eng._charged:
-        eng.counters.evicted("garbage", before - eng._charged)
+    if before > eng.account.charged:
+        eng.counters.evicted("garbage", before - eng.account.charged)
     return len(rows)
 
 
 def untouchable(eng: Engine, node: Node, action: str, protect: set[int] = frozenset()) -> bool:
     """Pinned, fenced or protected (for a subtree action: anywhere in it)."""
-    if node.id in protect or eng._pins[node.id] or eng._fences[node.id]:
+    if node.id in protect or eng.holds.pins[node.id] or eng.holds.fences[node.id]:
         return True
     if action == pol.SUBTREE:
-        return any(eng._pins[x.id] or eng._fences[x.id] or x.id in protect for x in subtree(eng, node))
+        return any(eng.holds.pins[x.id] or eng.holds.fences[x.id] or x.id in protect for x in subtree(eng, node))
     return False
 
 
@@ -225,7 +225,7 @@ def retire_fits(eng: Engine, node: Node) -> bool:
     """Whether the new generation of a retirement of ``node`` fits under capacity."""
     snap = eng.layout.ranks * eng.layout.snapshot_bytes
     rewrite = pol.retire_rewrite_bytes(node.nbytes, snap)
-    return eng._charged + rewrite <= eng.capacity and not eng.disk.shortfall(rewrite, eng.layout.ranks)
+    return eng.account.charged + rewrite <= eng.account.capacity and not eng.account.disk.shortfall(rewrite, eng.layout.ranks)
 
 
 def blocked(eng: Engine, nid: int, action: str, protect: set[int] = frozenset()) -> bool:

@@ -31,7 +31,7 @@ from prefixstore.base.errors import InvalidInputError
 from prefixstore.base.keys import DIGEST_SIZE, Prefix
 from prefixstore.base.layout import RankTensors
 from prefixstore.base.log import log
-from prefixstore.engine import holds, recency, replace, store
+from prefixstore.engine import replace, store
 from prefixstore.engine.results import FAILED, REFILLED, REFUSED, SKIPPED, STORED, StoreResult
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def on_store(
     """
     check_tokens_from(eng, prefix, tokens_from)
     _refill_rows(eng, prefix, segs, tokens_from, held)
-    with eng._lock:
+    with eng.guard.lock:
         deadline = time.monotonic() + eng.inflight_wait_s
         while True:
             routed = route(eng, prefix, tokens_from)
@@ -63,10 +63,10 @@ def on_store(
                 return None
             action, owner, p = routed
             left = deadline - time.monotonic()
-            if not holds.fenced_by_other(eng, owner.id, held) or left <= 0 or eng._closed:
+            if not eng.holds.fenced_by_other(owner.id, held) or left <= 0 or eng.guard.closed:
                 break
             # Another transaction holds the row this store would replace: let it settle.
-            eng._settled.wait(min(left, 0.05))
+            eng.guard.settled.wait(min(left, 0.05))
         planned = action(eng, prefix, owner, p, snaps, held)
         if isinstance(planned, StoreResult):
             return planned
@@ -112,7 +112,7 @@ def check_tokens_from(eng: Engine, prefix: Prefix, tokens_from: int) -> None:
     if not isinstance(tokens_from, int) or isinstance(tokens_from, bool):
         raise InvalidInputError(f"tokens_from must be an int, not {type(tokens_from).__name__}")
     bt = eng.layout.block_tokens
-    with eng._lock:
+    with eng.guard.lock:
         p = eng.index.deepest_block(prefix.keys, len(prefix))
     if p < len(prefix) and tokens_from > p * bt:
         raise InvalidInputError(
@@ -126,7 +126,7 @@ def _busy(eng: Engine, node: Node, n: int, held: frozenset[int]) -> StoreResult 
     prepared beside it and its swap waits for those pins to go (up to
     ``eng.pin_wait_s``; a restore pins for milliseconds), so a row that concurrent
     requests keep restoring can still be split."""
-    for why, busy in (("pinned", eng._request_pins[node.id]), ("fenced", holds.fenced_by_other(eng, node.id, held))):
+    for why, busy in (("pinned", eng.holds.request_pins[node.id]), ("fenced", eng.holds.fenced_by_other(node.id, held))):
         if busy:
             res = StoreResult(SKIPPED, n, why)
             store.count_skip(eng, res)
@@ -167,7 +167,7 @@ def _split(
     with_snap = at == n and L.has_snapshot
     k = at - node.start
     cut = k * L.block_tokens
-    now = recency.tick(eng)
+    now = eng.recency.tick()
     lower = replace.NewRow(prefix.keys[at - 1], node.start, at, node.digests[: k * DIGEST_SIZE], with_snap, now, now)
     upper = replace.NewRow(node.key, at, node.end, node.digests[k * DIGEST_SIZE :], node.has_snapshot,
                    node.last_used, node.snap_used, keep=node.id)
@@ -190,7 +190,7 @@ def _republish_snapshot(
     n = len(prefix)
     if (busy := _busy(eng, node, n, held)) is not None:
         return busy
-    now = recency.tick(eng)
+    now = eng.recency.tick()
     row = replace.NewRow(node.key, node.start, node.end, node.digests, True, now, now, keep=node.id)
     job = replace.Job("republish", [node], [row], {node.id: False},
               lambda got: [[(segs, snaps[r]) for r, (segs, _) in enumerate(got[node.id])]])
@@ -210,7 +210,7 @@ def _refill_candidates(eng: Engine, prefix: Prefix, tokens_from: int, held: froz
         x = eng.index.get(x.parent) if x.parent is not None else None
     todo = []
     while x is not None and x.start * bt >= tokens_from:
-        if x.state == "damaged" and x.end < n and not eng._pins[x.id] and not holds.fenced_by_other(eng, x.id, held):
+        if x.state == "damaged" and x.end < n and not eng.holds.pins[x.id] and not eng.holds.fenced_by_other(x.id, held):
             todo.append(x)
         x = eng.index.get(x.parent) if x.parent is not None else None
     return todo
@@ -221,7 +221,7 @@ def _refill_rows(
 ) -> None:
     """Republish damaged ancestors on ``prefix``'s path from the store's rows."""
     L = eng.layout
-    with eng._lock:
+    with eng.guard.lock:
         todo = _refill_candidates(eng, prefix, tokens_from, held)
         # Jobs are built here, under the lock that observed the rows (their generations).
         jobs = [_refill_job(x, segs, tokens_from, L.block_tokens, L.ranks) for x in sorted(todo, key=lambda x: x.end)]

@@ -14,11 +14,9 @@ from prefixstore.base.keys import Prefix
 from prefixstore.base.log import log
 from prefixstore.engine import (
     health,
-    holds,
     journal,
     lifecycle,
     pipeline,
-    recency,
     remote,
     replace,
     restore,
@@ -92,10 +90,10 @@ def plan(eng: Engine, prefix: Prefix, held: frozenset[int] = frozenset()) -> Pla
     if existing is not None:
         if existing.ready and (existing.has_snapshot or not eng.layout.has_snapshot):
             return StoreResult(DUPLICATE, n, "duplicate")
-        if eng._pins[existing.id] or holds.fenced_by_other(eng, existing.id, held):
-            return StoreResult(SKIPPED, n, "pinned" if eng._pins[existing.id] else "fenced")
+        if eng.holds.pins[existing.id] or eng.holds.fenced_by_other(existing.id, held):
+            return StoreResult(SKIPPED, n, "pinned" if eng.holds.pins[existing.id] else "fenced")
     start = parent.end if parent is not None else 0
-    if any(k in eng._inflight_blocks for k in keys[start:n]):
+    if eng.holds.any_inflight(keys[start:n]):
         return StoreResult(SKIPPED, n, "in_flight")
     return Plan(parent, existing, start)
 
@@ -111,7 +109,7 @@ def store(
     fence each, its own): the store refills or replaces them as ``store`` would."""
     if (res := spans.on_store(eng, prefix, segs, snaps, tokens_from, held)) is not None:
         return res
-    with eng._lock:
+    with eng.guard.lock:
         t = begin(eng, prefix, segs, snaps, tokens_from, staged, held)
     if isinstance(t, StoreResult):
         return t
@@ -122,10 +120,10 @@ def store(
         raise
     finally:
         pipeline.release(t.owned)
-        with eng._lock:
-            holds.clear_inflight(eng, prefix.keys[t.keys_span], t.tid)
-            holds.drop(eng._fences, t.protect)
-            eng._settled.notify_all()
+        with eng.guard.lock:
+            eng.holds.clear_inflight(prefix.keys[t.keys_span], t.tid)
+            eng.holds.unfence(t.protect)
+            eng.guard.settled.notify_all()
 
 
 def settled_plan(eng: Engine, prefix: Prefix, held: frozenset[int]) -> Plan | StoreResult:
@@ -135,9 +133,9 @@ def settled_plan(eng: Engine, prefix: Prefix, held: frozenset[int]) -> Plan | St
     deadline = time.monotonic() + eng.inflight_wait_s
     while isinstance(p, StoreResult) and p.reason == "in_flight":
         left = deadline - time.monotonic()
-        if left <= 0 or eng._closed:
+        if left <= 0 or eng.guard.closed:
             break
-        eng._settled.wait(left)
+        eng.guard.settled.wait(left)
         p = plan(eng, prefix, held)
     return p
 
@@ -193,9 +191,9 @@ def begin(eng: Engine, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
     except BaseException:
         pipeline.release(t.owned)
         raise
-    eng._charged += t.needed
-    holds.mark_inflight(eng, prefix.keys[t.keys_span], t.tid)
-    holds.take(eng._fences, protect)
+    eng.account.charged += t.needed
+    eng.holds.mark_inflight(prefix.keys[t.keys_span], t.tid)
+    eng.holds.fence(protect)
     return t
 
 
@@ -221,7 +219,7 @@ def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     errors = write_all(eng, t.name, t.datas)
     if errors:
         why = failure_reason(eng, errors, t.datas)  # before the rollback frees room
-        with eng._lock:
+        with eng.guard.lock:
             journal.rollback(eng, t.txn, "failed")
         check_prior(eng, t.plan, {r for r, _ in errors})
         eng.counters.inc("stores", FAILED)
@@ -232,12 +230,12 @@ def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     existing = t.plan.existing
     deadline = time.monotonic() + eng.pin_wait_s
     while True:
-        with eng._lock:
-            if existing is None or not eng._pins[existing.id]:
+        with eng.guard.lock:
+            if existing is None or not eng.holds.pins[existing.id]:
                 res = published(eng, prefix, t)
                 offer = remote.prepare(eng, t)
                 break
-            if time.monotonic() >= deadline or eng._request_pins[existing.id]:
+            if time.monotonic() >= deadline or eng.holds.request_pins[existing.id]:
                 journal.rollback(eng, t.txn, "failed")
                 res = StoreResult(SKIPPED, n, "pinned", t.needed)
                 count_skip(eng, res)
@@ -267,7 +265,7 @@ def failure_reason(eng: Engine, errors: list[tuple[int, OSError]], datas: list[A
     was raised."""
     parts = []
     for r, e in errors:
-        where = getattr(eng.ranks[r], "directory", None)
+        where = getattr(eng.tiers.ranks[r], "directory", None)
         full = enospc_reason(where, datas[r].size) if e.errno == errno.ENOSPC and where else None
         parts.append(f"rank {r}: {full or e}")
     return "; ".join(parts)
@@ -289,7 +287,7 @@ def write_all(eng: Engine, name: str, datas: list[Any]) -> list[tuple[int, OSErr
         except OSError as exc:
             eng.counters.inc("faults", "write")
             return [(0, exc)]
-    futures = [eng._pool.submit(pipeline.write_shard, eng, r, name, d) for r, d in enumerate(datas)]
+    futures = [eng.tiers.pool.submit(pipeline.write_shard, eng, r, name, d) for r, d in enumerate(datas)]
     errors: list[tuple[int, OSError]] = []
     crash: BaseException | None = None
     for r, f in enumerate(futures):
@@ -308,7 +306,7 @@ def write_all(eng: Engine, name: str, datas: list[Any]) -> list[tuple[int, OSErr
 def publish(eng: Engine, txn: Txn, plan: Plan, key: bytes, digests: bytes, start: int, end: int,
             gen: int, needed: int) -> Node:
     """Commit the store's publish, apply it to the index, then retire a refill's old files."""
-    now = recency.tick(eng)
+    now = eng.recency.tick()
     has_snap = eng.layout.has_snapshot
     tid = txn.id
     with eng.catalog.txn("store.publish") as c:
@@ -321,7 +319,7 @@ def publish(eng: Engine, txn: Txn, plan: Plan, key: bytes, digests: bytes, start
             nid = eng.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
                                           digests, has_snap, gen, now)
         eng.catalog.publish_files(c, tid, nid)
-        recency.flush(eng, c)
+        eng.recency.flush(eng.index, eng.catalog, c)
         outs = journal.fire(eng, c, txn, "durable")
         if not old:  # nothing to retire: done in the same commit
             outs = journal.fire(eng, c, txn, "retired")
@@ -345,8 +343,8 @@ def apply_publish(eng: Engine, plan: Plan, nid: int, key: bytes, digests: bytes,
                     generation=gen, last_used=now, snap_used=now, nbytes=needed)
         eng.index.add(node)
         if plan.parent is not None:
-            eng.heap.offer(plan.parent)
-    eng.heap.offer(node)
+            eng.recency.heap.offer(plan.parent)
+    eng.recency.heap.offer(node)
     return node
 
 
@@ -364,7 +362,7 @@ def check_prior(eng: Engine, plan: Plan, failed: set[int]) -> None:
     for node in (plan.existing, plan.parent):
         if node is None:
             continue
-        with eng._lock:
+        with eng.guard.lock:
             if node.state != "ready" or eng.index.get(node.id) is not node:
                 continue
             gen = node.generation
@@ -372,11 +370,11 @@ def check_prior(eng: Engine, plan: Plan, failed: set[int]) -> None:
         why = restore.verify_shards(eng, rows, failed)
         if why is None:
             continue
-        with eng._lock:
+        with eng.guard.lock:
             if node.state == "ready" and node.generation == gen and eng.index.get(node.id) is node:
                 health.invalidate(eng, node, why)
 
 
 def ranks_down(eng: Engine) -> list[int]:
     """Ranks whose executor says it cannot serve now (a rank process down)."""
-    return tiering.ranks_down(eng.ranks)
+    return tiering.ranks_down(eng.tiers.ranks)

@@ -17,7 +17,10 @@ module talks to them through the tier protocol only:
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from prefixstore.base.errors import InvalidInputError
 from prefixstore.engine.driver import Journal
@@ -27,6 +30,16 @@ from prefixstore.gpu.tier import Backing, Capability, Tier, TierOptions, has
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
     from prefixstore.engine.audit import AuditReport
+
+
+@attrs.define(slots=True, eq=False)
+class Tiers:
+    """The tiers an engine runs on: its backing, one tier per rank, and the pool that
+    runs the ranks' reads and writes in parallel."""
+
+    backing: Backing
+    ranks: list[Tier]
+    pool: ThreadPoolExecutor
 
 
 def open_backing(eng: Engine, kind: str, ram_bytes: int | None) -> Backing:
@@ -54,7 +67,7 @@ def open_backing(eng: Engine, kind: str, ram_bytes: int | None) -> Backing:
     if stored != kind:
         with cat.txn("backing") as c:
             cat.set_meta(c, tiers.META_KEY, kind)
-    return factory(TierOptions(eng.capacity, None if ram_bytes is None else int(ram_bytes), eng.executor.pool))
+    return factory(TierOptions(eng.account.capacity, None if ram_bytes is None else int(ram_bytes), eng.executor.pool))
 
 
 def drop_volatile_rows(eng: Engine) -> int:
@@ -88,10 +101,10 @@ def ranks_down(ranks: list[Tier]) -> list[int]:
 
 def stats(eng: Engine) -> dict[str, Any]:
     """The backing's kind, the disk's budget and use (a durable backing), its RAM tier's."""
-    b = eng.backing
+    b = eng.tiers.backing
     out: dict[str, Any] = {"kind": b.kind}
     if not b.volatile:
-        out["disk"] = {"capacity_bytes": eng.capacity, "used_bytes": eng._charged}
+        out["disk"] = {"capacity_bytes": eng.account.capacity, "used_bytes": eng.account.charged}
     if b.tier is not None:
         out["ram"] = b.tier.stats()
     return out
@@ -99,7 +112,7 @@ def stats(eng: Engine) -> dict[str, Any]:
 
 def audit(eng: Engine, rep: AuditReport, checksums: bool) -> None:
     """Invariant 3 for the RAM tier: exact, bounded, and only catalog files."""
-    kind, tier = eng.backing.kind, eng.backing.tier
+    kind, tier = eng.tiers.backing.kind, eng.tiers.backing.tier
     if tier is None:
         return
     rows = {

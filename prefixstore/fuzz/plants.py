@@ -23,7 +23,6 @@ import attrs
 
 from prefixstore.engine import (
     health,
-    holds,
     journal,
     pipeline,
     recovery,
@@ -144,10 +143,10 @@ def _double_count() -> contextlib.AbstractContextManager[None]:
     orig = journal.unlink_owned
 
     def unlink_owned(eng: Engine, txn, ok: str, failed: str, *, barrier: bool) -> None:
-        before = eng._charged
+        before = eng.account.charged
         orig(eng, txn, ok, failed, barrier=barrier)
         if isinstance(eng, _DoubleCountRetire) and txn.kind == "compact" and ok == "retired":
-            eng._charged -= before - eng._charged  # the retired generation, once more
+            eng.account.charged -= before - eng.account.charged  # the retired generation, once more
 
     return _patched(journal, "unlink_owned", unlink_owned)
 
@@ -185,11 +184,11 @@ def _ignoring_pins(fn: Callable[..., bool]) -> Callable[..., bool]:
     def check(eng: Engine, *a: Any) -> bool:
         if not isinstance(eng, _EvictPinned):
             return fn(eng, *a)
-        pins, eng._pins = eng._pins, Counter()  # pins are not consulted
+        pins, eng.holds.pins = eng.holds.pins, Counter()  # pins are not consulted
         try:
             return fn(eng, *a)
         finally:
-            eng._pins = pins
+            eng.holds.pins = pins
 
     return check
 
@@ -220,7 +219,7 @@ def _retire_in_place(eng: Engine, node) -> bool:
         return False
     meta = shards.meta(node.key, node.generation, node.start, node.end, False)
     datas = [shards.encode(segs, {}, {**meta, "rank": str(r)}) for r, (segs, _) in enumerate(got)]
-    holds.fence(eng, [node.id])
+    eng.holds.fence([node.id])
     try:
         for r, data in enumerate(datas):
             rank = eng.ranks[r]
@@ -241,13 +240,13 @@ def _retire_in_place(eng: Engine, node) -> bool:
                           (len(data), shards.checksum(data), r, rows[r][0]))
             c.execute("UPDATE nodes SET has_snapshot=0 WHERE id=?", (node.id,))
         freed = sum(s for _, s, _ in rows.values()) - sum(len(d) for d in datas)
-        eng._charged -= freed
+        eng.account.charged -= freed
         node.has_snapshot = False
         node.nbytes -= freed
         return True
     finally:
-        holds.unfence(eng, [node.id])
-        eng.heap.offer(node)
+        eng.holds.unfence([node.id])
+        eng.recency.heap.offer(node)
 
 
 class _RenameOverLive(Engine):
