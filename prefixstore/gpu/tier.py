@@ -23,6 +23,19 @@ never looks for a method by name:
                     that does not declare it is taken as durable
 =================  ============================================================
 
+A backing declares, when it is registered (``gpu/tiers/__init__.py``), what holds for
+every tier it builds, so the engine and the offline tools can ask before any tier
+exists (at open, in an audit or repair of a cache no engine holds):
+
+=================  ============================================================
+``VOLATILE``        as above: the catalog's rows of such a cache die with its engine
+``RANK_DIRS``       its shards are files in the cache's own rank directories
+                    (``rankR/``): open checks those directories, audits scan them,
+                    the bandwidth probe reads a file beside them
+``READ_ONLY_OPEN``  on a full disk the cache may open read-only over those files
+                    (``engine/readonly.py``), its ranks plain rank directories
+=================  ============================================================
+
 ``available`` is False while the tier cannot serve (a rank process down): a store then
 fails at once instead of evicting for a write that cannot succeed.
 
@@ -55,6 +68,8 @@ class Capability(enum.Flag):
     VOLATILE = enum.auto()
     LOCAL_FILES = enum.auto()
     REPORTS_DURABILITY = enum.auto()
+    RANK_DIRS = enum.auto()
+    READ_ONLY_OPEN = enum.auto()
 
 
 class RankIO(Protocol):
@@ -133,7 +148,8 @@ class Backing(Protocol):
 
 class BackingFactory(Protocol):
     """A registry entry: ``volatile`` (rows of such a cache die with its process) and
-    the constructor, which validates its options (InvalidInputError)."""
+    the constructor, which validates its options (InvalidInputError). What else the
+    backing's tiers all declare is given with its registration (``tiers.register``)."""
 
     volatile: bool
 
