@@ -78,7 +78,7 @@ def run(checkpoints: int, ranks: int, repeat: int, bt: int) -> dict:
         with eng.guard.lock:  # what eviction does to a long conversation's interior snapshots
             for node in list(eng.index):
                 if node.children:
-                    assert replace.retire_snapshot(eng, node)
+                    assert replace.retire_snapshot(eng.flows.replacing, node)
         before = {"rows": len(eng.index), "files": shard_files(d)}
         before["files_read"], before["restore_s"], want = deepest_restore(eng, full, repeat)
         t0 = time.perf_counter()

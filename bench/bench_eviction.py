@@ -46,7 +46,7 @@ from prefixstore.base.keys import DIGEST_SIZE, ROOT, chain
 from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine import evict, replace, space
 from prefixstore.engine.api import Engine
-from prefixstore.engine.index import Index, Node
+from prefixstore.engine.index import Node
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine import policy as pol
 
@@ -92,15 +92,16 @@ class SelectionRun:
         self.root = tempfile.TemporaryDirectory()
         eng = self.eng = Engine.open(self.root.name, L, 1 << 62)
         t0 = time.perf_counter()
-        eng.index = Index()
+        eng.index.clear()
         for node in synthetic_nodes(n, seed):
             eng.index.add(node)
         eng.recency.heap.rebuild(eng.index)
         eng.account.charged = sum(x.nbytes for x in eng.index)
         self.build_s = time.perf_counter() - t0
         self._saved = evict.evict_nodes, replace.retire_snapshot  # restored by close()
-        evict.evict_nodes = lambda e, nodes: self._evict_nodes(nodes) if e is eng else self._saved[0](e, nodes)
-        replace.retire_snapshot = lambda e, node: self._retire(node) if e is eng else self._saved[1](e, node)
+        ev, rp = eng.flows.evicting, eng.flows.replacing
+        evict.evict_nodes = lambda e, nodes: self._evict_nodes(nodes) if e is ev else self._saved[0](e, nodes)
+        replace.retire_snapshot = lambda e, node: self._retire(node) if e is rp else self._saved[1](e, node)
         eng.account.garbage_hint = False
         self.samples: list[float] = []
         self.scan_baseline_us = self.scan_us(3 if n >= 1_000_000 else 10)
@@ -131,7 +132,7 @@ class SelectionRun:
         before = self.victims()
         with self.eng.guard.lock:
             t = time.perf_counter()
-            space.free(self.eng, batch * self.snap - 1)
+            space.free(self.eng.flows.room, batch * self.snap - 1)
             dt = time.perf_counter() - t
         self.samples.append(dt / max(1, self.victims() - before))
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from prefixstore.gpu import tiers
+
 PKG = Path(__file__).resolve().parent.parent / "prefixstore"
 MAX_ENGINE_FUNCTION_LINES = 70
 
@@ -105,3 +107,176 @@ def test_layers_contract():
     root = PKG.parent
     out = subprocess.run(["lint-imports"], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# -- components, not a god object ---------------------------------------------------------------
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """The private names the classes of one module define: methods, class attributes and
+    fields, and what their methods assign on ``self`` / ``cls``."""
+    names: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+                names.add(node.id)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and _private(node.target.id):
+                names.add(node.target.id)
+    return names
+
+
+def foreign_private_reads(under: Path = PKG) -> list[str]:
+    """Every ``obj._name`` in ``under`` on anything but ``self`` / ``cls`` where ``_name``
+    is not a private name of a class the same module defines: a read of another
+    module's (or another object's) private state."""
+    found = []
+    for path in _modules(under):
+        tree = ast.parse(path.read_text())
+        own = _own_private_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+                owner = node.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                    found.append(f"{path.relative_to(PKG)}:{node.lineno} .{node.attr}")
+    return found
+
+
+OUTSIDE_PRIVATE_OK = {
+    "engine/guard.py": {"_is_owned"},  # RLock: whether this thread holds the engine lock (an assertion)
+    "gpu/wire.py": {"_Options", "_devices", "_timeout"},  # torch's gloo options have no public constructor
+    "gpu/rank_server.py": {"_exit"},  # os._exit: a rank process dies without cleanup
+    "fuzz/fiu.py": {"_exit"},
+    "fuzz/soak.py": {"_exit"},
+}
+"""Private names of the standard library and torch read on purpose, per module."""
+
+
+def test_no_module_reads_another_objects_private_names():
+    """A module reads private names of its own classes only: no ``eng._lock``, no
+    ``transfers._slots`` from another module (the engine's state is components with
+    declared, public fields)."""
+    reads = [r for r in foreign_private_reads()
+             if r.split(" .")[1] not in OUTSIDE_PRIVATE_OK.get(r.split(":")[0], set())]
+    assert not reads, f"{len(reads)} reads of another object's private names:\n" + "\n".join(reads)
+
+
+def test_engine_flows_take_components_not_the_engine():
+    """No function below the public API takes the engine: each flow takes the
+    components it uses (``engine/flows.py``)."""
+    taking = []
+    for path in _modules(PKG / "engine"):
+        for fn in _functions(ast.parse(path.read_text())):
+            args = fn.args.posonlyargs + fn.args.args
+            for a in args:
+                note = ast.unparse(a.annotation) if a.annotation is not None else ""
+                if a.arg == "eng" or note.strip("'\"") == "Engine":
+                    taking.append(f"{path.relative_to(PKG)}:{fn.lineno} {fn.name}({a.arg}: {note})")
+    assert not taking, "functions taking the engine:\n" + "\n".join(taking)
+
+
+# -- no import cycle inside the engine ------------------------------------------------------------
+
+
+def engine_import_graph(under: Path = PKG / "engine") -> dict[str, set[str]]:
+    """Module -> the engine modules it imports, ``TYPE_CHECKING`` imports included."""
+    graph: dict[str, set[str]] = {}
+    for path in _modules(under):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "prefixstore.engine":
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prefixstore.engine."):
+                deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[2] for a in node.names if a.name.startswith("prefixstore.engine.")}
+        graph[path.stem] = deps - {path.stem}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_inside_the_engine():
+    cycles = import_cycles(engine_import_graph())
+    assert not cycles, "engine modules importing each other in a cycle:\n" + "\n".join(
+        f"{len(c)}: {', '.join(c)}" for c in cycles)
+
+
+# -- tiers by capability --------------------------------------------------------------------------
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            out.add(id(node.value))  # attribute docstrings
+    return out
+
+
+def backing_names_outside_tiers(names: set[str]) -> list[str]:
+    """Each string constant naming a backing (``names``) outside ``gpu/tiers/``, but for
+    docstrings and the keys of a report (a dict key, a subscript)."""
+    found = []
+    for path in _modules():
+        if (PKG / "gpu" / "tiers") in path.parents:
+            continue
+        tree = ast.parse(path.read_text())
+        skip = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Dict):
+                skip |= {id(k) for k in node.keys if k is not None}
+            elif isinstance(node, ast.Subscript):
+                skip.add(id(node.slice))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in skip:
+                found.append(f"{path.relative_to(PKG)}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_no_backing_is_named_outside_the_tier_registry():
+    """Lifecycle, recovery, audit, repair, tiering and the calibration probe branch on
+    what a backing declares (``gpu/tier.py`` ``Capability``), never on its name."""
+    named = backing_names_outside_tiers(set(tiers.TIERS))
+    assert not named, "backing names outside gpu/tiers:\n" + "\n".join(named)

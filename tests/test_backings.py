@@ -76,7 +76,7 @@ def test_memory_crash_then_reopen_is_clean_including_a_crash_in_the_drop(tmp_pat
     def crashed_cache(root):
         eng = Engine.open(root, L, CAP, backing="memory", synchronous="NORMAL")
         fill(eng, seeds=range(2))
-        lifecycle.abandon(eng)  # process death: RAM gone, catalog left as it was
+        lifecycle.abandon(eng.life)  # process death: RAM gone, catalog left as it was
 
     counter = CountingHook()
     crashed_cache(str(tmp_path / "count"))

@@ -46,7 +46,7 @@ def chain(eng: Engine, ends=(3, 6, 9, 12), retire=(3, 6, 9)) -> None:
         assert store_tokens(eng, CONV[: b * BT]).ok
     with eng.guard.lock:
         for b in retire:
-            assert replace.retire_snapshot(eng, node_at(eng, CONV[: b * BT]))
+            assert replace.retire_snapshot(eng.flows.replacing, node_at(eng, CONV[: b * BT]))
 
 
 def spans(eng: Engine) -> list[tuple[int, int, bool]]:

@@ -104,7 +104,7 @@ def test_snapshot_layout_only_matches_nodes_with_their_snapshot(cache_dir, layou
         node = eng.index.by_key[Prefix.from_tokens(toks[:8], 4).keys[-1]]
         with eng.guard.lock:
             assert eng.index.nodes[node].children
-            replace.retire_snapshot(eng, eng.index.nodes[node])
+            replace.retire_snapshot(eng.flows.replacing, eng.index.nodes[node])
         assert not eng.index.nodes[node].has_snapshot
         probe = toks[:16] + tokens_for(6, 2)
         m = eng.lookup(Prefix.from_tokens(probe, 4))

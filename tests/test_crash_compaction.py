@@ -60,7 +60,7 @@ def rows(eng: Engine, among: frozenset | None = None) -> frozenset:
 def _retire(eng: Engine, *ends: int) -> None:
     with eng.guard.lock:
         for b in ends:
-            assert replace.retire_snapshot(eng, node_at(eng, CONV[: b * BT]))
+            assert replace.retire_snapshot(eng.flows.replacing, node_at(eng, CONV[: b * BT]))
 
 
 def _acked(use: str) -> list[tuple[list[int], int | None]]:
@@ -92,7 +92,7 @@ def _prepare(root: str, ranks: int, use: str) -> None:
             node = node_at(eng, CONV[: 3 * BT])
             os.unlink(os.path.join(root, "rank0", f"{node.key.hex()}-g{node.generation}.st"))
             with eng.guard.lock:
-                health.invalidate(eng, node, "test damage")
+                health.invalidate(eng.flows.health, node, "test damage")
 
 
 def _scenario(root: str, ranks: int, hook, use: str, template: str | None = None):
@@ -129,7 +129,7 @@ def _scenario(root: str, ranks: int, hook, use: str, template: str | None = None
             result = store_tokens(eng, CONV[: 6 * BT] + tokens_for(42, 2))  # covers the damaged row
         else:
             with eng.guard, eng.guard.lock:
-                result = replace.retire_snapshot(eng, node_at(eng, CONV[: 6 * BT]))
+                result = replace.retire_snapshot(eng.flows.replacing, node_at(eng, CONV[: 6 * BT]))
     except SimulatedCrash:
         pass
     gate.disarm()
@@ -222,7 +222,7 @@ def test_a_planted_non_atomic_swap_is_caught(tmp_path, monkeypatch):
 
     def unlink_first(eng, job, tid):
         rows = [(r, name, size) for n in job.old for r, (name, size, _) in eng.catalog.live_file_rows(n.id).items()]
-        journal.unlink_rows(eng, rows)  # BUG: the old generation goes before the swap is committed
+        journal.unlink_rows(eng.ledger, rows)  # BUG: the old generation goes before the swap is committed
         return real(eng, job, tid)
 
     monkeypatch.setattr(replace, "_swap", unlink_first)

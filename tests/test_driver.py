@@ -443,7 +443,7 @@ def test_engine_transitions_all_go_through_the_checked_driver(tmp_path, monkeypa
         toks = tokens_for(3, 2)
         assert store_tokens(eng, toks).status == "failed"  # the first write fails: rolled back
         assert store_tokens(eng, toks).status == "stored"
-        health.invalidate(eng, node_at(eng, toks), "test")
+        health.invalidate(eng.flows.health, node_at(eng, toks), "test")
         assert store_tokens(eng, toks).status == "refilled"
         assert eng.evict(1) > 0
     finally:

@@ -169,8 +169,8 @@ def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs
     eng = Engine.open(root, LAYOUT, CAP, hook=_CrashBeforeWrite(interior.hex(), rank=1))
     node = eng.index.nodes[eng.index.by_key[interior]]
     with pytest.raises(SimulatedCrash), eng.guard.lock:
-        replace.retire_snapshot(eng, node)  # what eviction runs on a compactable ancestor
-    lifecycle.abandon(eng)  # process death: the connection and the lock go, nothing more is committed
+        replace.retire_snapshot(eng.flows.replacing, node)  # what eviction runs on a compactable ancestor
+    lifecycle.abandon(eng.life)  # process death: the connection and the lock go, nothing more is committed
     if reserve == "deleted":
         with contextlib.suppress(FileNotFoundError):  # nothing left to release
             os.unlink(os.path.join(root, RESERVE_NAME))
@@ -365,8 +365,8 @@ def test_open_on_a_full_disk_with_nothing_to_free_opens_read_only(small_fs):
             assert rep.ok, rep.violations
             leaf = eng.index.nodes[eng.index.by_key[Prefix.from_tokens(conversation(0, 8)[0], BT).keys[-1]]]
             with eng.guard.lock, pytest.raises(ReadOnlyError):
-                evict.evict_nodes(eng, [leaf])  # an eviction's early unlink on a full disk: refused too
-            name = restore.file_rows(eng, [leaf])[leaf.id][1][0]
+                evict.evict_nodes(eng.flows.evicting, [leaf])  # an eviction's early unlink on a full disk: refused too
+            name = restore.file_rows(eng.catalog, [leaf])[leaf.id][1][0]
             before[f"rank1/{name}"] = flip_byte(os.path.join(root, "rank1", name))
             m = eng.lookup(Prefix.from_tokens(conversation(0, 8)[0], BT))
             assert m.hit and eng.restore(m) is None  # verified: a miss, never other bytes
@@ -401,8 +401,8 @@ def test_read_only_open_holds_out_what_an_unfinished_transaction_touches(small_f
     eng = Engine.open(root, LAYOUT, CAP, hook=_CrashBeforeWrite(interior.hex()))
     node = eng.index.nodes[eng.index.by_key[interior]]
     with pytest.raises(SimulatedCrash), eng.guard.lock:
-        replace.retire_snapshot(eng, node)
-    lifecycle.abandon(eng)
+        replace.retire_snapshot(eng.flows.replacing, node)
+    lifecycle.abandon(eng.life)
     filler = spent_and_full(small_fs, root)
     held = {(3, 4), (3, 8)}
     try:

@@ -159,7 +159,7 @@ def test_pinned_regression_replays_clean(path):
 def test_generation_regression_still_catches_the_bug(monkeypatch):
     """The pinned IntegrityError reproducer fails again if generations are reused."""
     cfg, ops, _, _ = load_reproducer(os.path.join(HERE, "fuzz_regressions", "restore-after-failed-unlink.json"))
-    monkeypatch.setattr(replace, "next_generation", lambda eng, key, floor: floor + 1)
+    monkeypatch.setattr(replace, "next_generation", lambda catalog, ranks, key, floor: floor + 1)
     v, _ = replay_in_tmp(ops, cfg)
     assert v is not None and v.kind == "exception" and "IntegrityError" in v.detail
 

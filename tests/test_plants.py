@@ -174,7 +174,7 @@ def test_refill_ending_without_its_retire_output(tmp_path, monkeypatch, checks):
         eng = plant.engine_cls.open(str(tmp_path / "c"), make_layout(ranks=2), 1 << 24)
         try:
             assert store_tokens(eng, tokens).status == STORED
-            health.invalidate(eng, node_at(eng, tokens), "test")
+            health.invalidate(eng.flows.health, node_at(eng, tokens), "test")
             if checks == "1":
                 with pytest.raises(InvariantViolation, match=r"store DONE 2: still owns rank0/"):
                     store_tokens(eng, tokens)

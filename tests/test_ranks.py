@@ -201,7 +201,7 @@ def test_partial_failure_rolls_back_to_previous_generation(tmp_path, transitions
     store_tokens(eng, a)
     p = node_at(eng, a[:8])
     with eng.guard.lock:
-        assert replace.retire_snapshot(eng, p)
+        assert replace.retire_snapshot(eng.flows.replacing, p)
     assert not p.has_snapshot
     gen = p.generation
     before, files_before = catalog_state(eng), disk(eng)
@@ -476,7 +476,7 @@ def test_gpu_resident_prefix_is_bypassed(tmp_path, ranks, bad):
     assert eng.stats()["counters"]["lookups.gpu_resident"] == 1
     # and when the parent is damaged, the GPU-resident part still lets the child serve
     with eng.guard.lock:
-        health.invalidate(eng, p, "test")
+        health.invalidate(eng.flows.health, p, "test")
     assert eng.lookup(full).outcome == "damaged"
     assert eng.restore(eng.lookup(full, gpu_blocks=2)) is not None
     assert_clean(eng)

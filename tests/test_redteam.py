@@ -257,7 +257,7 @@ def test_split_racing_a_snapshot_retirement_does_not_raise(cache_dir, monkeypatc
         def run_after_another_thread_evicts(e, job, **kw):
             if job.use == "split" and not entered:  # on_store planned it and released the lock
                 entered.append(job.use)
-                e.evict(1)  # policy 'prefixstore': retires N's snapshot (its oldest candidate)
+                eng.evict(1)  # policy 'prefixstore': retires N's snapshot (its oldest candidate)
                 window.append(n.has_snapshot)
             return real_run(e, job, **kw)
 

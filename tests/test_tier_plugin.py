@@ -5,6 +5,12 @@ declares."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from conftest import assert_restores, make_layout, node_at, store_tokens, tokens_for
 from tier_dict import DictBacking, DictRank
@@ -12,10 +18,12 @@ from tier_dict import DictBacking, DictRank
 from prefixstore.base import errors as E
 from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
+from prefixstore.engine.audit import audit_dir
 from prefixstore.gpu import tiers, verify
 from prefixstore.gpu.tier import Capability
 
 CAP = 16 << 20
+ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 @pytest.fixture
@@ -84,3 +92,34 @@ def test_an_unknown_tier_name_is_a_typed_error_and_a_name_is_registered_once(tmp
         tiers.register("dict", DictBacking)
     with pytest.raises(E.InvalidInputError, match="backing"):
         Engine.open(str(tmp_path / "c"), make_layout(), CAP, backing="tape")
+
+
+def test_a_registered_tier_audits_clean_offline_in_and_out_of_process(tmp_path, dict_tier):
+    """The test tier's cache audited with no engine holding it: clean, as the same cache
+    on ``memory`` is (its rows describe the engine's RAM, not the rank directories),
+    in this process and by ``prefixstore audit DIR`` in a process where the tier is not
+    registered (the catalog records that its backing was volatile)."""
+    L = make_layout(ranks=2)
+    toks = tokens_for(7, 6)
+    reports = {}
+    for backing in ("dict", "memory"):
+        root = str(tmp_path / backing)
+        with Engine.open(root, L, CAP, backing=backing) as eng:
+            for b in (2, 4, 6):
+                assert store_tokens(eng, toks[: b * 4]).ok
+            assert eng.audit().ok
+            assert audit_dir(root).ok  # beside the running engine: its RAM is not visible from here
+        reports[backing] = audit_dir(root)
+        cli = subprocess.run([sys.executable, "-m", "prefixstore.cli", "audit", root, "--json"],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+        out = json.loads(cli.stdout)
+        assert cli.returncode == 0 and out["ok"] and not out["violations"], (backing, cli.stdout, cli.stderr)
+        assert out["recovery"] == reports[backing].recovery
+    dict_rep, mem_rep = reports["dict"], reports["memory"]
+    assert dict_rep.ok, dict_rep.violations
+    unchecked = {i for i in dict_rep.checked if dict_rep.status(i) == "not checked"}
+    assert unchecked == {i for i in mem_rep.checked if mem_rep.status(i) == "not checked"} >= {1, 3, 5, 8}
+    assert "backing=dict" in dict_rep.checked[1] and any("volatile" in r for r in dict_rep.recovery)
+    with Engine.open(str(tmp_path / "dict"), L, CAP, backing="dict") as eng:  # the reopen drops its rows
+        assert len(eng.index) == 0
+    assert audit_dir(str(tmp_path / "dict")).ok

@@ -53,6 +53,7 @@ from prefixstore.base.keys import DIGEST_SIZE, Prefix
 from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.api import Engine
 from prefixstore.engine.results import Match
+from prefixstore.gpu import tiers
 from prefixstore.statemachine.admission import RetentionAdmission
 from prefixstore.statemachine.cost import CostModel
 
@@ -305,7 +306,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         self.checkpoint_pages = _non_negative(extra, "checkpoint_pages", 0)
         self.retention = bool(extra.get("retention", False))
         self.opts: dict[str, Any] = {
-            "backing": extra.get("backing", "disk"),
+            "backing": extra.get("backing", tiers.DEFAULT),
             "policy": extra.get("policy", "prefixstore"),
             "synchronous": extra.get("synchronous", "FULL"),
         }

@@ -10,7 +10,7 @@ pin/fence tables. File writes and reads of a store or restore run outside the lo
 with the nodes involved fenced (in flight) or pinned, so lookups never wait on I/O.
 
 Every mutation is a transaction whose states are defined in
-``prefixstore.statemachine.transactions``; the engine's driver (``eng.driver``,
+``prefixstore.statemachine.transactions``; the engine's driver (``eng.ledger.driver``,
 ``engine/driver.py``, its output handlers in ``engine/journal.py``) commits each
 state reached before the outputs of that transition run.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -45,30 +45,28 @@ from prefixstore.engine import (
     validate,
 )
 from prefixstore.engine.config import EngineConfig
+from prefixstore.engine.driver import Driver
+from prefixstore.engine.lifecycle import Parts
 from prefixstore.engine.params import LookupParams, StoreParams
 from prefixstore.engine.results import QUEUED, REFUSED, Match, Restored, StoreResult
 from prefixstore.gpu.diskroom import RESERVE_BYTES, DiskRoom
 from prefixstore.gpu.remote import RemoteTier
 from prefixstore.gpu.tier import Backing, Tier
 from prefixstore.statemachine import policy as pol
+from prefixstore.statemachine.compaction import CompactionPolicy
+from prefixstore.statemachine.cost import CostModel
 
 LOCK_NAME = lifecycle.LOCK_NAME
 
 
-class Engine:
+class Engine(Parts):
     """A prefix-cache host tier over a SQLite WAL catalog and per-rank shard files."""
 
-    MAX_PENDING = 256
+    __slots__ = ()
+    MAX_PENDING: ClassVar[int] = 256
     """Refused stores kept for retry at most; the oldest is dropped (and counted) beyond."""
-    disk_reserve_bytes = RESERVE_BYTES
+    disk_reserve_bytes: ClassVar[int] = RESERVE_BYTES
     """Size of the catalog's reserve file (``gpu/diskroom.py``); 0 holds none."""
-    read_only: DiskFullError | None = None
-    """Why the engine was opened read-only (``engine/readonly.py``); None when writable."""
-    unsettled: frozenset[int] = frozenset()
-    """Read-only: the nodes held out of service (an unfinished transaction touches them)."""
-    pin_wait_s = 2.0  # how long a refill waits for a restore's pin before it rolls back
-    close_wait_s = 30.0  # how long close() waits for public calls in flight on other threads
-    remote_flush_s = 10.0  # how long close() waits for the remote tier's queued writes (at most)
 
     @classmethod
     def open(cls, path: str | os.PathLike, layout: Layout, capacity_bytes: int, **opts: Any) -> Engine:
@@ -112,7 +110,11 @@ class Engine:
     def __init__(self, root: str, layout: Layout, capacity_bytes: int, config: EngineConfig | None = None,
                  **opts: Any) -> None:
         """Use ``Engine.open`` (it checks the arguments); ``config`` or ``opts``: the options."""
-        lifecycle.start(self, root, layout, capacity_bytes, config or EngineConfig.from_options(**opts))
+        parts = lifecycle.start(root, layout, capacity_bytes, config or EngineConfig.from_options(**opts), self,
+                                reserve_bytes=self.disk_reserve_bytes, max_pending=self.MAX_PENDING)
+        super().__init__(**{f.name: getattr(parts, f.name) for f in attrs.fields(Parts)})
+
+    # -- what the engine is made of, by the names its users read -----------------------------
 
     @property
     def capacity(self) -> int:
@@ -124,12 +126,80 @@ class Engine:
         self.account.capacity = value
 
     @property
+    def model_identity(self) -> dict[str, str] | None:
+        """The model the cache belongs to (the ``identity`` option, ``engine/identity.py``)."""
+        return self.config.identity
+
+    @property
+    def policy_name(self) -> str:
+        return self.settings.policy
+
+    @property
+    def cost(self) -> CostModel | None:
+        """The restore cost rule (its bandwidth calibrated at open when ``bandwidth=`` asked)."""
+        return self.settings.cost
+
+    @property
+    def admission(self) -> Callable[..., bool] | None:
+        return self.settings.admission
+
+    @property
+    def compaction_policy(self) -> CompactionPolicy | None:
+        return self.settings.compaction_policy
+
+    @property
+    def inflight_wait_s(self) -> float:
+        return self.settings.inflight_wait_s
+
+    @property
+    def pin_wait_s(self) -> float:
+        """How long a refill waits for a restore's pin before it rolls back."""
+        return self.settings.pin_wait_s
+
+    @pin_wait_s.setter
+    def pin_wait_s(self, value: float) -> None:
+        self.settings.pin_wait_s = value
+
+    @property
+    def close_wait_s(self) -> float:
+        """How long ``close`` waits for public calls in flight on other threads."""
+        return self.settings.close_wait_s
+
+    @close_wait_s.setter
+    def close_wait_s(self, value: float) -> None:
+        self.settings.close_wait_s = value
+
+    @property
+    def remote_flush_s(self) -> float:
+        """How long ``close`` waits for the remote tier's queued writes (at most)."""
+        return self.settings.remote_flush_s
+
+    @remote_flush_s.setter
+    def remote_flush_s(self, value: float) -> None:
+        self.settings.remote_flush_s = value
+
+    @property
     def high_watermark(self) -> float:
         return self.account.high_watermark
 
     @property
     def low_watermark(self) -> float:
         return self.account.low_watermark
+
+    @property
+    def read_only(self) -> DiskFullError | None:
+        """Why the engine was opened read-only (``engine/readonly.py``); None when writable."""
+        return self.mode.read_only
+
+    @property
+    def unsettled(self) -> frozenset[int]:
+        """Read-only: the nodes held out of service (an unfinished transaction touches them)."""
+        return self.mode.unsettled
+
+    @property
+    def driver(self) -> Driver:
+        """The journal's driver (``engine/driver.py``)."""
+        return self.ledger.driver
 
     @property
     def ranks(self) -> list[Tier]:
@@ -155,6 +225,11 @@ class Engine:
     def disk(self) -> DiskRoom:
         """The disk's room: free-space checks and the catalog's reserve (``gpu/diskroom.py``)."""
         return self.account.disk
+
+    def __repr__(self) -> str:
+        return f"<Engine {self.root}: {len(self.index)} nodes, {self.account.charged} bytes charged>"
+
+    # -- the public API ----------------------------------------------------------------------
 
     def __enter__(self) -> Engine:
         return self
@@ -185,12 +260,12 @@ class Engine:
         """
         prefix, segments, snapshot, tokens_from, valid = params.store_arguments(
             "store", prefix, segments, snapshot, tokens_from, valid)
-        segs, snaps = validate.store_args(self, prefix, segments, snapshot, tokens_from, valid)
-        lifecycle.check_writable(self, "store")
+        segs, snaps = validate.store_args(self.layout, prefix, segments, snapshot, tokens_from, valid)
+        self.mode.check_writable("store")
         with self.guard:
-            result = store.store(self, prefix, segs, snaps, tokens_from)
+            result = store.store(self.flows.storing, prefix, segs, snaps, tokens_from)
             if result.status == REFUSED and valid is not None:
-                retry.enqueue(self, retry.Pending(prefix, segs, snaps, tokens_from, valid))
+                retry.enqueue(self.flows.retrying, retry.Pending(prefix, segs, snaps, tokens_from, valid))
                 result = attrs.evolve(result, status=QUEUED)
             if result.ok:
                 self.retry_pending()
@@ -217,8 +292,8 @@ class Engine:
         """
         prefix, segments, snapshot, tokens_from, valid = params.store_arguments(
             "store_async", prefix, segments, snapshot, tokens_from, valid)
-        lifecycle.check_writable(self, "store_async")
-        return pipeline.store_async(self, prefix, segments, snapshot, tokens_from, valid)
+        self.mode.check_writable("store_async")
+        return pipeline.store_async(self.flows.async_stores, prefix, segments, snapshot, tokens_from, valid)
 
     def lookup(self, prefix: Prefix | LookupParams, *, gpu_blocks: int = 0, total_tokens: int | None = None) -> Match:
         """The deepest checkpoint of ``prefix`` worth restoring.
@@ -232,11 +307,11 @@ class Engine:
         if isinstance(prefix, LookupParams):
             params.alone("lookup", prefix, gpu_blocks, total_tokens)
             prefix, gpu_blocks, total_tokens = prefix.prefix, prefix.gpu_blocks, prefix.total_tokens
-        validate.lookup_args(self, prefix, gpu_blocks, total_tokens)
+        validate.lookup_args(self.layout, prefix, gpu_blocks, total_tokens)
         with self.guard:
             with self.guard.lock:
-                match = lookup.lookup(self, prefix, gpu_blocks, total_tokens)
-            match = remote.extend(self, prefix, match, gpu_blocks, total_tokens)  # outside the lock
+                match = lookup.lookup(self.flows.looking, prefix, gpu_blocks, total_tokens)
+            match = remote.extend(self.flows.remote_reads, prefix, match, gpu_blocks, total_tokens)  # outside the lock
         self.counters.inc("lookups", match.outcome)
         return match
 
@@ -247,29 +322,29 @@ class Engine:
         its node damaged and the restore reports a miss: other bytes are never
         returned.
         """
-        validate.match(self, match)
+        validate.match(self.identity, self.root, match)
         if not match.hit:
             return None
         with self.guard:
             if match.source == remote.SOURCE:
-                return remote.restore(self, match)
-            return restore.restore(self, match)
+                return remote.restore(self.flows.remote_reads, match)
+            return restore.restore(self.flows.restoring, match)
 
     def pin(self, match: Match) -> bool:
         """Pin every local node a restore of ``match`` reads (never evicted or replaced
         until unpinned): its path, or the local part a remote path builds on. False when
         they changed meanwhile, or when the match reads nothing local."""
-        validate.match(self, match)
+        validate.match(self.identity, self.root, match)
         local = remote.local_reads(match)
         with self.guard, self.guard.lock:
-            if local is None or not lookup.path_current(self, local):
+            if local is None or not lookup.path_current(self.index, local):
                 return False
             self.holds.pin_request([nid for nid, _ in local.path])
             return True
 
     def unpin(self, match: Match) -> None:
         """Release a pin taken by ``pin``; unpinning what is not pinned is an error."""
-        validate.match(self, match)
+        validate.match(self.identity, self.root, match)
         local = remote.local_reads(match)
         path = local.path if local is not None else ()
         with self.guard:
@@ -293,15 +368,15 @@ class Engine:
     def evict(self, nbytes: int | None = None, *, prefix: Prefix | None = None) -> int:
         """Reclaim space: ``nbytes`` by policy, or the node at the end of ``prefix``
         (a leaf is evicted; an interior node refuses). Returns bytes freed."""
-        nbytes, prefix = validate.evict_args(self, nbytes, prefix)
-        lifecycle.check_writable(self, "evict")
+        nbytes, prefix = validate.evict_args(self.layout, nbytes, prefix)
+        self.mode.check_writable("evict")
         with self.guard:
             with self.guard.lock:
                 before = self.account.charged
                 if prefix is not None:
-                    evict_leaf(self, prefix)
+                    evict_leaf(self.flows.room, prefix)
                 elif nbytes is not None:
-                    space.free(self, min(self.account.charged, nbytes))
+                    space.free(self.flows.room, min(self.account.charged, nbytes))
                 freed = before - self.account.charged
             self.retry_pending()
             return freed
@@ -309,11 +384,11 @@ class Engine:
     def reclaim(self) -> int:
         """Unlink garbage left by failed cleanups (then retry queued stores); returns
         bytes reclaimed."""
-        lifecycle.check_writable(self, "reclaim")
+        self.mode.check_writable("reclaim")
         with self.guard:
             with self.guard.lock:
                 before = self.account.charged
-                space.reclaim_loose(self)
+                space.reclaim_loose(self.flows.room)
                 freed = before - self.account.charged
             self.retry_pending()
             return freed
@@ -323,8 +398,8 @@ class Engine:
         ``CompactionPolicy``; default the engine's) says it pays. Reads and writes run
         outside the engine lock. Returns a ``compaction.CompactionReport``."""
         validate.compact_policy(policy)
-        lifecycle.check_writable(self, "compact")
-        return compaction.compact(self, policy)
+        self.mode.check_writable("compact")
+        return compaction.compact(self.flows.compacting, policy)
 
     def retry_pending(self) -> None:
         """Retry queued stores: drop those no longer valid, store those that now fit.
@@ -338,21 +413,21 @@ class Engine:
         process death (``SimulatedCrash``, ``KeyboardInterrupt``, ``SystemExit``)
         propagates.
         """
-        retry.run(self)
+        retry.run(self.flows.retrying)
 
     def stats(self) -> dict[str, Any]:
         """Counters, capacity and node counts as one dict."""
         with self.guard, self.guard.lock:
-            out = stats.collect(self)
-        stats.publish(self, out)
+            out = stats.collect(self.flows.stats, self.calibration)
+        stats.publish(self.counters, self.account, out)
         return out
 
     def audit(self, *, checksums: bool = True):
         """Check every invariant against this engine's directory (and its memory)."""
         validate.flag("checksums", checksums)
         with self.guard, self.guard.lock:
-            report = audit.audit_engine(self, checksums=checksums)
-            remote.note(self, report)
+            report = audit.audit_engine(self.flows.live, checksums=checksums)
+            remote.note(self.remotes, report)
             return report
 
     def close(self) -> None:
@@ -364,16 +439,16 @@ class Engine:
         ``EngineClosedError`` if it needs what close released (an unpublished
         transaction of it is left to recovery at the next open, as after a crash).
         """
-        lifecycle.close(self)
+        lifecycle.close(self.closing)
 
 
-def evict_leaf(eng: Engine, prefix: Prefix) -> None:
+def evict_leaf(rm: space.Room, prefix: Prefix) -> None:
     """``Engine.evict(prefix=...)``: evict the leaf at the end of ``prefix`` unless it is
     held, interior or absent. Lock held."""
-    nid = eng.index.by_key.get(prefix.keys[-1]) if len(prefix) else None
-    node = eng.index.get(nid) if nid is not None else None
-    if node is None or space.blocked(eng, node.id, pol.EVICT) or not node.is_leaf:
+    nid = rm.index.by_key.get(prefix.keys[-1]) if len(prefix) else None
+    node = rm.index.get(nid) if nid is not None else None
+    if node is None or space.blocked(rm, node.id, pol.EVICT) or not node.is_leaf:
         return
-    before = eng.account.charged
-    evict.evict_nodes(eng, [node])
-    eng.counters.evicted(pol.EVICT, before - eng.account.charged)
+    before = rm.account.charged
+    evict.evict_nodes(rm.evicting, [node])
+    rm.counters.evicted(pol.EVICT, before - rm.account.charged)

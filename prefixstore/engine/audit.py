@@ -54,7 +54,7 @@ import sqlite3
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import attrs
@@ -68,23 +68,26 @@ from prefixstore.base.errors import (
 from prefixstore.base.layout import Layout
 from prefixstore.engine import dirlock, schema, tiering, trust
 from prefixstore.engine import structure as S
+from prefixstore.engine.account import Account
 from prefixstore.engine.cachedirs import own_dir_problems
 from prefixstore.engine.catalog import (
     CATALOG_NAME,
     FORMAT_MARKER,
     SCHEMA_VERSION,
+    Catalog,
     CatalogView,
     catalog_path,
 )
+from prefixstore.engine.holds import Holds
+from prefixstore.engine.index import Index
+from prefixstore.engine.readonly import Mode
 from prefixstore.engine.schema import SchemaProblem
-from prefixstore.gpu import shards, verify
+from prefixstore.engine.tiering import Tiers
+from prefixstore.gpu import shards, tiers, verify
 from prefixstore.gpu.diskroom import RESERVE_NAME
 from prefixstore.gpu.fileio import open_regular, read_fd
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES
-
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
 
 LOCK_NAME = "LOCK"
 TITLES = {
@@ -306,17 +309,32 @@ def audit_dir(
                       recheck=(lambda: read_catalog(root, live=True)) if running else None)
 
 
-def _audit_index(eng: Engine, rep: AuditReport) -> None:
+@attrs.frozen(slots=True, eq=False)
+class LiveView:
+    """What the audit of a running engine reads beside its directory: the catalog and
+    the in-memory index, the space account, the holds, the tiers (a volatile tier is
+    read through itself), whether the engine writes (``mode``)."""
+
+    root: str
+    catalog: Catalog
+    index: Index
+    account: Account
+    holds: Holds
+    tiers: Tiers
+    mode: Mode
+
+
+def _audit_index(lv: LiveView, rep: AuditReport) -> None:
     """The in-memory index is the catalog: the same nodes, each with the same parent,
     span, state, generation and snapshot flag, and any live-file rows it caches for its
     generation equal to the catalog's."""
-    rows = eng.catalog.node_fields()
-    if set(rows) != set(eng.index.nodes):
-        rep.add(2, f"index holds {len(eng.index.nodes)} nodes, catalog {len(rows)}")
+    rows = lv.catalog.node_fields()
+    if set(rows) != set(lv.index.nodes):
+        rep.add(2, f"index holds {len(lv.index.nodes)} nodes, catalog {len(rows)}")
     live: dict[int, dict[int, tuple[str, int, str]]] = {}
-    for nid, r, name, size, ck in eng.catalog.node_live_files():
+    for nid, r, name, size, ck in lv.catalog.node_live_files():
         live.setdefault(nid, {})[r] = (name, size, ck)
-    for nid, x in eng.index.nodes.items():
+    for nid, x in lv.index.nodes.items():
         row = rows.get(nid)
         if row is None:
             continue
@@ -328,31 +346,61 @@ def _audit_index(eng: Engine, rep: AuditReport) -> None:
             rep.add(2, f"node {nid}: cached file rows differ from the catalog's live files")
 
 
-def audit_engine(eng: Engine, *, checksums: bool = True) -> AuditReport:
+def audit_engine(lv: LiveView, *, checksums: bool = True) -> AuditReport:
     """Audit a live engine's directory plus its in-memory state (caller holds its lock)."""
+    acct = lv.account
     rep = audit_dir(
-        eng.root,
-        rank_dirs=tiering.audit_dirs(eng.tiers.ranks),
+        lv.root,
+        rank_dirs=tiering.audit_dirs(lv.tiers.ranks),
         checksums=checksums,
-        quiescent=not eng.holds.fences,
-        live=eng.read_only is None,  # a read-only engine never writes: read as at rest, creating nothing
+        quiescent=not lv.holds.fences,
+        live=lv.mode.read_only is None,  # a read-only engine never writes: read as at rest, creating nothing
     )
     catalog_charged = rep.accounting.get("charged", 0)
-    if eng.account.charged != catalog_charged:
-        rep.add(3, f"engine counts {eng.account.charged} charged bytes, catalog rows sum to {catalog_charged}")
+    if acct.charged != catalog_charged:
+        rep.add(3, f"engine counts {acct.charged} charged bytes, catalog rows sum to {catalog_charged}")
     # the catalog's sum against its recorded capacity is checked by audit_dir; only a
     # different fact (the engine's own count or capacity) is a violation of its own
-    if eng.account.charged > eng.account.capacity and (eng.account.charged, eng.account.capacity) != (catalog_charged,
-                                                                        rep.accounting.get("capacity")):
-        rep.add(3, f"engine charges {eng.account.charged} bytes, above its capacity {eng.account.capacity}")
-    _audit_index(eng, rep)
-    held = {n for n, c in eng.holds.pins.items() if c} | {n for n, c in eng.holds.fences.items() if c}
-    gone = sorted(n for n in held if n not in eng.index.nodes)
+    if acct.charged > acct.capacity and (acct.charged, acct.capacity) != (catalog_charged,
+                                                                          rep.accounting.get("capacity")):
+        rep.add(3, f"engine charges {acct.charged} bytes, above its capacity {acct.capacity}")
+    _audit_index(lv, rep)
+    held = {n for n, c in lv.holds.pins.items() if c} | {n for n, c in lv.holds.fences.items() if c}
+    gone = sorted(n for n in held if n not in lv.index.nodes)
     for n in gone:
         rep.add(6, f"node {n} is pinned or fenced but no longer in the index")
     rep.checked[6] = f"{len(held)} pinned or fenced nodes, all still indexed" if not gone else f"{len(held)} held"
-    tiering.audit(eng, rep, checksums)  # the RAM tier's own accounting (invariant 3)
+    _ram_tier(lv, rep, checksums)  # the RAM tier's own accounting (invariant 3)
     return rep
+
+
+def _ram_tier(lv: LiveView, rep: AuditReport, checksums: bool) -> None:
+    """Invariant 3 for the RAM tier: exact, bounded, and only catalog files."""
+    kind, tier = lv.tiers.backing.kind, lv.tiers.backing.tier
+    if tier is None:
+        return
+    rows = {
+        (r, name): (size, ck, status)
+        for r, name, size, ck, status in lv.catalog.query("SELECT rank, name, size, checksum, status FROM files")
+    }
+    total = 0
+    for (r, name), buf in tier.items():
+        total += buf.nbytes
+        row = rows.get((r, name))
+        if row is None:
+            rep.add(3, f"RAM tier holds rank{r}/{name}, unknown to the catalog")
+            continue
+        size, ck, status = row
+        if buf.nbytes != size:
+            rep.add(3, f"RAM tier holds rank{r}/{name} as {buf.nbytes} bytes, catalog says {size}")
+        elif checksums and status == "live" and ck and verify.problem(buf.mv(), None, ck) is not None:
+            rep.add(1, f"RAM tier copy of rank{r}/{name} fails its checksum")
+    if total != tier.used:
+        rep.add(3, f"RAM tier counts {tier.used} used bytes, its shards sum to {total}")
+    if tier.used > tier.capacity:
+        rep.add(3, f"RAM tier uses {tier.used} bytes, above its capacity {tier.capacity}")
+    rep.accounting[f"ram_{kind}_used"] = tier.used
+    rep.accounting[f"ram_{kind}_capacity"] = tier.capacity
 
 
 def audit_rows(
@@ -456,25 +504,26 @@ def _schema(rep: AuditReport, found: Sequence[SchemaProblem], unreadable: set[st
 
 
 def _volatile(rep: AuditReport, rows: CatalogRows, files: list[tuple], dirs: list) -> bool:
-    """Check a ``backing=memory`` catalog; True when only the catalog can be audited
-    (a volatile cache seen from outside its engine)."""
-    if rows.meta.get("backing") != "memory":
+    """Check the catalog of a cache last opened with a volatile backing; True when only
+    the catalog can be audited (a volatile cache seen from outside its engine)."""
+    if not tiers.recorded_volatile(rows.meta):
         return False
+    name = tiers.recorded(rows.meta)
     on_disk = durable_shards(dirs, files)
     if on_disk:
-        rep.add(3, f"the catalog says backing=memory, but {len(on_disk)} shard files it names are on disk "
+        rep.add(3, f"the catalog says backing={name}, but {len(on_disk)} shard files it names are on disk "
                    f"with their recorded checksums: {', '.join(on_disk[:5])}" + (" ..." if len(on_disk) > 5 else ""))
-        rep.recovery.append("refuse to open: backing=memory contradicts the shard files on disk "
-                            "(`prefixstore audit --repair` records backing=disk)")
+        rep.recovery.append(f"refuse to open: backing={name} contradicts the shard files on disk "
+                            f"(`prefixstore audit --repair` records backing={tiers.DEFAULT})")
         return False
     if not all(isinstance(d, str) for d in dirs):
         return False
     # Its shards live (or lived) in that engine's RAM, never in the rank directories;
     # its next open drops every row.
-    why = "not checked (backing=memory: the shards are in the engine's RAM)"
+    why = f"not checked (backing={name}: the shards are in the engine's RAM)"
     for inv in (1, 3, 5, 8):
         rep.checked[inv] = why
-    rep.notes.append("backing=memory: only the catalog was checked")
+    rep.notes.append(f"backing={name}: only the catalog was checked")
     if rows.nodes or files:
         rep.recovery.append(f"drop every row ({len(rows.nodes)} nodes, {len(files)} files): the cache is volatile")
     return True
@@ -556,8 +605,8 @@ def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, fil
     # left a short temporary of a failed write; reclaiming removes both).
     in_flight = {(f[0], f[1]) for f in files if f[6] in ("writing", "garbage")}
     for r, d in enumerate(dirs):
-        # A rank "directory" may be a view of a RAM-only rank (backing='memory'): an
-        # object with listdir(), size(name) and read_shard(name).
+        # A rank "directory" may be a volatile tier itself (a running engine's, see
+        # ``tiering.audit_dirs``): an object with listdir(), size(name) and read_shard(name).
         view = None if isinstance(d, str) else d
         info: dict[str, Any] = {"rank": r, "dir": d if view is None else f"ram:rank{r}",
                                 "files": 0, "bytes": 0, "unknown": []}

@@ -19,14 +19,23 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from prefixstore.base.errors import EngineClosedError, InvalidInputError, SimulatedCrash
+from prefixstore.base.layout import Layout
 from prefixstore.base.log import log
 from prefixstore.engine import replace
+from prefixstore.engine.account import Account
+from prefixstore.engine.counters import Counters
 from prefixstore.engine.driver import InvariantViolation
+from prefixstore.engine.guard import CallGuard
+from prefixstore.engine.holds import Holds
+from prefixstore.engine.index import Index, Node
+from prefixstore.engine.recency import Recency
+from prefixstore.engine.replace import Replacing
+from prefixstore.engine.settings import Settings
 from prefixstore.statemachine.compaction import (
     CompactionPolicy,
     RunStats,
@@ -35,9 +44,21 @@ from prefixstore.statemachine.compaction import (
     merge_verdict,
 )
 
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
-    from prefixstore.engine.index import Node
+
+@attrs.frozen(slots=True, eq=False)
+class Compacting:
+    """What a compaction pass uses: the call guard, the index and holds it finds runs
+    in, the clock (a run's age), the compact-replace it runs each merge as."""
+
+    guard: CallGuard
+    layout: Layout
+    index: Index
+    holds: Holds
+    recency: Recency
+    account: Account
+    counters: Counters
+    settings: Settings
+    replacing: Replacing
 
 
 @attrs.define
@@ -54,68 +75,68 @@ class CompactionReport:
 
 
 def compact(
-    eng: Engine,
+    cp: Compacting,
     policy: CompactionPolicy | None = None,
     *,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> CompactionReport:
     """One pass: plan merges under the lock, run each as its own transaction."""
-    policy = policy or eng.compaction_policy or CompactionPolicy()
+    policy = policy or cp.settings.compaction_policy or CompactionPolicy()
     rep = CompactionReport()
-    with eng.guard:
-        with eng.guard.lock:
-            rep.rows_before = len(eng.index)
-            jobs = plan(eng, policy, rep)
+    with cp.guard:
+        with cp.guard.lock:
+            rep.rows_before = len(cp.index)
+            jobs = plan(cp, policy, rep)
         for job in jobs[: policy.max_jobs]:
-            if should_stop() or eng.guard.closed:
+            if should_stop() or cp.guard.closed:
                 break
-            out = replace.run(eng, job, space="watermark", pin_wait_s=policy.pin_wait_s)
+            out = replace.run(cp.replacing, job, space="watermark", pin_wait_s=policy.pin_wait_s)
             if out.ok:
                 rep.merges += 1
                 rep.rows_merged += len(job.old)
             else:
                 rep.aborted.append(out.reason or "?")
-        with eng.guard.lock:
-            rep.rows_after = len(eng.index)
+        with cp.guard.lock:
+            rep.rows_after = len(cp.index)
     return rep
 
 
-def plan(eng: Engine, policy: CompactionPolicy, rep: CompactionReport | None = None) -> list[replace.Job]:
+def plan(cp: Compacting, policy: CompactionPolicy, rep: CompactionReport | None = None) -> list[replace.Job]:
     """Merge jobs the policy approves, cheapest-first order irrelevant. Lock held."""
     rep = rep if rep is not None else CompactionReport()
     jobs = []
-    ranks = eng.layout.ranks
-    for run in find_runs(eng, policy):
+    ranks = cp.layout.ranks
+    for run in find_runs(cp, policy):
         rep.runs += 1
         cut = chunks(policy, [x.nbytes // ranks for x in run])
         if not cut:
             rep.declined["too_large"] = rep.declined.get("too_large", 0) + 1
         for lo, hi in cut:
             rows = run[lo:hi]
-            v = verdict(eng, policy, rows)
+            v = verdict(cp, policy, rows)
             if v.merge:
-                jobs.append(merge_job(eng, rows))
+                jobs.append(merge_job(cp, rows))
             else:
                 rep.declined[v.reason] = rep.declined.get(v.reason, 0) + 1
     return jobs
 
 
-def verdict(eng: Engine, policy: CompactionPolicy, rows: list[Node]) -> Verdict:
+def verdict(cp: Compacting, policy: CompactionPolicy, rows: list[Node]) -> Verdict:
     stats = RunStats(
         rows=len(rows),
-        bytes_per_rank=sum(x.nbytes for x in rows) // eng.layout.ranks,
-        age=eng.recency.clock - max(x.last_used for x in rows),
-        rows_total=len(eng.index),
+        bytes_per_rank=sum(x.nbytes for x in rows) // cp.layout.ranks,
+        age=cp.recency.clock - max(x.last_used for x in rows),
+        rows_total=len(cp.index),
     )
     return merge_verdict(policy, stats)
 
 
-def find_runs(eng: Engine, policy: CompactionPolicy) -> list[list[Node]]:
+def find_runs(cp: Compacting, policy: CompactionPolicy) -> list[list[Node]]:
     """Maximal mergeable runs, root first (see the module docstring). Lock held."""
-    L = eng.layout
+    L = cp.layout
 
     def free(x: Node) -> bool:
-        return x.ready and not eng.holds.pins[x.id] and not eng.holds.fences[x.id]
+        return x.ready and not cp.holds.pins[x.id] and not cp.holds.fences[x.id]
 
     def interior(x: Node) -> bool:
         if not (free(x) and len(x.children) == 1):
@@ -123,15 +144,15 @@ def find_runs(eng: Engine, policy: CompactionPolicy) -> list[list[Node]]:
         return not policy.keep_interior_checkpoints or (L.has_snapshot and not x.has_snapshot)
 
     runs = []
-    for x in eng.index:
+    for x in cp.index:
         if not interior(x):
             continue
-        parent = eng.index.get(x.parent) if x.parent is not None else None
+        parent = cp.index.get(x.parent) if x.parent is not None else None
         if parent is not None and interior(parent):
             continue  # not the top of its run
         run, cur = [x], x
         while interior(cur):
-            cur = eng.index.nodes[next(iter(cur.children))]
+            cur = cp.index.nodes[next(iter(cur.children))]
             run.append(cur)
         if not free(run[-1]):
             run.pop()
@@ -140,10 +161,10 @@ def find_runs(eng: Engine, policy: CompactionPolicy) -> list[list[Node]]:
     return runs
 
 
-def merge_job(eng: Engine, rows: list[Node]) -> replace.Job:
+def merge_job(cp: Compacting, rows: list[Node]) -> replace.Job:
     """The compact-replace of ``rows`` (a chain, root first) by one row: the last one's."""
     end = rows[-1]
-    ranks = eng.layout.ranks
+    ranks = cp.layout.ranks
     row = replace.NewRow(end.key, rows[0].start, end.end, b"".join(x.digests for x in rows), end.has_snapshot,
                  max(x.last_used for x in rows), end.snap_used, keep=end.id)
     reads = {x.id: False for x in rows}
@@ -162,8 +183,8 @@ def merge_job(eng: Engine, rows: list[Node]) -> replace.Job:
 class Compactor:
     """The background compaction thread of one engine."""
 
-    def __init__(self, eng: Engine, policy: CompactionPolicy) -> None:
-        self.eng = eng
+    def __init__(self, cp: Compacting, policy: CompactionPolicy) -> None:
+        self.cp = cp
         self.policy = policy
         self.passes = 0
         self.errors = 0
@@ -195,29 +216,29 @@ class Compactor:
     _force = False
 
     def _loop(self) -> None:
-        eng = self.eng
+        cp = self.cp
         last = None
         while not self._stop.is_set():
             self._wake.wait(self.policy.interval_s)
             self._wake.clear()
-            if self._stop.is_set() or eng.guard.closed:
+            if self._stop.is_set() or cp.guard.closed:
                 return
-            sig = (eng.recency.clock, len(eng.index), eng.account.charged)
+            sig = (cp.recency.clock, len(cp.index), cp.account.charged)
             if sig == last and not self._force:
                 continue
             self._force = False
             try:
-                rep = compact(eng, self.policy, should_stop=self._stop.is_set)
+                rep = compact(cp, self.policy, should_stop=self._stop.is_set)
             except (EngineClosedError, SimulatedCrash):
                 return  # closed, or died (the engine abandoned itself)
             except InvariantViolation as exc:  # the debug check: no more background changes
                 self.violation = str(exc)
-                eng.counters.inc("replaces", "invariant_violation")
+                cp.counters.inc("replaces", "invariant_violation")
                 log.error("compaction_invariant_violation", error=str(exc))
                 return
             except Exception as exc:  # a failed pass fails its transaction, never the worker
                 self.errors += 1
-                eng.counters.inc("replaces", "worker_error")
+                cp.counters.inc("replaces", "worker_error")
                 log.warning("compaction_failed", error=repr(exc))
                 last = None
                 continue
@@ -226,7 +247,7 @@ class Compactor:
             last = sig if not rep.merges and not rep.aborted else None
 
 
-def start_worker(eng: Engine, option: Any) -> Compactor | None:
+def start_worker(cp: Compacting, option: Any) -> Compactor | None:
     """Start the worker ``Engine.open(compaction=...)`` asks for (None/False: none)."""
     if option is None or option is False:
         return None
@@ -236,5 +257,5 @@ def start_worker(eng: Engine, option: Any) -> Compactor | None:
         policy = option
     else:
         raise InvalidInputError("compaction= takes True, False/None or a CompactionPolicy")
-    eng.compaction_policy = policy
-    return Compactor(eng, policy).start()
+    cp.settings.compaction_policy = policy
+    return Compactor(cp, policy).start()

@@ -20,6 +20,7 @@ from prefixstore.base.errors import InvalidArgumentError
 from prefixstore.base.layout import Layout
 from prefixstore.engine import identity
 from prefixstore.engine.checks import callable_or_none, choice, flag, instance, integer, real
+from prefixstore.gpu import tiers
 from prefixstore.gpu.backings import BACKINGS
 from prefixstore.gpu.remote import RemoteConfig, parse
 from prefixstore.statemachine.compaction import CompactionPolicy
@@ -114,7 +115,7 @@ class EngineConfig:
     admission: Callable[..., bool] | None = attrs.field(default=None, validator=_checked(callable_or_none))
     inflight_wait_s: float = attrs.field(default=30.0, validator=_checked(real, lo=0.0))
     compaction: bool | CompactionPolicy | None = attrs.field(default=None, validator=_checked(check_compaction))
-    backing: str = attrs.field(default="disk", validator=_checked(choice, BACKINGS))
+    backing: str = attrs.field(default=tiers.DEFAULT, validator=_checked(choice, BACKINGS))
     ram_bytes: int | None = attrs.field(default=None, validator=_checked(integer, minimum=1, none=True))
     executor: Any = attrs.field(default=None, validator=_checked(check_executor))
     bandwidth: float | str | None = attrs.field(default=None, validator=_checked(check_bandwidth))

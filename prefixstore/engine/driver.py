@@ -25,8 +25,8 @@ Recovery and abort come from the table: ``recover(c, row)`` / ``abort(c, txn)``
 give a ``Step`` (the event, the direction, and either the event to fire now or
 the state's outputs to re-run).
 
-The engine's wiring: ``eng.driver`` is built at open (``lifecycle.init_state`` ->
-``journal.build``) with the handlers of ``journal.handlers`` (``retire_old``,
+The engine's wiring: ``eng.driver`` is built at open (``lifecycle.bind`` ->
+``journal.open_ledger``) with the handlers of ``journal.handlers`` (``retire_old``,
 ``clean_up``, ``reclaim``: unlink the owned files, settle their rows, fire the
 ending event) and ``durable(r, name)`` = the rank tier's ``durable(name)`` when it
 declares ``Capability.REPORTS_DURABILITY`` (``LocalRank``: the fault file system's
@@ -36,7 +36,7 @@ None (taken as durable). Call sites: ``store.intent`` / ``replace._intent`` /
 ``replace._swap`` fire ``durable`` (a store with nothing to retire also ``retired``)
 and run the outputs after the commit; ``journal.rollback`` fires ``failed`` /
 ``stale`` / ``recover`` (its new rows abandoned in the same commit);
-``recovery.recover`` and ``pipeline.fail_txn`` end a transaction by
+``recovery.recover`` and ``abort.fail_txn`` end a transaction by
 ``recover`` / ``abort``'s step (``journal.end``). Repair's and a volatile backing's
 journal deletes go through ``Journal``. The flag: ``tests/conftest.py`` and the fuzz
 ``Driver`` set ``PREFIXSTORE_DEBUG_INVARIANTS=1`` unless the environment says

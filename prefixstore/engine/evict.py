@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import attrs
 
-from prefixstore.engine import journal, pipeline
-from prefixstore.engine.index import Node
+from prefixstore.engine import abort, journal
+from prefixstore.engine.abort import Abort
+from prefixstore.engine.account import Account
+from prefixstore.engine.index import Index, Node
+from prefixstore.engine.journal import Ledger
+from prefixstore.engine.recency import Recency
 
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
+
+@attrs.frozen(slots=True, eq=False)
+class Evicting:
+    """What an evict changes: the catalog (through the ledger), the index, the recency
+    and victim heap; the disk's room decides when files go before the commit."""
+
+    ledger: Ledger
+    account: Account
+    index: Index
+    recency: Recency
+    abort: Abort
 
 
-def evict_nodes(eng: Engine, nodes: list[Node]) -> None:
+def evict_nodes(ev: Evicting, nodes: list[Node]) -> None:
     """One evict transaction removing ``nodes`` (leaves first).
 
     On a full disk with no reserve left, the nodes' files are unlinked before the
@@ -20,22 +33,23 @@ def evict_nodes(eng: Engine, nodes: list[Node]) -> None:
     recovery finds them damaged (charged, evictable).
     """
     ids = [n.id for n in nodes]
-    if eng.account.disk.tight():
-        journal.unlink_rows(eng, eng.catalog.files_of(ids))
+    cat = ev.ledger.catalog
+    if ev.account.disk.tight():
+        journal.unlink_rows(ev.ledger, cat.files_of(ids))
     def remove(tid: int) -> None:
         for n in nodes:
-            eng.catalog.evict_node(c, tid, n.id)
+            cat.evict_node(c, tid, n.id)
 
-    with eng.catalog.txn("evict.remove") as c:
-        txn = journal.begin(eng, c, "evict", {"nodes": ids}, rows=remove)
+    with cat.txn("evict.remove") as c:
+        txn = journal.begin(ev.ledger, c, "evict", {"nodes": ids}, rows=remove)
     try:  # the removal is published: an unexpected error must not strand the txn
         for n in nodes:
-            eng.index.remove(n.id)
-            eng.recency.forget(n.id)
-        parent = eng.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
+            ev.index.remove(n.id)
+            ev.recency.forget(n.id)
+        parent = ev.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
         if parent is not None:
-            eng.recency.heap.offer(parent)
-        journal.run(eng, txn, txn.outputs)
+            ev.recency.heap.offer(parent)
+        journal.run(ev.ledger, txn, txn.outputs)
     except BaseException as exc:
-        pipeline.fail_txn(eng, txn, exc)
+        abort.fail_txn(ev.abort, txn, exc)
         raise

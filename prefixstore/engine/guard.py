@@ -110,6 +110,10 @@ class CallGuard:
         """How many public calls this thread is inside."""
         return getattr(self.local, "depth", 0)
 
+    def held(self) -> bool:
+        """Whether this thread holds the engine lock (for assertions)."""
+        return self.lock._is_owned()
+
     def __enter__(self) -> None:
         depth = getattr(self.local, "depth", 0)
         with self.calls_cv:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from prefixstore.base.errors import CatalogCorruptError, IdentityMismatchError, InvalidArgumentError
 
 if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
+    from prefixstore.engine.catalog import Catalog
 
 META_KEY = "identity"
 MAX_FIELDS = 256
@@ -91,24 +91,23 @@ def differences(recorded: Mapping[str, str], given: Mapping[str, str]) -> list[s
     return out
 
 
-def recorded(eng: Engine) -> dict[str, str] | None:
+def recorded(catalog: Catalog) -> dict[str, str] | None:
     """The identity the cache's catalog records, or None."""
-    text = eng.catalog.meta(META_KEY)
+    text = catalog.meta(META_KEY)
     return None if text is None else decode(text)
 
 
-def check(eng: Engine) -> None:
-    """At open, after the layout check: compare ``eng.model_identity`` with the
-    catalog's (see the module docstring); record it in an empty cache that has none."""
-    given = eng.model_identity
+def check(catalog: Catalog, root: str, given: Mapping[str, str] | None) -> None:
+    """At open, after the layout check: compare the ``identity`` option ``given`` with
+    the catalog's (see the module docstring); record it in an empty cache that has none."""
     if given is None:
         return
-    cat = eng.catalog
-    have = recorded(eng)
+    cat = catalog
+    have = recorded(cat)
     if have is None:
         if cat.node_rows():
             raise IdentityMismatchError(
-                f"{eng.root} records no model identity but holds checkpoints (created without "
+                f"{root} records no model identity but holds checkpoints (created without "
                 "one): they could be any model's. Open it without identity to use it as it is, "
                 "or use a new directory", [f"{name} only given ({given[name]!r})" for name in given],
             )
@@ -119,5 +118,5 @@ def check(eng: Engine) -> None:
     diff = differences(have, given)
     if diff:
         raise IdentityMismatchError(
-            f"{eng.root} belongs to another model (cache vs given: {'; '.join(diff)})", diff
+            f"{root} belongs to another model (cache vs given: {'; '.join(diff)})", diff
         )

@@ -60,6 +60,10 @@ class Index:
         self.by_key: dict[bytes, int] = {}
         self.blocks: dict[bytes, int] = {}
 
+    def clear(self) -> None:
+        """Forget every node (new tables: a caller holding the old ``nodes`` keeps them)."""
+        self.nodes, self.by_key, self.blocks = {}, {}, {}
+
     def __len__(self) -> int:
         return len(self.nodes)
 

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 
+from prefixstore.engine.account import Account
+from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.index import Index, Node
-
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
+from prefixstore.engine.recency import Recency
 
 
-def load(eng: Engine, keep: bool = False) -> None:
-    """Build the index (and charged bytes, clock, victim heap) from the catalog.
+def load(index: Index, catalog: Catalog, recency: Recency, account: Account, keep: bool = False) -> None:
+    """Build ``index`` (and the charged bytes, the clock, the victim heap) from the catalog.
 
     ``keep``: reload a running engine (after a transaction that failed past its
     publish). The Node object of every row that remains is kept and updated in
@@ -21,11 +19,11 @@ def load(eng: Engine, keep: bool = False) -> None:
     hold it (a store refilling it, a restore that pinned it) stay on the index's
     own node; pins and fences are keyed by id and untouched. Lock held.
     """
-    old = eng.index.nodes if keep else {}
-    eng.index = Index()
-    sizes = eng.catalog.live_sizes()
-    clock = eng.recency.clock if keep else 0
-    for r in eng.catalog.node_rows():
+    old = index.nodes if keep else {}
+    index.clear()
+    sizes = catalog.live_sizes()
+    clock = recency.clock if keep else 0
+    for r in catalog.node_rows():
         node = Node(
             id=r[0], key=bytes(r[1]), parent=r[2], start=r[3], end=r[4], digests=bytes(r[5]),
             has_snapshot=bool(r[6]), state=r[7], generation=r[8], last_used=r[9],
@@ -38,8 +36,8 @@ def load(eng: Engine, keep: bool = False) -> None:
             for f in attrs.fields(Node):
                 setattr(prev, f.name, getattr(node, f.name))
             node = prev
-        eng.index.add(node)
+        index.add(node)
         clock = max(clock, node.last_used, node.snap_used)
-    eng.recency.clock = clock
-    eng.account.charged = eng.catalog.charged()
-    eng.recency.heap.rebuild(eng.index)
+    recency.clock = clock
+    account.charged = catalog.charged()
+    recency.heap.rebuild(index)

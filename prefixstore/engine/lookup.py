@@ -2,53 +2,65 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import attrs
 
 from prefixstore.base.keys import Prefix
-from prefixstore.engine.index import Node
+from prefixstore.base.layout import Layout
+from prefixstore.engine.counters import Counters
+from prefixstore.engine.index import Index, Node
 from prefixstore.engine.results import Match
+from prefixstore.engine.settings import Settings
 from prefixstore.statemachine.cost import choose
-
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
 
 Candidate = tuple[Node, int, int, int]
 """(node, blocks covered, bytes to transfer, nodes to read)."""
 
 
-def lookup(eng: Engine, prefix: Prefix, gpu_blocks: int, total_tokens: int | None) -> Match:
+@attrs.frozen(slots=True, eq=False)
+class Looking:
+    """What a lookup reads: the index, the cost rule (``settings.cost``), the layout;
+    it records its decision in the counters and stamps its Match with ``cache_id``."""
+
+    layout: Layout
+    index: Index
+    settings: Settings
+    counters: Counters
+    cache_id: str
+
+
+def lookup(lk: Looking, prefix: Prefix, gpu_blocks: int, total_tokens: int | None) -> Match:
     """The deepest checkpoint of ``prefix`` worth restoring (see ``Engine.lookup``). Lock held."""
-    L = eng.layout
+    L = lk.layout
     n = len(prefix)
     keys = prefix.keys
-    base = dict(prefix_blocks=n, block_tokens=L.block_tokens, gpu_blocks=gpu_blocks, cache=eng.identity)
-    p = eng.index.deepest_block(keys, n)
-    owner = eng.index.owner(keys, p)
+    base = dict(prefix_blocks=n, block_tokens=L.block_tokens, gpu_blocks=gpu_blocks, cache=lk.cache_id)
+    p = lk.index.deepest_block(keys, n)
+    owner = lk.index.owner(keys, p)
     if owner is None:
         return Match("miss", **base)
     # Without snapshots a request that leaves a node inside its span can still use
     # the node's leading rows (a partial hit at block p); with snapshots it stops at
     # the deepest whole checkpoint (the recurrent state exists only at a node's end).
     partial = owner.end != p and not L.has_snapshot
-    node = owner if owner.end == p or partial else eng.index.get(owner.parent) if owner.parent is not None else None
+    node = owner if owner.end == p or partial else lk.index.get(owner.parent) if owner.parent is not None else None
     if node is None:
         return Match("miss", **base)
     reach = p if partial else node.end  # blocks the deepest candidate covers
     if reach <= gpu_blocks:
         return Match("gpu_resident", blocks=reach, node_id=node.id, **base)
-    usable, damaged_below = usable_path(eng, node, gpu_blocks)
-    cands = candidates(eng, usable, gpu_blocks, reach)
+    usable, damaged_below = usable_path(lk.index, node, gpu_blocks)
+    cands = candidates(L, usable, gpu_blocks, reach)
     if not cands:
         return Match("damaged" if damaged_below else "miss", **base)
     total = total_tokens if total_tokens is not None else n * L.block_tokens
-    return decide(eng, keys[-1], cands, usable, gpu_blocks, total, base)
+    return decide(lk, keys[-1], cands, usable, gpu_blocks, total, base)
 
 
-def usable_path(eng: Engine, node: Node, gpu_blocks: int) -> tuple[list[Node], bool]:
+def usable_path(index: Index, node: Node, gpu_blocks: int) -> tuple[list[Node], bool]:
     """The nodes of ``node``'s path below the GPU-resident part, up to the first one not
     ready (the deepest usable endpoint is above it); and whether there was one."""
     usable: list[Node] = []
-    for x in eng.index.path(node):
+    for x in index.path(node):
         if x.end <= gpu_blocks:
             continue
         if not x.ready:
@@ -57,11 +69,10 @@ def usable_path(eng: Engine, node: Node, gpu_blocks: int) -> tuple[list[Node], b
     return usable, False
 
 
-def candidates(eng: Engine, usable: list[Node], gpu_blocks: int, reach: int) -> list[Candidate]:
+def candidates(L: Layout, usable: list[Node], gpu_blocks: int, reach: int) -> list[Candidate]:
     """Candidates, deepest first. The bytes are the segment rows above the GPU-resident
     part plus one snapshot, all ranks; a partial candidate is charged its node's whole
     rows (its shard is read and verified whole)."""
-    L = eng.layout
     cands: list[Candidate] = []
     tokens = 0
     for i, x in enumerate(usable):
@@ -72,15 +83,15 @@ def candidates(eng: Engine, usable: list[Node], gpu_blocks: int, reach: int) -> 
     return cands
 
 
-def decide(eng: Engine, key: bytes, cands: list[Candidate], usable: list[Node], gpu_blocks: int,
+def decide(lk: Looking, key: bytes, cands: list[Candidate], usable: list[Node], gpu_blocks: int,
            total: int, base: dict) -> Match:
     """The cost rule's choice among ``cands`` (recorded in the counters) as a Match."""
-    L = eng.layout
+    L = lk.layout
     gpu_tokens = gpu_blocks * L.block_tokens
-    decision = choose(eng.cost, [(e * L.block_tokens, b, k) for _, e, b, k in cands], gpu_tokens, total)
+    decision = choose(lk.settings.cost, [(e * L.block_tokens, b, k) for _, e, b, k in cands], gpu_tokens, total)
     est = decision.deciding
     if est is not None:
-        eng.counters.decision(
+        lk.counters.decision(
             result=decision.result, transfer_s=est[1], prefill_s=est[2],
             key=key.hex()[:12], gpu_tokens=gpu_tokens, total_tokens=total,
             deepest_tokens=cands[0][1] * L.block_tokens,
@@ -99,14 +110,14 @@ def decide(eng: Engine, key: bytes, cands: list[Candidate], usable: list[Node], 
     )
 
 
-def path_current(eng: Engine, match: Match) -> bool:
+def path_current(index: Index, match: Match) -> bool:
     """True when ``match``'s nodes are unchanged and still tile its span exactly: a
     parent chain ending at the node of ``match.node_key``."""
     if not match.path:
         return False
     prev = None
     for nid, gen in match.path:
-        node = eng.index.get(nid)
+        node = index.get(nid)
         if node is None or node.generation != gen or not node.ready:
             return False
         if prev is None:

@@ -23,11 +23,31 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
+
+from prefixstore.base.errors import DiskFullError, ReadOnlyError
 from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.index import Index
 
 UNSETTLED = "unsettled"
 """In-memory state of a node held out of service by a read-only engine."""
+
+
+
+@attrs.define(slots=True, eq=False)
+class Mode:
+    """Whether the engine at ``root`` writes: ``read_only`` is why not (None: it
+    does), ``unsettled`` the nodes a read-only engine holds out of service."""
+
+    root: str
+    read_only: DiskFullError | None = None
+    unsettled: frozenset[int] = frozenset()
+
+    def check_writable(self, call: str) -> None:
+        """Raise ReadOnlyError naming the reason when the engine was opened read-only."""
+        if self.read_only is not None:
+            raise ReadOnlyError(f"{call}: {self.root} is open read-only: {self.read_only}", self.read_only)
+
 
 _ID_FIELDS = ("node", "nodes", "old")
 """Journal payload fields naming the node ids a transaction changes (a store's

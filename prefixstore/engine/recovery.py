@@ -40,7 +40,6 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import attrs
 
@@ -49,15 +48,18 @@ from prefixstore.base.errors import (
     CatalogCorruptError,
     PrefixStoreError,
 )
-from prefixstore.engine import journal, structure
+from prefixstore.base.layout import Layout
+from prefixstore.engine import journal, structure, tiering
+from prefixstore.engine.account import Account
 from prefixstore.engine.audit import durable_shards, read_catalog, verify_bytes
-from prefixstore.gpu import shards, verify
+from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.journal import Ledger
+from prefixstore.engine.recency import Recency
+from prefixstore.engine.tiering import Tiers
+from prefixstore.gpu import shards, tiers, verify
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name, shard_name
 from prefixstore.gpu.tier import Capability, has
 from prefixstore.statemachine.transactions import MACHINES
-
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
 
 SHARD_RE = re.compile(r"^[0-9a-f]{32}-g[0-9]+\.st(\.tmp)?$")
 # File-row problems recovery refuses (the rest are found by verification as damage).
@@ -85,43 +87,58 @@ class RecoveryReport:
         return any(attrs.astuple(self))
 
 
-def recover(eng: Engine) -> RecoveryReport:
+@attrs.frozen(slots=True, eq=False)
+class Recovering:
+    """What recovery changes: the catalog (through the ledger, which ends each
+    unfinished transaction by its table), the ranks' files, the charged bytes and the
+    clock it resets."""
+
+    root: str
+    layout: Layout
+    catalog: Catalog
+    ledger: Ledger
+    tiers: Tiers
+    account: Account
+    recency: Recency
+
+
+def recover(rc: Recovering) -> RecoveryReport:
     rep = RecoveryReport()
-    check_structure(eng)
-    reconcile(eng, rep)
-    eng.account.charged = eng.catalog.charged()
-    eng.recency.clock = 0
-    if eng.account.disk.tight():
-        _room_first(eng)
-    for row in eng.catalog.journal():
-        with eng.catalog.reading() as c:
-            txn, step = eng.driver.recover(c, row)
-        journal.end(eng, txn, step)
+    check_structure(rc.catalog, rc.layout, rc.root)
+    reconcile(rc, rep)
+    rc.account.charged = rc.catalog.charged()
+    rc.recency.clock = 0
+    if rc.account.disk.tight():
+        _room_first(rc)
+    for row in rc.catalog.journal():
+        with rc.catalog.reading() as c:
+            txn, step = rc.ledger.driver.recover(c, row)
+        journal.end(rc.ledger, txn, step)
         (rep.rolled_forward if step.direction == "forward" else rep.rolled_back).append(txn.id)
     # 'writing' rows whose transaction is gone cannot exist; treat any as garbage.
-    with eng.catalog.txn("recover.stray") as c:
-        eng.catalog.garbage_stray_writing(c)
-    before = eng.account.charged
-    garbage = eng.catalog.garbage_files()
-    journal.reclaim_rows(eng, None, garbage)
-    rep.garbage_reclaimed = before - eng.account.charged
-    _orphans(eng, rep)
-    _verify_live(eng, rep)
+    with rc.catalog.txn("recover.stray") as c:
+        rc.catalog.garbage_stray_writing(c)
+    before = rc.account.charged
+    garbage = rc.catalog.garbage_files()
+    journal.reclaim_rows(rc.ledger, None, garbage)
+    rep.garbage_reclaimed = before - rc.account.charged
+    _orphans(rc, rep)
+    _verify_live(rc, rep)
     return rep
 
 
-def _room_first(eng: Engine) -> None:
+def _room_first(rc: Recovering) -> None:
     """Unlink, before any commit, the files recovery will unlink anyway: garbage, and
     the files of transactions it rolls back (never a live file)."""
-    back = [tid for tid, kind, state, _ in eng.catalog.journal()
+    back = [tid for tid, kind, state, _ in rc.catalog.journal()
             if kind in MACHINES and state in MACHINES[kind].states and MACHINES[kind].direction(state) == "back"]
-    rows = eng.catalog.garbage_files()
+    rows = rc.catalog.garbage_files()
     for tid in back:
-        rows += eng.catalog.unpublished_files_of_txn(tid)
-    current = _current_names(eng.catalog.node_generations())
+        rows += rc.catalog.unpublished_files_of_txn(tid)
+    current = _current_names(rc.catalog.node_generations())
     rows = [r for r in rows if r[1] not in current]
     if rows:
-        journal.unlink_rows(eng, rows)
+        journal.unlink_rows(rc.ledger, rows)
 
 
 def _current_names(nodes) -> set[str]:
@@ -156,16 +173,16 @@ def room_before_open(root: str, ranks: int) -> list[str]:
     return removed
 
 
-def check_structure(eng: Engine) -> None:
+def check_structure(catalog: Catalog, layout: Layout, root: str) -> None:
     """Raise CatalogCorruptError if the catalog's rows contradict each other (or the journal is unreadable)."""
-    nodes = eng.catalog.node_rows_by_id()
-    files = eng.catalog.file_rows()
+    nodes = catalog.node_rows_by_id()
+    files = catalog.file_rows()
     problems = structure.node_problems(nodes) + [
-        p for p in structure.file_problems(nodes, files, eng.layout.ranks) if p.kind in REFUSED_FILE_PROBLEMS
+        p for p in structure.file_problems(nodes, files, layout.ranks) if p.kind in REFUSED_FILE_PROBLEMS
     ]
     details = [p.detail for p in problems]
     try:
-        journal = eng.catalog.journal()
+        journal = catalog.journal()
     except CatalogCorruptError as exc:
         details.append(str(exc))
         journal = []
@@ -176,35 +193,36 @@ def check_structure(eng: Engine) -> None:
         shown = "; ".join(details[:5])
         more = f" (and {len(details) - 5} more)" if len(details) > 5 else ""
         raise CatalogCorruptError(
-            f"{eng.root}: the catalog contradicts itself: {shown}{more}; nothing was changed. "
-            f"Run `prefixstore audit --repair {eng.root}` to fix it."
+            f"{root}: the catalog contradicts itself: {shown}{more}; nothing was changed. "
+            f"Run `prefixstore audit --repair {root}` to fix it."
         )
 
 
-def check_backing(eng: Engine) -> None:
-    """Raise BackingContradictionError when the catalog says ``backing=memory`` (its rows
-    would be dropped at open as volatile) but shard files it names are on disk, each
-    with its recorded size and checksum: a durable cache, not a volatile one."""
-    if eng.catalog.meta("backing") != "memory":
+def check_backing(catalog: Catalog, root: str, ranks: int) -> None:
+    """Raise BackingContradictionError when the catalog names a volatile backing (its
+    rows would be dropped at open) but shard files it names are on disk, each with its
+    recorded size and checksum: a durable cache, not a volatile one."""
+    meta = tiering.recorded(catalog)
+    if not tiers.recorded_volatile(meta):
         return
-    files = eng.catalog.file_rows()
-    dirs = [os.path.join(eng.root, rank_dir_name(r)) for r in range(eng.layout.ranks)]
+    files = catalog.file_rows()
+    dirs = [os.path.join(root, rank_dir_name(r)) for r in range(ranks)]
     found = durable_shards(dirs, files)
     if found:
         raise BackingContradictionError(
-            f"{eng.root}: the catalog says backing=memory, but {len(found)} shard files it names are on disk "
-            f"with their recorded checksums ({', '.join(found[:3])}{' ...' if len(found) > 3 else ''}); "
-            f"nothing was changed. Run `prefixstore audit --repair {eng.root}` to record backing=disk."
+            f"{root}: the catalog says backing={tiers.recorded(meta)}, but {len(found)} shard files it names are "
+            f"on disk with their recorded checksums ({', '.join(found[:3])}{' ...' if len(found) > 3 else ''}); "
+            f"nothing was changed. Run `prefixstore audit --repair {root}` to record backing={tiers.DEFAULT}."
         )
 
 
-def reconcile(eng: Engine, rep: RecoveryReport) -> None:
+def reconcile(rc: Recovering, rep: RecoveryReport) -> None:
     """Make the file rows agree with the files a node's name claims (see the module docstring)."""
-    cat = eng.catalog
+    cat = rc.catalog
     nodes = cat.node_rows_by_id()
     files = cat.file_rows()
     fixes: list[tuple[Callable[..., None], tuple]] = []  # (catalog method, its arguments after the cursor)
-    for nid, gen in sorted(structure.stale_generations(nodes, files, eng.layout.ranks).items()):
+    for nid, gen in sorted(structure.stale_generations(nodes, files, rc.layout.ranks).items()):
         fixes.append((cat.set_node_generation, (nid, gen)))
         rep.regenerated.append(f"node {nid}: generation {nodes[nid][structure.GEN]} -> {gen}")
         row = list(nodes[nid])
@@ -213,14 +231,14 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
     current = structure.current_shards(nodes)
     for f in files:
         rank, name, size = f[0], f[1], f[4]
-        if not 0 <= rank < len(eng.tiers.ranks):
+        if not 0 <= rank < len(rc.tiers.ranks):
             continue
         owner = current.get(name)
         if owner is not None and structure.misowned(owner, nodes, f):
             fixes.append((cat.attach_file, (rank, name, owner, nodes[owner][structure.GEN])))
             rep.reattached.append(f"rank{rank}/{name} to node {owner}")
         if not isinstance(size, int) or size < 0:
-            actual = eng.tiers.ranks[rank].size(name) or 0
+            actual = rc.tiers.ranks[rank].size(name) or 0
             fixes.append((cat.set_file_size, (rank, name, actual)))
             rep.resized.append(f"rank{rank}/{name}: {size!r} -> {actual}")
     known = {(f[0], f[1]) for f in files}
@@ -229,14 +247,14 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
         owner = current.get(f[1])
         if owner is not None and structure.misowned(owner, nodes, f):
             reattached.add((owner, f[0]))
-    for rank in eng.tiers.ranks:
+    for rank in rc.tiers.ranks:
         if has(rank, Capability.VOLATILE):
             continue
         for entry in rank.listdir():
             owner = current.get(entry)
             if owner is None or (rank.rank, entry) in known:
                 continue
-            found = _shard_of(eng, rank, entry, nodes[owner])
+            found = _shard_of(rc.layout, rank, entry, nodes[owner])
             if found is None:
                 rank.quarantine(entry)
                 rep.quarantined.append(f"rank{rank.rank}/{entry}")
@@ -254,7 +272,7 @@ def reconcile(eng: Engine, rep: RecoveryReport) -> None:
                 fix(c, *args)
 
 
-def _shard_of(eng: Engine, rank, entry: str, row: tuple) -> tuple[int, str] | None:
+def _shard_of(layout: Layout, rank, entry: str, row: tuple) -> tuple[int, str] | None:
     """(size, checksum) of ``entry`` when it is a regular file whose bytes verify as node
     ``row``'s shard on ``rank`` (header: key, generation, span, rank; the layout), else None."""
     try:
@@ -264,14 +282,14 @@ def _shard_of(eng: Engine, rank, entry: str, row: tuple) -> tuple[int, str] | No
     except OSError:
         return None
     ck = shards.checksum(data)
-    return (len(data), ck) if verify_bytes(eng.layout, data, rank.rank, row, ck) is None else None
+    return (len(data), ck) if verify_bytes(layout, data, rank.rank, row, ck) is None else None
 
 
-def _orphans(eng: Engine, rep: RecoveryReport) -> None:
+def _orphans(rc: Recovering, rep: RecoveryReport) -> None:
     known: dict[int, set[str]] = {}
-    for r, name in eng.catalog.file_names():
+    for r, name in rc.catalog.file_names():
         known.setdefault(r, set()).add(name)
-    for rank in eng.tiers.ranks:
+    for rank in rc.tiers.ranks:
         mine = known.get(rank.rank, set())
         removed = False
         for entry in rank.listdir():
@@ -297,21 +315,21 @@ def _orphans(eng: Engine, rep: RecoveryReport) -> None:
             rank.sync_dir()
 
 
-def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
-    ranks = eng.layout.ranks
+def _verify_live(rc: Recovering, rep: RecoveryReport) -> None:
+    ranks = rc.layout.ranks
     per_node: dict[int, list[tuple[int, str, int, str]]] = {}
-    for node, r, name, size, ck in eng.catalog.all_live_files():
+    for node, r, name, size, ck in rc.catalog.all_live_files():
         per_node.setdefault(node, []).append((r, name, size, ck))
     bad, resized = [], []
-    for nid in eng.catalog.ready_node_ids():
+    for nid in rc.catalog.ready_node_ids():
         files = per_node.get(nid, [])
         ok = len(files) == ranks and {f[0] for f in files} == set(range(ranks))
         if ok:
             for r, name, size, ck in files:
-                actual = eng.tiers.ranks[r].size(name)
+                actual = rc.tiers.ranks[r].size(name)
                 if actual == size:
                     continue
-                if actual is not None and _matches(eng.tiers.ranks[r], name, actual, ck):
+                if actual is not None and _matches(rc.tiers.ranks[r], name, actual, ck):
                     resized.append((actual, r, name))  # the row's size is wrong, not the file
                     rep.resized.append(f"rank{r}/{name}: {size!r} -> {actual} (the file matches its checksum)")
                     continue
@@ -320,9 +338,9 @@ def _verify_live(eng: Engine, rep: RecoveryReport) -> None:
         if not ok:
             bad.append(nid)
     if bad or resized:
-        with eng.catalog.txn("recover.invalidate") as c:
-            eng.catalog.mark_nodes_damaged(c, bad)
-            eng.catalog.set_file_sizes(c, resized)
+        with rc.catalog.txn("recover.invalidate") as c:
+            rc.catalog.mark_nodes_damaged(c, bad)
+            rc.catalog.set_file_sizes(c, resized)
         rep.damaged.extend(bad)
 
 

@@ -24,19 +24,25 @@ import torch
 
 from prefixstore.base.errors import InvalidInputError
 from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout
 from prefixstore.base.log import log
 from prefixstore.engine import restore as local_restore
 from prefixstore.engine import store
+from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.config import EngineConfig
-from prefixstore.engine.index import Node
+from prefixstore.engine.counters import Counters
+from prefixstore.engine.index import Index, Node
+from prefixstore.engine.readonly import Mode
 from prefixstore.engine.results import Match, Restored
+from prefixstore.engine.settings import Settings
+from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Staged
 from prefixstore.gpu.remote import Manifest, RemoteCollector, RemoteHit, RemoteTier
 from prefixstore.statemachine.cost import CostModel, choose
 
 if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
+    from prefixstore.engine.audit import AuditReport
 
 SOURCE = "remote"
 """``Match.source`` of a match the remote tier answers."""
@@ -100,18 +106,52 @@ class RemoteLink:
             log.warning("remote_unflushed", remote=tier.url.redacted(), left=tier.stats()["queue_depth"])
 
 
+@attrs.frozen(slots=True, eq=False)
+class Sender:
+    """What offering a published checkpoint to the remote uses (``store.Offers``): the
+    link, the index (the ancestors never sent), the catalog's file rows and the tiers
+    they are read from by the backfill."""
+
+    link: RemoteLink
+    layout: Layout
+    index: Index
+    catalog: Catalog
+    tiers: Tiers
+
+    def prepare(self, t: Any) -> Offer | None:
+        return prepare(self, t)
+
+    def send(self, offer: Offer | None) -> None:
+        send(self, offer)
+
+
+@attrs.frozen(slots=True, eq=False)
+class RemoteReads:
+    """What a lookup and a restore through the remote use: the link, the cost rule
+    (``settings.cost``), the local restore (the part a remote path builds on, or the
+    local hit on a miss) and the local store that keeps a remote checkpoint's copy."""
+
+    link: RemoteLink
+    layout: Layout
+    settings: Settings
+    counters: Counters
+    mode: Mode
+    restoring: local_restore.Restoring
+    storing: store.Storing
+
+
 # -- open / close -------------------------------------------------------------------------------
 
 
-def open_tier(eng: Engine, o: EngineConfig) -> None:
-    """Set ``eng.remotes``'s tier: the tier of ``o.remote`` (None without one), its
-    collector in the engine's registry."""
+def open_tier(link: RemoteLink, layout: Layout, counters: Counters, o: EngineConfig) -> None:
+    """Set ``link``'s tier: the tier of ``o.remote`` (None without one), its collector in
+    the engine's registry."""
     if o.remote is None:
         return
-    tier = RemoteTier.for_layout(o.remote, eng.layout, o.remote_options)
-    eng.counters.registry.register(RemoteCollector(tier.stats))
-    eng.remotes.backfill = Backfill()
-    eng.remotes.tier = tier
+    tier = RemoteTier.for_layout(o.remote, layout, o.remote_options)
+    counters.registry.register(RemoteCollector(tier.stats))
+    link.backfill = Backfill()
+    link.tier = tier
     log.info("remote_opened", remote=tier.url.redacted(), write_behind=tier.config.write_behind)
 
 
@@ -129,61 +169,61 @@ class Offer:
     ancestors: list[tuple[Node, dict]]
 
 
-def prepare(eng: Engine, t: Any) -> Offer | None:
+def prepare(sd: Sender, t: Any) -> Offer | None:
     """After a store's publish (``store.InFlight`` ``t``), lock held: what ``send``
     puts, each rank's shard bytes with the catalog's checksums. None when there is no
     remote, for a local copy of a remote checkpoint (not sent back), or on an error
     (logged: the local store stands whatever the remote does)."""
-    tier = eng.remotes.tier
-    if tier is None or getattr(eng.remotes.local, "from_remote", False):
+    tier = sd.link.tier
+    if tier is None or getattr(sd.link.local, "from_remote", False):
         return None
     try:
         blobs = [bytes(d.buffer.mv()[: d.size]) if isinstance(d, Staged) else bytes(d) for d in t.datas]
         sums = [d.checksum() if isinstance(d, Staged) else shards.checksum(b)
                 for d, b in zip(t.datas, blobs, strict=True)]
         m = tier.manifest_for(t.key, blobs, start=t.plan.start, end=t.end, generation=t.gen,
-                              snapshot=eng.layout.has_snapshot, checksums=sums)
-        eng.remotes.backfill.sent.add((t.key, t.gen))
-        unsent = unsent_ancestors(eng, t.plan.parent)
-        rows = local_restore.file_rows(eng, unsent) if unsent else {}
+                              snapshot=sd.layout.has_snapshot, checksums=sums)
+        sd.link.backfill.sent.add((t.key, t.gen))
+        unsent = unsent_ancestors(sd, t.plan.parent)
+        rows = local_restore.file_rows(sd.catalog, unsent) if unsent else {}
         return Offer(t.key, m, blobs, [(x, rows[x.id]) for x in unsent])
     except Exception as exc:
         log.warning("remote_offer_failed", key=t.key.hex()[:12], reason=f"{type(exc).__name__}: {exc}")
         return None
 
 
-def send(eng: Engine, offer: Offer | None) -> None:
+def send(sd: Sender, offer: Offer | None) -> None:
     """Put a prepared checkpoint, outside the engine lock: a write-through put waits on
     the network (within its ``write_timeout``) while other calls go on; write-behind
     only queues it. The ancestors go through the backfill thread. Never raises."""
-    tier = eng.remotes.tier
+    tier = sd.link.tier
     if offer is None or tier is None:
         return
     try:
         tier.put(offer.key, offer.manifest, offer.blobs)
         if offer.ancestors:
-            eng.remotes.backfill.submit(send_nodes, eng, tier, offer.ancestors)
+            sd.link.backfill.submit(send_nodes, sd, tier, offer.ancestors)
     except Exception as exc:
         log.warning("remote_offer_failed", key=offer.key.hex()[:12], reason=f"{type(exc).__name__}: {exc}")
 
 
-def unsent_ancestors(eng: Engine, parent: Node | None) -> list[Node]:
+def unsent_ancestors(sd: Sender, parent: Node | None) -> list[Node]:
     """The ready nodes of ``parent``'s path not sent to the remote (marked sent now). Lock held."""
     if parent is None:
         return []
-    sent = eng.remotes.backfill.sent
-    out = [x for x in eng.index.path(parent) if x.ready and (x.key, x.generation) not in sent]
+    sent = sd.link.backfill.sent
+    out = [x for x in sd.index.path(parent) if x.ready and (x.key, x.generation) not in sent]
     sent.update((x.key, x.generation) for x in out)
     return out
 
 
-def send_nodes(eng: Engine, tier: RemoteTier, nodes: list[tuple[Node, dict]]) -> None:
+def send_nodes(sd: Sender, tier: RemoteTier, nodes: list[tuple[Node, dict]]) -> None:
     """In the backfill thread: read and verify each node's shards from the local tiers
     and put them (a node evicted or replaced meanwhile fails its check: not sent)."""
     for x, rows in nodes:
-        if set(rows) != set(range(eng.layout.ranks)):
+        if set(rows) != set(range(sd.layout.ranks)):
             continue
-        got = [verify.read(eng.tiers.ranks[r], *rows[r]) for r in range(eng.layout.ranks)]
+        got = [verify.read(sd.tiers.ranks[r], *rows[r]) for r in range(sd.layout.ranks)]
         if not all(isinstance(g, verify.Shard) for g in got):
             continue
         blobs = [g.data for g in got]
@@ -198,31 +238,31 @@ def send_nodes(eng: Engine, tier: RemoteTier, nodes: list[tuple[Node, dict]]) ->
 # -- lookup -------------------------------------------------------------------------------------
 
 
-def extend(eng: Engine, prefix: Prefix, local: Match, gpu_blocks: int, total_tokens: int | None) -> Match:
+def extend(rr: RemoteReads, prefix: Prefix, local: Match, gpu_blocks: int, total_tokens: int | None) -> Match:
     """``local`` (the local tiers' answer), or a remote Match when the remote holds a
     deeper checkpoint of ``prefix`` beyond the GPU-resident blocks that the cost rule
     finds worth fetching. One round trip, within the tier's lookup budget."""
-    tier = eng.remotes.tier
+    tier = rr.link.tier
     n = len(prefix)
     held = local.blocks if local.outcome in ("hit", "gpu_resident") else gpu_blocks
     if tier is None or held >= n:
         return local
     reach = local.blocks if local.hit else gpu_blocks  # a remote path may build on these
-    hit = tier.deepest(prefix.keys, have=gpu_blocks, reach=reach, need_snapshot=eng.layout.has_snapshot)
+    hit = tier.deepest(prefix.keys, have=gpu_blocks, reach=reach, need_snapshot=rr.layout.has_snapshot)
     if hit is None:
         return local
     if hit.blocks <= held:
         tier.touch(hit.path)  # in use here: keep its blobs as fresh as its manifests in Redis
         return local
     tier.touch(hit.below)  # the remote's copy of the local part, read but not fetched
-    bt = eng.layout.block_tokens
+    bt = rr.layout.block_tokens
     nbytes = sum(m.nbytes for m in hit.path) + (local.nbytes if local_part(local, hit, gpu_blocks) else 0)
     total = total_tokens if total_tokens is not None else n * bt
-    model = cost_model(eng, tier)
+    model = cost_model(rr.settings.cost, tier)
     decision = choose(model, [(hit.blocks * bt, nbytes, 1)], gpu_blocks * bt, total)
     est = decision.deciding
     if decision.chosen is None:
-        eng.counters.inc("remote", "rejected_cost")
+        rr.counters.inc("remote", "rejected_cost")
         return local
     return attrs.evolve(
         local, outcome="hit", blocks=hit.blocks, node_id=None, path=(), node_key=hit.manifest.prefix_key,
@@ -248,20 +288,20 @@ def local_reads(match: Match) -> Match | None:
     return ref.local if local_part(ref.local, ref.hit, match.gpu_blocks) else None
 
 
-def cost_model(eng: Engine, tier: RemoteTier) -> CostModel | None:
+def cost_model(cost: CostModel | None, tier: RemoteTier) -> CostModel | None:
     """The engine's cost model with the remote's calibration: its bandwidth measured as
     verified bytes over fetch seconds, its per-restore overhead the mean lookup seconds
     (the model's own values until the tier has measured any). None: no cost rule."""
-    if eng.cost is None:
+    if cost is None:
         return None
     s = tier.stats()
     bandwidth = s["bytes_in"] / s["fetch_seconds"] if s["bytes_in"] and s["fetch_seconds"] > 0 else None
     answered = s["lookups"] - s["skipped"]
     latency = s["lookup_seconds"] / answered if answered > 0 and s["lookup_seconds"] > 0 else None
     return attrs.evolve(
-        eng.cost,
-        bandwidth_bytes_per_s=bandwidth or eng.cost.bandwidth_bytes_per_s,
-        restore_overhead_s=latency if latency is not None else eng.cost.restore_overhead_s,
+        cost,
+        bandwidth_bytes_per_s=bandwidth or cost.bandwidth_bytes_per_s,
+        restore_overhead_s=latency if latency is not None else cost.restore_overhead_s,
         restore_s_per_node=0.0,  # the whole path is one round trip
     )
 
@@ -269,39 +309,38 @@ def cost_model(eng: Engine, tier: RemoteTier) -> CostModel | None:
 # -- restore ------------------------------------------------------------------------------------
 
 
-def restore(eng: Engine, match: Match) -> Restored | None:
+def restore(rr: RemoteReads, match: Match) -> Restored | None:
     """Fetch and verify every rank's blob of ``match``'s remote path; the tensors. A path
     that starts past the GPU-resident blocks builds on the local tiers' hit: those first
     blocks are restored locally (a miss if that fails meanwhile). On a remote miss (the
     server is down or slow, a blob is absent or does not verify) the local tiers'
     shallower hit is restored instead (its ``Restored.match`` says so), else None.
     A verified remote restore is also stored locally when the policy admits it."""
-    tier, ref = eng.remotes.tier, match.remote
+    tier, ref, L = rr.link.tier, match.remote, rr.layout
     got = tier.fetch_path(ref.hit.path) if tier is not None else []
-    decoded = decode_path(eng, tier, ref.hit.path, got) if len(got) == len(ref.hit.path) else None
+    decoded = decode_path(L, tier, ref.hit.path, got) if len(got) == len(ref.hit.path) else None
     if decoded is None:
-        eng.counters.inc("remote", "missed")
-        return local_restore.restore(eng, ref.local) if ref.local.hit else None
-    segments, snaps = assemble(eng, ref.hit.path, decoded, match.gpu_blocks)
+        rr.counters.inc("remote", "missed")
+        return local_restore.restore(rr.restoring, ref.local) if ref.local.hit else None
+    segments, snaps = assemble(L, ref.hit.path, decoded, match.gpu_blocks)
     if ref.hit.path[0].start > match.gpu_blocks:  # the path builds on the local hit
-        below = local_restore.restore(eng, ref.local) if local_reads(match) is not None else None
+        below = local_restore.restore(rr.restoring, ref.local) if local_reads(match) is not None else None
         if below is None:
-            eng.counters.inc("remote", "missed")
+            rr.counters.inc("remote", "missed")
             return None
-        segments = join_below(eng, below, ref.hit.path[0].start - match.gpu_blocks, segments)
-        eng.counters.inc("remote", "joined_local")
-    eng.counters.inc("remote", "restored")
-    keep_local(eng, ref.prefix, segments, snaps, match.gpu_tokens)
+        segments = join_below(L, below, ref.hit.path[0].start - match.gpu_blocks, segments)
+        rr.counters.inc("remote", "joined_local")
+    rr.counters.inc("remote", "restored")
+    keep_local(rr, ref.prefix, segments, snaps, match.gpu_tokens)
     return Restored(match, segments, snaps, match.gpu_tokens, match.tokens,
                     sum(len(m.blobs) for m in ref.hit.path))
 
 
-def decode_path(eng: Engine, tier: RemoteTier, path: tuple[Manifest, ...],
+def decode_path(L: Layout, tier: RemoteTier, path: tuple[Manifest, ...],
                 blobs: list[list[bytes]]) -> list[list[verify.Shard]] | None:
     """Each manifest's per-rank shards, checked by ``verify.check`` (size, checksum and
     the header naming this checkpoint, span and rank); None if any fails (a verify
     failure of the tier, counted)."""
-    L = eng.layout
     out: list[list[verify.Shard]] = []
     for m, datas in zip(path, blobs, strict=True):
         meta = shards.meta(m.prefix_key, m.generation, m.start, m.end, m.snapshot)
@@ -317,10 +356,9 @@ def decode_path(eng: Engine, tier: RemoteTier, path: tuple[Manifest, ...],
     return out
 
 
-def assemble(eng: Engine, path: tuple[Manifest, ...], decoded: list[list[verify.Shard]], gpu_blocks: int):
+def assemble(L: Layout, path: tuple[Manifest, ...], decoded: list[list[verify.Shard]], gpu_blocks: int):
     """Per rank: the segment rows from ``gpu_blocks`` to the path's end (copies, one
     tensor per name), and the last checkpoint's snapshot."""
-    L = eng.layout
     segments, snaps = [], []
     for r in range(L.ranks):
         parts: dict[str, list[torch.Tensor]] = {}
@@ -333,45 +371,45 @@ def assemble(eng: Engine, path: tuple[Manifest, ...], decoded: list[list[verify.
     return segments, snaps
 
 
-def join_below(eng: Engine, below: Restored, blocks: int, segments: list) -> list:
+def join_below(L: Layout, below: Restored, blocks: int, segments: list) -> list:
     """Per rank: the first ``blocks`` blocks of the locally restored ``below`` followed
     by the remote ``segments``."""
-    rows = blocks * eng.layout.block_tokens
+    rows = blocks * L.block_tokens
     return [{name: torch.cat([below.segments[r][name][:rows], t]) for name, t in seg.items()}
             for r, seg in enumerate(segments)]
 
 
-def keep_local(eng: Engine, prefix: Prefix, segments: list, snaps: list, tokens_from: int) -> None:
+def keep_local(rr: RemoteReads, prefix: Prefix, segments: list, snaps: list, tokens_from: int) -> None:
     """Store a restored remote checkpoint locally through the normal store path (its
     admission, space and policy decide); not sent back to the remote."""
-    if eng.read_only is not None:
+    if rr.mode.read_only is not None:
         return
-    eng.remotes.local.from_remote = True
+    rr.link.local.from_remote = True
     try:
-        res = store.store(eng, prefix, segments, snaps if eng.layout.has_snapshot else None, tokens_from)
+        res = store.store(rr.storing, prefix, segments, snaps if rr.layout.has_snapshot else None, tokens_from)
         if res.ok:
-            eng.counters.inc("remote", "kept_local")
+            rr.counters.inc("remote", "kept_local")
     except InvalidInputError:  # the local plan needs rows below the GPU-resident part
         pass
     finally:
-        eng.remotes.local.from_remote = False
+        rr.link.local.from_remote = False
 
 
 # -- stats / audit ------------------------------------------------------------------------------
 
 
-def stats(eng: Engine) -> dict[str, Any] | None:
+def stats(link: RemoteLink) -> dict[str, Any] | None:
     """The remote's counters and gauges with its redacted URL; None without one."""
-    tier = eng.remotes.tier
+    tier = link.tier
     if tier is None:
         return None
     return {"url": tier.url.redacted(), **tier.stats()}
 
 
-def note(eng: Engine, report: Any) -> None:
+def note(link: RemoteLink, report: AuditReport) -> None:
     """The remote's state as an audit note (never a violation: the local invariants do
     not depend on it)."""
-    s = stats(eng)
+    s = stats(link)
     if s is None:
         return
     report.notes.append(

@@ -11,9 +11,9 @@ Steps (each idempotent; a crash anywhere is repaired by running it again):
    unknown rank are forgotten (never unlinked: their names are not trusted); a live
    file of a missing node, or not its node's current generation, becomes garbage
    (its node, if any, damaged). A row naming a node's current shard is left to
-   recovery, which re-attaches it to that node. A catalog that says
-   ``backing=memory`` while shards it names are on disk with their recorded
-   checksums records ``backing=disk`` (its rows would otherwise be dropped as volatile).
+   recovery, which re-attaches it to that node. A catalog that names a volatile
+   backing while shards it names are on disk with their recorded checksums records
+   the default durable backing (its rows would otherwise be dropped as volatile).
 2. Engine.open, with the layout and capacity the catalog records: recovery rolls
    unfinished transactions back or forward, reclaims garbage, removes orphan shards,
    moves foreign files to ``lost+found/`` and marks nodes with missing or short
@@ -63,6 +63,11 @@ from prefixstore.engine.audit import (
 from prefixstore.engine.cachedirs import check_own_dirs, missing_rank_dirs
 from prefixstore.engine.catalog import Catalog, catalog_path
 from prefixstore.engine.driver import Journal
+from prefixstore.engine.guard import CallGuard
+from prefixstore.engine.health import Health
+from prefixstore.engine.index import Index
+from prefixstore.engine.restore import Reader
+from prefixstore.gpu import tiers
 from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 from prefixstore.statemachine.transactions import MACHINES
@@ -84,6 +89,8 @@ class CatalogFix:
     drop_journal: list[int] = attrs.field(factory=list)
     backing: str | None = None
     """The backing to record (the recorded one contradicts the files), or None."""
+    backing_was: str | None = None
+    """The volatile backing the catalog named instead."""
 
     @property
     def empty(self) -> bool:
@@ -135,7 +142,7 @@ class RepairReport:
         for tid in c.drop_journal:
             out.append(f"dropped unreadable journal row {tid} (its 'writing' files became garbage)")
         if c.backing is not None:
-            out.append(f"recorded backing={c.backing} (the catalog said memory, but its shards are on disk)")
+            out.append(f"recorded backing={c.backing} (the catalog said {c.backing_was}, but its shards are on disk)")
         rec = self.recovery
         if rec is not None:
             for f in rec.reattached:
@@ -289,7 +296,8 @@ def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None)
                 cat.release_txn_files(c, tid)
                 Journal().delete(c, tid)
             if fix.backing is not None:
-                cat.set_meta(c, "backing", fix.backing)
+                cat.set_meta(c, tiers.META_KEY, fix.backing)
+                cat.set_meta(c, tiers.VOLATILE_KEY, "0")
     finally:
         cat.close()
 
@@ -337,7 +345,8 @@ def repair(
     eng = Engine.open(root, layout, recorded if capacity is None else capacity, **opts)
     try:
         rep.recovery = eng.recovery_report
-        _invalidate_bad_shards(eng, rep)
+        f = eng.flows
+        _invalidate_bad_shards(eng.guard, eng.index, eng.catalog, f.reader, f.health, rep)
         rep.reclaimed = eng.reclaim()
         with eng.guard.lock:
             over = eng.account.charged - eng.account.capacity
@@ -345,7 +354,7 @@ def repair(
             rep.evicted = eng.evict(over)
         final = eng.audit()
     except SimulatedCrash:
-        lifecycle.abandon(eng)  # model process death: nothing more is committed
+        lifecycle.abandon(eng.life)  # model process death: nothing more is committed
         raise
     finally:
         eng.close()
@@ -378,7 +387,7 @@ def _fix_catalog(root: str, rep: RepairReport, rank_dirs: Sequence[str] | None,
     the layout and capacity the catalog records."""
     rows = read_catalog(root, live=False)
     layout, capacity = _recorded(rows, root)
-    volatile = rows.meta.get("backing") == "memory"  # its rows describe RAM, not the directories
+    volatile = tiers.recorded_volatile(rows.meta)  # its rows describe RAM, not the directories
     check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)  # before any byte is written
     held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
     try:
@@ -390,8 +399,8 @@ def _fix_catalog(root: str, rep: RepairReport, rank_dirs: Sequence[str] | None,
             rows = read_catalog(root, live=False)
         dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
         rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks, _entries(dirs))
-        if rows.meta.get("backing") == "memory" and durable_shards(dirs, rows.files):
-            rep.catalog.backing = "disk"
+        if tiers.recorded_volatile(rows.meta) and durable_shards(dirs, rows.files):
+            rep.catalog.backing, rep.catalog.backing_was = tiers.DEFAULT, tiers.recorded(rows.meta)
         if not rep.catalog.empty:
             apply_catalog_fix(root, rep.catalog, hook)
     finally:
@@ -471,11 +480,13 @@ def _entries(dirs: Sequence[str]) -> frozenset[tuple[int, str]]:
     return frozenset(out)
 
 
-def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
-    with eng.guard.lock:
-        nodes = [n for n in eng.index if n.ready]
+def _invalidate_bad_shards(guard: CallGuard, index: Index, catalog: Catalog, rd: Reader, h: Health,
+                           rep: RepairReport) -> None:
+    """Step 3: read and verify every ready node's shards; invalidate a node that fails."""
+    with guard.lock:
+        nodes = [n for n in index if n.ready]
         files: dict[int, list[tuple[int, str, str]]] = {}
-        for nid, r, name, _size, ck in eng.catalog.all_live_files():
+        for nid, r, name, _size, ck in catalog.all_live_files():
             files.setdefault(nid, []).append((r, name, ck))
     for node in sorted(nodes, key=lambda n: n.id):
         row = (node.id, node.key, node.parent, node.start, node.end, node.digests, node.has_snapshot,
@@ -483,7 +494,7 @@ def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
         why = None
         for r, name, ck in sorted(files.get(node.id, [])):
             try:
-                data = eng.tiers.ranks[r].read_shard(name)
+                data = rd.tiers.ranks[r].read_shard(name)
             except FileNotFoundError:
                 why = f"rank {r}: shard missing"
             except NotRegularFileError as exc:
@@ -492,12 +503,12 @@ def _invalidate_bad_shards(eng, rep: RepairReport) -> None:
                 rep.unreadable.append(f"node {node.id} rank {r} ({name}): {exc}")
                 break
             else:
-                why = verify_bytes(eng.layout, data, r, row, ck)
+                why = verify_bytes(rd.layout, data, r, row, ck)
                 if why is not None:
                     why = f"rank {r}: {why}"
             if why is not None:
                 break
         if why is not None:
-            with eng.guard.lock:
-                health.invalidate(eng, node, why)
+            with guard.lock:
+                health.invalidate(h, node, why)
             rep.invalidated.append((node.id, why))

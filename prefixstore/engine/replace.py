@@ -39,11 +39,22 @@ import torch
 
 from prefixstore.base.errors import SimulatedCrash
 from prefixstore.base.keys import DIGEST_SIZE, ROOT
+from prefixstore.base.layout import Layout
 from prefixstore.base.log import log
-from prefixstore.engine import health, journal, pipeline, restore, store
-from prefixstore.engine import space as engine_space
+from prefixstore.engine import abort, health, journal, restore, staging
+from prefixstore.engine.abort import Abort
+from prefixstore.engine.account import Account
+from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.counters import Counters
 from prefixstore.engine.driver import Txn
-from prefixstore.engine.index import Node
+from prefixstore.engine.guard import CallGuard
+from prefixstore.engine.health import Health
+from prefixstore.engine.holds import Holds
+from prefixstore.engine.index import Index, Node
+from prefixstore.engine.journal import Ledger
+from prefixstore.engine.recency import Recency
+from prefixstore.engine.restore import Reader
+from prefixstore.engine.staging import Writer
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine.rows import NODE
@@ -51,9 +62,32 @@ from prefixstore.statemachine.rows import NODE
 if TYPE_CHECKING:
     from collections import Counter
 
-    from prefixstore.engine.api import Engine
-
 KIND = "compact"
+MakeRoom = Callable[[int, set[int]], bool]
+"""``make_room(needed, protect)``: evict by policy to fit ``needed`` more bytes
+(``space.make_space``); False when they cannot fit."""
+
+
+@attrs.frozen(slots=True, eq=False)
+class Replacing:
+    """What a compact-replace uses: the lock and the holds it fences the old rows
+    with, the catalog and ledger it journals in, the index and recency it swaps, the
+    space account it charges, the shards it reads (``restore.Reader``) and writes
+    (``staging.Writer``), health for a damaged old row."""
+
+    guard: CallGuard
+    layout: Layout
+    catalog: Catalog
+    ledger: Ledger
+    index: Index
+    holds: Holds
+    recency: Recency
+    account: Account
+    counters: Counters
+    health: Health
+    reader: Reader
+    writer: Writer
+    abort: Abort
 RankPart = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # (segments, snapshot)
 Assemble = Callable[[dict[int, list[RankPart]]], list[list[RankPart]]]
 
@@ -144,7 +178,7 @@ class Outcome:
 # ------------------------------------------------------------------ uses
 
 
-def retire_snapshot(eng: Engine, node: Node) -> bool:
+def retire_snapshot(rp: Replacing, node: Node) -> bool:
     """Rewrite ``node`` without its snapshot (eviction of a compactable ancestor).
 
     Runs under the engine lock, I/O included (eviction runs inside a store's space
@@ -153,7 +187,7 @@ def retire_snapshot(eng: Engine, node: Node) -> bool:
     row = NewRow(node.key, node.start, node.end, node.digests, False, node.last_used, node.snap_used)
     job = Job("retire_snapshot", [node], [row], {node.id: False},
               lambda got: [[(segs, {}) for segs, _ in got[node.id]]])
-    out = run(eng, job, locked=True, space="capacity")
+    out = run(rp, job, locked=True, space="capacity")
     if out.ok:
         log.debug("snapshot_retired", node=node.id)
     return out.ok
@@ -173,11 +207,12 @@ def concat_parts(parts: list[list[RankPart]], ranks: int) -> list[dict[str, torc
 
 
 def run(
-    eng: Engine,
+    rp: Replacing,
     job: Job,
     *,
     locked: bool = False,
     space: str = "watermark",
+    make_room: MakeRoom | None = None,
     protect: frozenset[int] = frozenset(),
     pin_wait_s: float = 2.0,
     held: frozenset[int] = frozenset(),
@@ -187,7 +222,7 @@ def run(
 
     ``locked``: the caller holds the engine lock and everything runs under it (eviction);
     otherwise the caller must not hold it, and reads and writes run outside it.
-    ``space``: 'make' (evict by policy to fit, as a store does), 'capacity' (fit under
+    ``space``: 'make' (evict by policy to fit, as a store does: ``make_room``), 'capacity' (fit under
     capacity), 'watermark' (fit under the high watermark: background work never
     causes eviction). A row pinned at the swap is waited for up to ``pin_wait_s``.
     ``wait_pinned`` (a store's split or refill, on the request's thread): a row a
@@ -197,28 +232,28 @@ def run(
     ``held``: old rows the caller fences itself (one fence each: an async store
     refilling them), not counted as another transaction's.
     """
-    assert locked or not eng.guard.lock._is_owned(), "run(locked=False) needs the engine lock released"
+    assert locked or not rp.guard.held(), "run(locked=False) needs the engine lock released"
     # a store's job (wait_pinned) is refused only by pin()'s pins, not a restore's
-    with eng.guard.lock:
-        prepared = _prepare(eng, job, eng.holds.request_pins if wait_pinned else eng.holds.pins, held)
+    with rp.guard.lock:
+        prepared = _prepare(rp, job, rp.holds.request_pins if wait_pinned else rp.holds.pins, held)
     if isinstance(prepared, Outcome):
         return prepared
     rows, attempt = prepared
     try:
-        return _write_and_swap(eng, job, rows, attempt, locked=locked, space=space, protect=protect,
-                               pin_wait_s=pin_wait_s, held=held, wait_pinned=wait_pinned)
+        return _write_and_swap(rp, job, rows, attempt, locked=locked, room=_room(rp, space, make_room),
+                               protect=protect, pin_wait_s=pin_wait_s, held=held, wait_pinned=wait_pinned)
     except BaseException as exc:
         if attempt.txn is not None:
             # End the transaction as recovery would (a simulated crash is left to it):
             # forward once the swap committed (its old files must not stay charged to
             # it), back before.
-            pipeline.fail_txn(eng, attempt.txn, exc)
+            abort.fail_txn(rp.abort, attempt.txn, exc)
         if not attempt.published and not isinstance(exc, SimulatedCrash):
-            eng.counters.inc("replaces", f"{job.use}_aborted")
+            rp.counters.inc("replaces", f"{job.use}_aborted")
         raise
     finally:
-        with eng.guard.lock:
-            _unfence(eng, job, attempt.fenced, attempt.fenced)
+        with rp.guard.lock:
+            _unfence(rp, job, attempt.fenced, attempt.fenced)
 
 
 @attrs.define(eq=False)
@@ -232,96 +267,96 @@ class _Attempt:
 
 
 def _prepare(
-    eng: Engine, job: Job, pins: Counter[int], held: frozenset[int]
+    rp: Replacing, job: Job, pins: Counter[int], held: frozenset[int]
 ) -> tuple[dict[int, dict[int, tuple[str, int, str]]], _Attempt] | Outcome:
     """Check the old rows, read their live file rows, name the new rows' shards and
     fence the old rows; an Outcome when the job is skipped. Lock held."""
-    why = _check(eng, job, fences=0, pins=pins, held=held)
+    why = _check(rp, job, fences=0, pins=pins, held=held)
     if why:
-        return _abort(eng, job, why, "skipped")
-    rows = {nid: eng.catalog.live_file_rows(nid) for nid in job.reads}
-    parent = eng.index.get(job.parent) if job.parent is not None else None
+        return _abort(rp, job, why, "skipped")
+    rows = {nid: rp.catalog.live_file_rows(nid) for nid in job.reads}
+    parent = rp.index.get(job.parent) if job.parent is not None else None
     job.parent_key = parent.key if parent is not None else ROOT
     for r in job.new:
-        r.gen = next_generation(eng, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
+        r.gen = next_generation(rp.catalog, rp.layout.ranks, r.key, job.gens.get(r.keep, 0) if r.keep is not None else 0)
         r.name = shard_name(r.key, r.gen)
-    eng.holds.fence([n.id for n in job.old])
+    rp.holds.fence([n.id for n in job.old])
     return rows, _Attempt(set(job.old_ids))
 
 
 def _write_and_swap(
-    eng: Engine, job: Job, rows, attempt: _Attempt, *, locked: bool, space: str, protect: frozenset[int],
+    rp: Replacing, job: Job, rows, attempt: _Attempt, *, locked: bool, room: MakeRoom, protect: frozenset[int],
     pin_wait_s: float, held: frozenset[int], wait_pinned: bool,
 ) -> Outcome:
     """Read and encode the new rows, journal the intent, write every rank, then swap."""
-    got = _read(eng, job, rows)
+    got = _read(rp, job, rows)
     if isinstance(got, Outcome):
         return got
-    _encode(eng, job, job.assemble(got))
+    _encode(rp, job, job.assemble(got))
     needed = sum(len(b) for r in job.new for b in r.blobs)
-    with eng.guard.lock:
-        if not _room(eng, needed, space, protect | job.old_ids):
-            return _abort(eng, job, "no_space", "refused")
-        attempt.txn = txn = _intent(eng, job)
-        eng.account.charged += needed
+    with rp.guard.lock:
+        if not room(needed, protect | job.old_ids):
+            return _abort(rp, job, "no_space", "refused")
+        attempt.txn = txn = _intent(rp, job)
+        rp.account.charged += needed
     for r in job.new:
-        errors = store.write_all(eng, r.name, r.blobs)
+        errors = staging.write_all(rp.writer, r.name, r.blobs)
         if errors:
-            with eng.guard.lock:
-                journal.rollback(eng, txn, "failed")
+            with rp.guard.lock:
+                journal.rollback(rp.ledger, txn, "failed")
             msg = "; ".join(f"rank {rk}: {e}" for rk, e in errors)
-            return _abort(eng, job, msg, "failed")
+            return _abort(rp, job, msg, "failed")
     deadline = time.monotonic() + (0 if locked else pin_wait_s)
     while True:
-        with eng.guard.lock:
+        with rp.guard.lock:
             # a store does not wait for a row pin() holds (a request using it)
-            why = _check(eng, job, fences=1, pins=eng.holds.request_pins if wait_pinned else None, held=held)
-            pinned = any(eng.holds.pins[n.id] for n in job.old)
+            why = _check(rp, job, fences=1, pins=rp.holds.request_pins if wait_pinned else None, held=held)
+            pinned = any(rp.holds.pins[n.id] for n in job.old)
             if why or (pinned and time.monotonic() >= deadline):
-                journal.rollback(eng, txn, "stale")
-                return _abort(eng, job, why or "pinned", "skipped")
+                journal.rollback(rp.ledger, txn, "stale")
+                return _abort(rp, job, why or "pinned", "skipped")
             if not pinned:
-                return _publish(eng, job, attempt, needed)
+                return _publish(rp, job, attempt, needed)
         time.sleep(0.002)
 
 
-def _publish(eng: Engine, job: Job, attempt: _Attempt, needed: int) -> Outcome:
+def _publish(rp: Replacing, job: Job, attempt: _Attempt, needed: int) -> Outcome:
     """Swap the rows, release the fences and retire the old files. Lock held."""
-    outs = _swap(eng, job, attempt.txn)
+    outs = _swap(rp, job, attempt.txn)
     attempt.published = True
     # a deleted row's fence goes with its index entry; the kept rows'
     # fences end with the transaction, in this same lock section
-    _unfence(eng, job, attempt.fenced, {n.id for n in job.dropped})
-    journal.run(eng, attempt.txn, outs)
-    _unfence(eng, job, attempt.fenced, attempt.fenced)
-    eng.counters.inc("replaces", job.use)
+    _unfence(rp, job, attempt.fenced, {n.id for n in job.dropped})
+    journal.run(rp.ledger, attempt.txn, outs)
+    _unfence(rp, job, attempt.fenced, attempt.fenced)
+    rp.counters.inc("replaces", job.use)
     if job.state == "damaged":
-        eng.counters.inc("refills")
+        rp.counters.inc("refills")
     return Outcome(True, None, needed)
 
 
-def _unfence(eng: Engine, job: Job, fenced: set[int], ids: set[int]) -> None:
+def _unfence(rp: Replacing, job: Job, fenced: set[int], ids: set[int]) -> None:
     """Release this run's fence on each of ``ids`` still in ``fenced`` (once each);
     offer the old rows still indexed to the heap. Caller holds the lock."""
     ids = ids & fenced
     if not ids:
         return
     fenced.difference_update(ids)
-    eng.holds.unfence(ids)
+    rp.holds.unfence(ids)
     for n in job.old:
-        if n.id in ids and eng.index.get(n.id) is n:
-            eng.recency.heap.offer(n)
-    eng.guard.settled.notify_all()  # stores waiting for these rows re-plan
+        if n.id in ids and rp.index.get(n.id) is n:
+            rp.recency.heap.offer(n)
+    rp.guard.settled.notify_all()  # stores waiting for these rows re-plan
 
 
-def _abort(eng: Engine, job: Job, why: str, status: str) -> Outcome:
-    eng.counters.inc("replaces", f"{job.use}_aborted")
+def _abort(rp: Replacing, job: Job, why: str, status: str) -> Outcome:
+    rp.counters.inc("replaces", f"{job.use}_aborted")
     log.info("compact_aborted", use=job.use, old=[n.id for n in job.old], why=why)
     return Outcome(False, why, 0, status)
 
 
 def _check(
-    eng: Engine, job: Job, fences: int, pins: Counter[int] | None, held: frozenset[int] = frozenset()
+    rp: Replacing, job: Job, fences: int, pins: Counter[int] | None, held: frozenset[int] = frozenset()
 ) -> str | None:
     """Why the old rows cannot be replaced now (None: they can): ``pins`` is the pin
     count that refuses them (None: none does), ``fences`` the run's own count, plus
@@ -329,11 +364,11 @@ def _check(
     that deletes the row (its key disappears). Caller holds the lock."""
     dropped = {n.id for n in job.dropped}
     for n in job.old:
-        if eng.index.get(n.id) is not n:
+        if rp.index.get(n.id) is not n:
             return "stale"
         if pins is not None and pins[n.id]:
             return "pinned"
-        in_flight = eng.holds.fences[n.id] - (0 if n.id in dropped else eng.holds.reserved[n.id])
+        in_flight = rp.holds.fences[n.id] - (0 if n.id in dropped else rp.holds.reserved[n.id])
         if in_flight != fences + (n.id in held):
             return "fenced"
         if n.state != job.state:
@@ -349,56 +384,60 @@ def _check(
     return None
 
 
-def next_generation(eng: Engine, key: bytes, floor: int) -> int:
-    """A generation above ``floor`` and above every file row of ``key`` (even garbage:
-    a failed cleanup leaves its name taken until reclaimed)."""
-    return max(floor, eng.catalog.max_generation(key.hex(), eng.layout.ranks)) + 1
+def next_generation(catalog: Catalog, ranks: int, key: bytes, floor: int) -> int:
+    """A generation above ``floor`` and above every file row of ``key`` on any of
+    ``ranks`` (even garbage: a failed cleanup leaves its name taken until reclaimed)."""
+    return max(floor, catalog.max_generation(key.hex(), ranks)) + 1
 
 
 
 
-def _read(eng: Engine, job: Job, rows) -> dict[int, list[RankPart]] | Outcome:
+def _read(rp: Replacing, job: Job, rows) -> dict[int, list[RankPart]] | Outcome:
     """Verified tensors of the old rows in ``job.reads``; an Outcome when one fails."""
     got: dict[int, list[RankPart]] = {}
     for n in job.old:
         if n.id not in job.reads:
             continue
-        res = restore.read_node(eng, n, rows[n.id], job.reads[n.id])
+        res = restore.read_node(rp.reader, n, rows[n.id], job.reads[n.id])
         if isinstance(res, str):
-            with eng.guard.lock:
-                health.invalidate(eng, n, res)
-            return _abort(eng, job, f"damaged: {res}", "skipped")
+            with rp.guard.lock:
+                health.invalidate(rp.health, n, res)
+            return _abort(rp, job, f"damaged: {res}", "skipped")
         if res is None:
-            return _abort(eng, job, "read_error", "failed")
+            return _abort(rp, job, "read_error", "failed")
         got[n.id] = res
     return got
 
 
-def _encode(eng: Engine, job: Job, data: list[list[RankPart]]) -> None:
+def _encode(rp: Replacing, job: Job, data: list[list[RankPart]]) -> None:
     assert len(data) == len(job.new)
     pkey = job.parent_key
     for r, parts in zip(job.new, data, strict=True):
-        assert len(parts) == eng.layout.ranks
+        assert len(parts) == rp.layout.ranks
         meta = {**shards.meta(r.key, r.gen, r.start, r.end, r.has_snapshot),
-                **shards.provenance(eng.layout, pkey, r.digests)}
+                **shards.provenance(rp.layout, pkey, r.digests)}
         pkey = r.key
         r.blobs = []
         for rank, (segs, snap) in enumerate(parts):
-            assert bool(snap) == (r.has_snapshot and eng.layout.has_snapshot), "snapshot mismatch"
-            eng.layout.check_segments(rank, segs, (r.end - r.start) * eng.layout.block_tokens)
+            assert bool(snap) == (r.has_snapshot and rp.layout.has_snapshot), "snapshot mismatch"
+            rp.layout.check_segments(rank, segs, (r.end - r.start) * rp.layout.block_tokens)
             if snap:
-                eng.layout.check_snapshot(rank, snap)
+                rp.layout.check_snapshot(rank, snap)
             r.blobs.append(shards.encode(segs, snap, {**meta, "rank": str(rank)}))
 
 
-def _room(eng: Engine, needed: int, space: str, protect: set[int]) -> bool:
+def _room(rp: Replacing, space: str, make_room: MakeRoom | None) -> MakeRoom:
+    """How the run fits its new rows (see ``run``'s ``space``)."""
     if space == "make":
-        return engine_space.make_space(eng, needed, protect)
-    limit = eng.account.capacity if space == "capacity" else eng.account.capacity * eng.account.high_watermark
-    return eng.account.charged + needed <= limit and not eng.account.disk.shortfall(needed)
+        assert make_room is not None, "space='make' needs make_room"
+        return make_room
+    acct = rp.account
+    if space == "capacity":
+        return lambda needed, protect: acct.fits(needed, acct.capacity)
+    return lambda needed, protect: acct.fits(needed, acct.capacity * acct.high_watermark)
 
 
-def _intent(eng: Engine, job: Job) -> Txn:
+def _intent(rp: Replacing, job: Job) -> Txn:
     payload = {
         "use": job.use,
         "old": [n.id for n in job.old],
@@ -407,14 +446,14 @@ def _intent(eng: Engine, job: Job) -> Txn:
                  "name": r.name, "keep": r.keep} for r in job.new],
     }
     files = [(rk, r.name, r.gen, len(b), shards.checksum(b)) for r in job.new for rk, b in enumerate(r.blobs)]
-    with eng.catalog.txn("compact.intent") as c:
-        return journal.begin(eng, c, KIND, payload, rows=lambda tid: eng.catalog.insert_writing_files(c, tid, files))
+    with rp.catalog.txn("compact.intent") as c:
+        return journal.begin(rp.ledger, c, KIND, payload, rows=lambda tid: rp.catalog.insert_writing_files(c, tid, files))
 
 
-def _swap(eng: Engine, job: Job, txn: Txn) -> tuple[str, ...]:
+def _swap(rp: Replacing, job: Job, txn: Txn) -> tuple[str, ...]:
     """The single commit that replaces the rows, then the in-memory index; the
     outputs of the publish (run after it). Lock held."""
-    cat = eng.catalog
+    cat = rp.catalog
     tid = txn.id
     ids: list[int] = []
     with cat.txn("compact.publish") as c:
@@ -432,14 +471,14 @@ def _swap(eng: Engine, job: Job, txn: Txn) -> tuple[str, ...]:
             parent = nid
         for n in job.dropped:
             cat.delete_node(c, n.id)
-        outs = journal.fire(eng, c, txn, "durable")
-    _apply_index(eng, job, ids)
+        outs = journal.fire(rp.ledger, c, txn, "durable")
+    _apply_index(rp, job, ids)
     return outs
 
 
-def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
+def _apply_index(rp: Replacing, job: Job, ids: list[int]) -> None:
     """Mirror the swap in the index: nodes, by_key, blocks, children; offer to the heap."""
-    idx = eng.index
+    idx = rp.index
     old_ids = job.old_ids
     external = {n.id: n.children - old_ids for n in job.old}
     parent = idx.get(job.parent) if job.parent is not None else None
@@ -447,7 +486,7 @@ def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
         del idx.nodes[n.id]
         if idx.by_key.get(n.key) == n.id:
             del idx.by_key[n.key]
-        eng.recency.forget(n.id)
+        rp.recency.forget(n.id)
     if parent is not None:
         parent.children.discard(job.old[0].id)
     prev, pkey = parent, (parent.key if parent is not None else ROOT)
@@ -470,7 +509,7 @@ def _apply_index(eng: Engine, job: Job, ids: list[int]) -> None:
             prev.children.add(nid)
         for k in node.block_keys(pkey):
             idx.blocks[k] = nid
-        eng.recency.heap.offer(node)
+        rp.recency.heap.offer(node)
         prev, pkey = node, node.key
     if parent is not None:
-        eng.recency.heap.offer(parent)
+        rp.recency.heap.offer(parent)

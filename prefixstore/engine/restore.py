@@ -3,59 +3,91 @@ stores, compaction and audits."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import attrs
 
-from prefixstore.engine import health, lookup, pipeline
-from prefixstore.engine.index import Node
+from prefixstore.base.layout import Layout
+from prefixstore.engine import health, lookup, transfers
+from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.counters import Counters
+from prefixstore.engine.guard import CallGuard
+from prefixstore.engine.health import Health
+from prefixstore.engine.holds import Holds
+from prefixstore.engine.index import Index, Node
+from prefixstore.engine.recency import Recency
 from prefixstore.engine.results import Match, Restored
+from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards, verify
-
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
 
 FileRows = dict[int, tuple[str, int, str]]
 """``{rank: (name, size, checksum)}`` of one node's live files."""
 
 
-def restore(eng: Engine, match: Match) -> Restored | None:
+@attrs.frozen(slots=True, eq=False)
+class Reader:
+    """What reading and verifying one node's shards uses: the layout, the tiers and
+    their pool, the fault counters."""
+
+    layout: Layout
+    tiers: Tiers
+    counters: Counters
+
+
+@attrs.frozen(slots=True, eq=False)
+class Restoring:
+    """What a restore uses: the lock and the index it checks the match against, the
+    catalog's file rows, the pins it holds while reading, the pipelined reads
+    (``transfers.Fetch``), the recency it records, and health for a shard found bad."""
+
+    guard: CallGuard
+    layout: Layout
+    index: Index
+    catalog: Catalog
+    holds: Holds
+    recency: Recency
+    counters: Counters
+    health: Health
+    fetch: transfers.Fetch
+
+
+def restore(rs: Restoring, match: Match) -> Restored | None:
     """Read, verify and return the tensors of ``match`` (a hit); None on a miss."""
-    with eng.guard.lock:
-        if not lookup.path_current(eng, match):
-            eng.counters.inc("lookups", "stale")
+    with rs.guard.lock:
+        if not lookup.path_current(rs.index, match):
+            rs.counters.inc("lookups", "stale")
             return None
-        nodes = [eng.index.nodes[nid] for nid, _ in match.path]
+        nodes = [rs.index.nodes[nid] for nid, _ in match.path]
         end = nodes[-1]
-        if eng.layout.has_snapshot and not end.has_snapshot:
+        if rs.layout.has_snapshot and not end.has_snapshot:
             return None
-        rows = file_rows(eng, nodes)
+        rows = file_rows(rs.catalog, nodes)
         ids = [x.id for x in nodes]
-        eng.holds.pin(ids)
+        rs.holds.pin(ids)
     try:
         # Reads overlap uploads; each shard lands in its slice of the output (no cat).
-        got = pipeline.restore_nodes(eng, nodes, rows, match)
-        if isinstance(got, pipeline.Damage):
-            with eng.guard.lock:
+        got = transfers.restore_nodes(rs.fetch, nodes, rows, match)
+        if isinstance(got, transfers.Damage):
+            with rs.guard.lock:
                 # only the generation this restore read can be declared damaged
                 if got.node.generation == dict(match.path).get(got.node.id):
-                    health.invalidate(eng, got.node, got.why)
-            eng.counters.inc("lookups", "damaged_on_restore")
+                    health.invalidate(rs.health, got.node, got.why)
+            rs.counters.inc("lookups", "damaged_on_restore")
             return None
         if got is None:
             return None
         segments, snaps, files = got
     finally:
-        with eng.guard.lock:
-            eng.holds.unpin(ids)
-    with eng.guard.lock:
-        now = eng.recency.tick()
+        with rs.guard.lock:
+            rs.holds.unpin(ids)
+    with rs.guard.lock:
+        now = rs.recency.tick()
         for x in nodes:
-            eng.recency.used(x, now)
+            rs.recency.used(x, now)
         end.snap_used = now
-        eng.recency.heap.offer(end)
+        rs.recency.heap.offer(end)
     return Restored(match, segments, snaps, match.gpu_tokens, match.tokens, files)
 
 
-def file_rows(eng: Engine, nodes: list[Node]) -> dict[int, FileRows]:
+def file_rows(catalog: Catalog, nodes: list[Node]) -> dict[int, FileRows]:
     """``{node id: {rank: (name, size, checksum)}}`` of the live files of ``nodes``
     (current generations), from each node's cache or the catalog. Under the lock."""
     rows: dict[int, FileRows] = {}
@@ -68,20 +100,20 @@ def file_rows(eng: Engine, nodes: list[Node]) -> dict[int, FileRows]:
             rows[x.id] = {}
             todo.append(x)
     for i in range(0, len(todo), 500):  # one query per 500 nodes (SQLite's variable limit)
-        for nid, r, name, size, ck in eng.catalog.live_files_of([x.id for x in todo[i : i + 500]]):
+        for nid, r, name, size, ck in catalog.live_files_of([x.id for x in todo[i : i + 500]]):
             rows[nid][r] = (name, size, ck)
     for x in todo:
         x.files = (x.generation, rows[x.id])
     return rows
 
 
-def read_node(eng: Engine, node: Node, rows: FileRows, with_snap: bool):
+def read_node(rd: Reader, node: Node, rows: FileRows, with_snap: bool):
     """Read and verify ``node``'s shards on every rank.
 
     Returns per-rank (segments, snapshot), a damage description (str) when a shard
     is missing or fails verification, or None on a transient I/O error.
     """
-    L = eng.layout
+    L = rd.layout
     if set(rows) != set(range(L.ranks)):
         return f"shards recorded on ranks {sorted(rows)}"
     meta = shards.meta(node.key, node.generation, node.start, node.end, node.has_snapshot)
@@ -90,15 +122,15 @@ def read_node(eng: Engine, node: Node, rows: FileRows, with_snap: bool):
     def one(r: int):
         name, size, ck = rows[r]
         header = verify.Header(L, tokens, node.has_snapshot, {**meta, "rank": str(r)})
-        got = verify.read(eng.tiers.ranks[r], name, size, ck, header=header)
+        got = verify.read(rd.tiers.ranks[r], name, size, ck, header=header)
         if isinstance(got, verify.Damage):
             return f"rank {r}: {got.why}"
         if isinstance(got, verify.Transient):  # an I/O error or a rank process down: a miss
-            eng.counters.inc("faults", "rank_unavailable" if got.unavailable else "read")
+            rd.counters.inc("faults", "rank_unavailable" if got.unavailable else "read")
             return None
         return got.segments, (got.snapshot if with_snap else {})
 
-    out = [one(0)] if L.ranks == 1 else list(eng.tiers.pool.map(one, range(L.ranks)))
+    out = [one(0)] if L.ranks == 1 else list(rd.tiers.pool.map(one, range(L.ranks)))
     for o in out:
         if isinstance(o, str):
             return o
@@ -107,19 +139,20 @@ def read_node(eng: Engine, node: Node, rows: FileRows, with_snap: bool):
     return out
 
 
-def verify_shards(eng: Engine, rows: FileRows, deep: set[int]) -> str | None:
+def verify_shards(rd: Reader, rows: FileRows, deep: set[int]) -> str | None:
     """What is wrong with a node's shards (None: nothing found). Ranks in ``deep``
     are read and checksummed, the others stat'ed."""
-    if set(rows) != set(range(eng.layout.ranks)):
+    ranks = rd.layout.ranks
+    if set(rows) != set(range(ranks)):
         return f"shards recorded on ranks {sorted(rows)}"
 
     def one(r: int) -> str | None:
         name, size, ck = rows[r]
-        got = (verify.stat(eng.tiers.ranks[r], name, size) if r not in deep
-               else verify.read(eng.tiers.ranks[r], name, size, ck))
+        got = (verify.stat(rd.tiers.ranks[r], name, size) if r not in deep
+               else verify.read(rd.tiers.ranks[r], name, size, ck))
         if isinstance(got, verify.Transient):
-            eng.counters.inc("faults", "verify")
+            rd.counters.inc("faults", "verify")
         return f"rank {r}: {got.why}" if isinstance(got, verify.Damage) else None
 
-    found = [one(0)] if eng.layout.ranks == 1 else list(eng.tiers.pool.map(one, range(eng.layout.ranks)))
+    found = [one(0)] if ranks == 1 else list(rd.tiers.pool.map(one, range(ranks)))
     return next((w for w in found if w), None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import attrs
 
@@ -14,10 +13,9 @@ from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import RankTensors
 from prefixstore.base.log import log
 from prefixstore.engine import store
+from prefixstore.engine.counters import Counters
+from prefixstore.engine.guard import CallGuard
 from prefixstore.engine.results import DUPLICATE, REFILLED, REFUSED, STORED
-
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
 
 FATAL = (SimulatedCrash, KeyboardInterrupt, SystemExit)
 """What a queued store's retry lets through to the call that ran it (process death)."""
@@ -74,13 +72,24 @@ class RetryQueue:
         return events
 
 
-def run(eng: Engine) -> None:
+@attrs.frozen(slots=True, eq=False)
+class Retrying:
+    """What retrying queued stores uses: the call guard (a retry pass is a call of its
+    own), the queue, the store flow, the counters."""
+
+    guard: CallGuard
+    queue: RetryQueue
+    storing: store.Storing
+    counters: Counters
+
+
+def run(rt: Retrying) -> None:
     """The body of ``Engine.retry_pending`` (see there)."""
-    queue = eng.retries
-    if not queue.pending and not eng.guard.closed:  # the common case, without the lock
+    queue = rt.queue
+    if not queue.pending and not rt.guard.closed:  # the common case, without the lock
         return
-    with eng.guard:
-        with eng.guard.lock:
+    with rt.guard:
+        with rt.guard.lock:
             todo = queue.take_all()
         if todo is None:
             return
@@ -90,32 +99,32 @@ def run(eng: Engine) -> None:
             while i < len(todo):
                 p = todo[i]
                 i += 1
-                if retry_logged(eng, p) == "kept":
+                if retry_logged(rt, p) == "kept":
                     keep.append(p)
         finally:
-            with eng.guard.lock:
+            with rt.guard.lock:
                 queue.put_back(keep + todo[i:])
 
 
-def retry_logged(eng: Engine, p: Pending) -> str:
+def retry_logged(rt: Retrying, p: Pending) -> str:
     """Retry ``p``, counting and logging its outcome; the outcome."""
     try:
-        event, reason = retry_one(eng, p)
+        event, reason = retry_one(rt.storing, p)
     except BaseException as exc:  # the retry's failure, not its caller's
-        eng.counters.inc("retries", "abandoned")
+        rt.counters.inc("retries", "abandoned")
         log.warning("store_retry", outcome="abandoned", reason=f"{type(exc).__name__}: {exc}",
                     blocks=len(p.prefix), key=p.prefix.keys[-1].hex()[:12])
         if isinstance(exc, FATAL):
             raise
         return "abandoned"
     if event != "kept":
-        eng.counters.inc("retries", event)
+        rt.counters.inc("retries", event)
         log.info("store_retry", outcome=event, reason=reason, blocks=len(p.prefix),
                  key=p.prefix.keys[-1].hex()[:12])
     return event
 
 
-def retry_one(eng: Engine, p: Pending) -> tuple[str, str | None]:
+def retry_one(st: store.Storing, p: Pending) -> tuple[str, str | None]:
     """Retry one queued store: ('kept' | 'succeeded' | 'dropped' | 'superseded' |
     'abandoned', reason)."""
     try:
@@ -127,7 +136,7 @@ def retry_one(eng: Engine, p: Pending) -> tuple[str, str | None]:
     if not still_valid:
         return "dropped", "invalid"
     try:
-        r = store.store(eng, p.prefix, p.segments, p.snapshot, p.tokens_from)
+        r = store.store(st, p.prefix, p.segments, p.snapshot, p.tokens_from)
     except InvalidInputError as exc:  # e.g. its parent went: the rows held start too late
         return "abandoned", str(exc)
     if r.status == REFUSED:
@@ -139,10 +148,10 @@ def retry_one(eng: Engine, p: Pending) -> tuple[str, str | None]:
     return "abandoned", r.reason or r.status
 
 
-def enqueue(eng: Engine, p: Pending) -> None:
+def enqueue(rt: Retrying, p: Pending) -> None:
     """Queue a refused store; a queued store of the same checkpoint is superseded."""
-    with eng.guard.lock:
-        events = eng.retries.add(p)
-    eng.counters.inc("retries", "queued")
+    with rt.guard.lock:
+        events = rt.queue.add(p)
+    rt.counters.inc("retries", "queued")
     for event in events:
-        eng.counters.inc("retries", event)
+        rt.counters.inc("retries", event)

@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import attrs
 
+from prefixstore.base.layout import Layout
 from prefixstore.engine import evict, journal, replace
-from prefixstore.engine.index import Node
+from prefixstore.engine.account import Account
+from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.counters import Counters
+from prefixstore.engine.evict import Evicting
+from prefixstore.engine.holds import Holds
+from prefixstore.engine.index import Index, Node
+from prefixstore.engine.journal import Ledger
+from prefixstore.engine.recency import Recency
+from prefixstore.engine.replace import Replacing
 from prefixstore.gpu.diskroom import Shortfall
 from prefixstore.statemachine import policy as pol
 from prefixstore.statemachine import room
 
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
+
+@attrs.frozen(slots=True, eq=False)
+class Room:
+    """What making room uses: the space account and the disk's room, the index, the
+    holds that keep nodes from eviction, the victim heap (``recency``), and the two
+    ways a victim goes (an evict transaction, a snapshot retirement). Lock held."""
+
+    account: Account
+    layout: Layout
+    index: Index
+    holds: Holds
+    recency: Recency
+    catalog: Catalog
+    ledger: Ledger
+    counters: Counters
+    evicting: Evicting
+    replacing: Replacing
+
+    def make(self, needed: int, protect: set[int]) -> bool:
+        """``make_space`` (a compact-replace's ``make_room``)."""
+        return make_space(self, needed, protect)
 
 
 DISK_ROUNDS = 2
@@ -19,12 +47,12 @@ DISK_ROUNDS = 2
 first (the catalog's log grew with the evictions' commits); each is checked first."""
 
 
-def make_space(eng: Engine, needed: int, protect: set[int]) -> bool:
+def make_space(rm: Room, needed: int, protect: set[int]) -> bool:
     """Make room for ``needed`` more charged bytes; False when it cannot fit (see ``room_for``)."""
-    return room_for(eng, needed, protect) is None
+    return room_for(rm, needed, protect) is None
 
 
-def room_for(eng: Engine, needed: int, protect: set[int], files: int | None = None) -> str | None:
+def room_for(rm: Room, needed: int, protect: set[int], files: int | None = None) -> str | None:
     """Make room for ``needed`` more charged bytes in ``files`` new shard files (one
     per rank unless given); None when it fits, else the refusal reason (``no_space``,
     ``no_inodes``).
@@ -44,86 +72,86 @@ def room_for(eng: Engine, needed: int, protect: set[int], files: int | None = No
     could free (``statemachine/room.py``): a store the disk cannot hold is refused
     with nothing evicted. Taking the catalog's reserve back is never a reason to evict.
     """
-    cap = eng.account.capacity
-    files = eng.layout.ranks if files is None else files
-    reserve = retire_reserve(eng, protect)
-    eng.account.disk.hold_catalog_room()
-    short = eng.account.disk.shortfall(needed, files)
-    if not short and eng.account.charged + needed + reserve <= cap * eng.account.high_watermark:
-        eng.account.disk.restore()
+    cap = rm.account.capacity
+    files = rm.layout.ranks if files is None else files
+    reserve = retire_reserve(rm, protect)
+    rm.account.disk.hold_catalog_room()
+    short = rm.account.disk.shortfall(needed, files)
+    if not short and rm.account.charged + needed + reserve <= cap * rm.account.high_watermark:
+        rm.account.disk.restore()
         return None
-    if needed > cap - held_bytes(eng, protect):
+    if needed > cap - held_bytes(rm, protect):
         return room.NO_SPACE
-    if short and (why := disk_refusal(eng, short, protect)) is not None:
+    if short and (why := disk_refusal(rm, short, protect)) is not None:
         return why
-    target = max(0.0, min(cap * eng.account.low_watermark, cap) - needed - reserve)
-    target = min(target, eng.account.charged - short.bytes)
-    with eng.holds.fenced(protect):
-        free(eng, eng.account.charged - target, protect, files=short.files)
+    target = max(0.0, min(cap * rm.account.low_watermark, cap) - needed - reserve)
+    target = min(target, rm.account.charged - short.bytes)
+    with rm.holds.fenced(protect):
+        free(rm, rm.account.charged - target, protect, files=short.files)
         for _ in range(DISK_ROUNDS):  # what the evictions' own commits took meanwhile
-            short = eng.account.disk.shortfall(needed, files)
-            if not short or disk_refusal(eng, short, protect) is not None:
+            short = rm.account.disk.shortfall(needed, files)
+            if not short or disk_refusal(rm, short, protect) is not None:
                 break
-            free(eng, short.bytes, protect, files=short.files)
-    if short := eng.account.disk.shortfall(needed, files):
+            free(rm, short.bytes, protect, files=short.files)
+    if short := rm.account.disk.shortfall(needed, files):
         return short.reason  # e.g. another writer took the room meanwhile
-    eng.account.disk.hold_catalog_room()
-    eng.account.disk.restore()
-    return None if eng.account.charged + needed <= cap else room.NO_SPACE
+    rm.account.disk.hold_catalog_room()
+    rm.account.disk.restore()
+    return None if rm.account.charged + needed <= cap else room.NO_SPACE
 
 
-def disk_refusal(eng: Engine, short: Shortfall, protect: set[int]) -> str | None:
+def disk_refusal(rm: Room, short: Shortfall, protect: set[int]) -> str | None:
     """Why eviction cannot make up the disk's ``short`` (nothing evicted to find out),
     or None."""
-    held, held_nodes = held_room(eng, protect)
-    files = (len(eng.index) - held_nodes) * eng.layout.ranks
-    if short.files > files and eng.account.garbage_hint:
-        files += len(eng.catalog.loose_garbage())
-    return room.disk_refusal(short.bytes, short.files, eng.account.charged - held, files)
+    held, held_nodes = held_room(rm, protect)
+    files = (len(rm.index) - held_nodes) * rm.layout.ranks
+    if short.files > files and rm.account.garbage_hint:
+        files += len(rm.catalog.loose_garbage())
+    return room.disk_refusal(short.bytes, short.files, rm.account.charged - held, files)
 
 
-def retire_reserve(eng: Engine, protect: set[int]) -> int:
+def retire_reserve(rm: Room, protect: set[int]) -> int:
     """Headroom kept free so a snapshot retirement (which writes the new
     segment-only generation before the old one is freed) is not blocked by room.
 
     The rewrite of the largest retirement candidate, counting the protected parent
     of the store in progress (it becomes one), at most an eighth of capacity.
     """
-    if not eng.recency.heap.retires:
+    if not rm.recency.heap.retires:
         return 0
-    biggest = eng.recency.heap.largest_retire(eng.index.get)
+    biggest = rm.recency.heap.largest_retire(rm.index.get)
     for nid in protect:
-        node = eng.index.get(nid)
+        node = rm.index.get(nid)
         if node is not None and node.ready and node.has_snapshot:
             biggest = max(biggest, node.nbytes)
-    snap = eng.layout.ranks * eng.layout.snapshot_bytes
-    return min(pol.retire_rewrite_bytes(biggest, snap), eng.account.capacity // 8)
+    snap = rm.layout.ranks * rm.layout.snapshot_bytes
+    return min(pol.retire_rewrite_bytes(biggest, snap), rm.account.capacity // 8)
 
 
-def held_bytes(eng: Engine, protect: set[int]) -> int:
+def held_bytes(rm: Room, protect: set[int]) -> int:
     """Charged bytes no eviction can free now (a lower bound): every pinned, fenced
     or protected node, and their ancestors' segments (snapshots can retire)."""
-    return held_room(eng, protect)[0]
+    return held_room(rm, protect)[0]
 
 
-def held_room(eng: Engine, protect: set[int]) -> tuple[int, int]:
+def held_room(rm: Room, protect: set[int]) -> tuple[int, int]:
     """``held_bytes``, and how many nodes hold them (their files cannot go)."""
-    blocked_ids = set(eng.holds.pins) | set(eng.holds.fences) | set(protect)
-    snap = eng.layout.ranks * eng.layout.snapshot_bytes
+    blocked_ids = set(rm.holds.pins) | set(rm.holds.fences) | set(protect)
+    snap = rm.layout.ranks * rm.layout.snapshot_bytes
     held, seen = 0, set()
     for nid in blocked_ids:
-        node = eng.index.get(nid)
+        node = rm.index.get(nid)
         while node is not None and node.id not in seen:
             seen.add(node.id)
-            if node.id not in blocked_ids and eng.recency.heap.retires and node.ready and node.has_snapshot:
+            if node.id not in blocked_ids and rm.recency.heap.retires and node.ready and node.has_snapshot:
                 held += pol.retire_rewrite_bytes(node.nbytes, snap)
             else:
                 held += node.nbytes
-            node = eng.index.get(node.parent) if node.parent is not None else None
+            node = rm.index.get(node.parent) if node.parent is not None else None
     return held, len(seen)
 
 
-def free(eng: Engine, amount: float, protect: set[int] = frozenset(), files: int = 0) -> int:
+def free(rm: Room, amount: float, protect: set[int] = frozenset(), files: int = 0) -> int:
     """Free at least ``amount`` charged bytes and ``files`` shard files (best effort);
     returns bytes freed.
 
@@ -134,114 +162,114 @@ def free(eng: Engine, amount: float, protect: set[int] = frozenset(), files: int
     fenced or protected are set aside for this call; a retirement lacking room for
     its rewrite waits until later victims made the room.
     """
-    start = eng.account.charged
+    start = rm.account.charged
     goal = start - amount
     gone = 0  # files freed
-    if (eng.account.charged > goal or files) and eng.account.garbage_hint:
-        gone += reclaim_loose(eng)
+    if (rm.account.charged > goal or files) and rm.account.garbage_hint:
+        gone += reclaim_loose(rm)
     held: list[pol.Entry] = []
     waiting: list[pol.Entry] = []  # retirements lacking room, oldest first
     failed: list[Node] = []
     try:
-        while eng.account.charged > goal or gone < files:
-            entry = next_victim(eng, waiting)
+        while rm.account.charged > goal or gone < files:
+            entry = next_victim(rm, waiting)
             if entry is None:
                 break
             if entry is False:
                 continue
-            node, action = eng.index.nodes[entry[2]], entry[3]
+            node, action = rm.index.nodes[entry[2]], entry[3]
             if node in failed:
                 continue  # its retirement failed in this call (it is offered again below)
-            if untouchable(eng, node, action, protect):
+            if untouchable(rm, node, action, protect):
                 held.append(entry)
-            elif action == pol.RETIRE and not retire_fits(eng, node):
+            elif action == pol.RETIRE and not retire_fits(rm, node):
                 waiting.append(entry)
-            elif (taken := take_victim(eng, node, action)) is None:
+            elif (taken := take_victim(rm, node, action)) is None:
                 failed.append(node)
             else:
                 gone += taken
     finally:
         for entry in held + waiting:
-            eng.recency.heap.push(entry)
+            rm.recency.heap.push(entry)
         for node in failed:
-            if node.id in eng.index.nodes:
-                eng.recency.heap.offer(node)
-        eng.recency.heap.compact_if_stale(len(eng.index), lambda: eng.index)
-    return start - eng.account.charged
+            if node.id in rm.index.nodes:
+                rm.recency.heap.offer(node)
+        rm.recency.heap.compact_if_stale(len(rm.index), lambda: rm.index)
+    return start - rm.account.charged
 
 
-def next_victim(eng: Engine, waiting: list[pol.Entry]) -> pol.Entry | None | bool:
+def next_victim(rm: Room, waiting: list[pol.Entry]) -> pol.Entry | None | bool:
     """The next candidate: a waiting retirement that now fits, else the policy's next;
     None when there is none, False when a stale waiting entry was dropped."""
-    if waiting and not eng.recency.heap.is_current(waiting[0], eng.index.get):
+    if waiting and not rm.recency.heap.is_current(waiting[0], rm.index.get):
         waiting.pop(0)  # its node changed meanwhile (e.g. became a leaf and went)
         return False
-    if waiting and retire_fits(eng, eng.index.nodes[waiting[0][2]]):
+    if waiting and retire_fits(rm, rm.index.nodes[waiting[0][2]]):
         return waiting.pop(0)
-    return eng.recency.heap.pop_valid(eng.index.get)
+    return rm.recency.heap.pop_valid(rm.index.get)
 
 
-def take_victim(eng: Engine, node: Node, action: str) -> int | None:
+def take_victim(rm: Room, node: Node, action: str) -> int | None:
     """Run ``action`` on ``node`` and count what it freed; the shard files it removed,
     or None when a retirement failed."""
-    before = eng.account.charged
+    before = rm.account.charged
     if action == pol.EVICT:
-        evict.evict_nodes(eng, [node])
+        evict.evict_nodes(rm.evicting, [node])
         gone = 1
     elif action == pol.SUBTREE:
-        nodes = subtree(eng, node)
-        evict.evict_nodes(eng, nodes)
+        nodes = subtree(rm, node)
+        evict.evict_nodes(rm.evicting, nodes)
         gone = len(nodes)
-    elif not replace.retire_snapshot(eng, node):
+    elif not replace.retire_snapshot(rm.replacing, node):
         return None
     else:
         gone = 0  # a retirement replaces each file with a new one
-    eng.counters.evicted(action, before - eng.account.charged)
-    return gone * eng.layout.ranks
+    rm.counters.evicted(action, before - rm.account.charged)
+    return gone * rm.layout.ranks
 
 
-def reclaim_loose(eng: Engine) -> int:
+def reclaim_loose(rm: Room) -> int:
     """Unlink loose garbage (files no transaction owns any more, left by a failed
     unlink or found at open); returns how many files it had."""
-    eng.account.garbage_hint = False
-    rows = eng.catalog.loose_garbage()
-    before = eng.account.charged
-    journal.reclaim_rows(eng, None, rows)
-    if before > eng.account.charged:
-        eng.counters.evicted("garbage", before - eng.account.charged)
+    rm.account.garbage_hint = False
+    rows = rm.catalog.loose_garbage()
+    before = rm.account.charged
+    journal.reclaim_rows(rm.ledger, None, rows)
+    if before > rm.account.charged:
+        rm.counters.evicted("garbage", before - rm.account.charged)
     return len(rows)
 
 
-def untouchable(eng: Engine, node: Node, action: str, protect: set[int] = frozenset()) -> bool:
+def untouchable(rm: Room, node: Node, action: str, protect: set[int] = frozenset()) -> bool:
     """Pinned, fenced or protected (for a subtree action: anywhere in it)."""
-    if node.id in protect or eng.holds.pins[node.id] or eng.holds.fences[node.id]:
+    if node.id in protect or rm.holds.pins[node.id] or rm.holds.fences[node.id]:
         return True
     if action == pol.SUBTREE:
-        return any(eng.holds.pins[x.id] or eng.holds.fences[x.id] or x.id in protect for x in subtree(eng, node))
+        return any(rm.holds.pins[x.id] or rm.holds.fences[x.id] or x.id in protect for x in subtree(rm, node))
     return False
 
 
-def retire_fits(eng: Engine, node: Node) -> bool:
+def retire_fits(rm: Room, node: Node) -> bool:
     """Whether the new generation of a retirement of ``node`` fits under capacity."""
-    snap = eng.layout.ranks * eng.layout.snapshot_bytes
+    snap = rm.layout.ranks * rm.layout.snapshot_bytes
     rewrite = pol.retire_rewrite_bytes(node.nbytes, snap)
-    return eng.account.charged + rewrite <= eng.account.capacity and not eng.account.disk.shortfall(rewrite, eng.layout.ranks)
+    return rm.account.charged + rewrite <= rm.account.capacity and not rm.account.disk.shortfall(rewrite, rm.layout.ranks)
 
 
-def blocked(eng: Engine, nid: int, action: str, protect: set[int] = frozenset()) -> bool:
+def blocked(rm: Room, nid: int, action: str, protect: set[int] = frozenset()) -> bool:
     """Whether ``action`` on node ``nid`` may not run now."""
-    node = eng.index.nodes[nid]
-    if untouchable(eng, node, action, protect):
+    node = rm.index.nodes[nid]
+    if untouchable(rm, node, action, protect):
         return True
-    return action == pol.RETIRE and not retire_fits(eng, node)
+    return action == pol.RETIRE and not retire_fits(rm, node)
 
 
-def subtree(eng: Engine, node: Node) -> list[Node]:
+def subtree(rm: Room, node: Node) -> list[Node]:
     """``node`` and its descendants, leaves first."""
     out, todo = [], [node]
     while todo:
         n = todo.pop()
         out.append(n)
-        todo.extend(eng.index.nodes[c] for c in n.children)
+        todo.extend(rm.index.nodes[c] for c in n.children)
     out.reverse()
     return out

@@ -3,31 +3,42 @@ publish (a refill retires the row's old generation), or roll back."""
 
 from __future__ import annotations
 
-import errno
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
 from prefixstore.base.errors import InvalidInputError
 from prefixstore.base.keys import Prefix
+from prefixstore.base.layout import Layout
 from prefixstore.base.log import log
 from prefixstore.engine import (
+    abort,
     health,
     journal,
-    lifecycle,
-    pipeline,
-    remote,
     replace,
     restore,
     space,
     spans,
+    staging,
     tiering,
 )
+from prefixstore.engine.abort import Abort
+from prefixstore.engine.account import Account
+from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.counters import Counters
 from prefixstore.engine.driver import Txn
-from prefixstore.engine.index import Node
+from prefixstore.engine.guard import CallGuard
+from prefixstore.engine.health import Health
+from prefixstore.engine.holds import Holds
+from prefixstore.engine.index import Index, Node
+from prefixstore.engine.journal import Ledger
+from prefixstore.engine.plan import Plan, count_skip
+from prefixstore.engine.plan import plan as plan_store
+from prefixstore.engine.readonly import Mode
+from prefixstore.engine.recency import Recency
+from prefixstore.engine.restore import Reader
 from prefixstore.engine.results import (
-    DUPLICATE,
     FAILED,
     REFILLED,
     REFUSED,
@@ -35,22 +46,14 @@ from prefixstore.engine.results import (
     STORED,
     StoreResult,
 )
+from prefixstore.engine.settings import Settings
+from prefixstore.engine.space import Room
+from prefixstore.engine.spans import Admit, Spans
+from prefixstore.engine.staging import Staging, Writer
+from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards
-from prefixstore.gpu.diskroom import enospc_reason
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine.rows import NODE
-
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
-
-
-@attrs.define
-class Plan:
-    """Where a new checkpoint goes: its parent and the row it refills, if any."""
-
-    parent: Node | None
-    existing: Node | None
-    start: int
 
 
 @attrs.define(eq=False)
@@ -74,32 +77,53 @@ class InFlight:
         return slice(self.plan.start, self.end)
 
 
-def plan(eng: Engine, prefix: Prefix, held: frozenset[int] = frozenset()) -> Plan | StoreResult:
-    """Where the store of ``prefix`` goes, or why it does not. ``held``: nodes the
-    caller fences itself (an async store's peek), not counted as busy. Lock held."""
-    n = len(prefix)
-    keys = prefix.keys
-    p = eng.index.deepest_block(keys, n)
-    owner = eng.index.owner(keys, p)
-    if owner is not None and owner.end != p:
-        # Inside an existing node's span: spans.on_store splits ready nodes first;
-        # this is left for a damaged one (or one changed since).
-        return StoreResult(SKIPPED, n, "inside_span")
-    existing = owner if (owner is not None and p == n) else None
-    parent = owner if existing is None else eng.index.get(existing.parent) if existing.parent is not None else None
-    if existing is not None:
-        if existing.ready and (existing.has_snapshot or not eng.layout.has_snapshot):
-            return StoreResult(DUPLICATE, n, "duplicate")
-        if eng.holds.pins[existing.id] or eng.holds.fenced_by_other(existing.id, held):
-            return StoreResult(SKIPPED, n, "pinned" if eng.holds.pins[existing.id] else "fenced")
-    start = parent.end if parent is not None else 0
-    if eng.holds.any_inflight(keys[start:n]):
-        return StoreResult(SKIPPED, n, "in_flight")
-    return Plan(parent, existing, start)
+class Offers(Protocol):
+    """Where a published checkpoint goes next (the remote tier, ``remote.Sender``):
+    ``prepare`` under the engine lock right after the publish, ``send`` after it."""
+
+    def prepare(self, t: InFlight) -> Any: ...
+    def send(self, offer: Any) -> None: ...
+
+
+@attrs.frozen(slots=True, eq=False)
+class Storing:
+    """What a store uses: the lock (``settled``: to wait for an overlapping store), the
+    index and holds it plans from and marks, the stores meeting existing spans
+    (``spans``), the room it makes (``room``), the staging and writes of its shards,
+    the ledger and catalog it journals in, the space account it charges, the recency
+    it stamps, the checks of the rows a failed write puts in doubt (``reader``,
+    ``health``), and where a published checkpoint is offered next (``offers``)."""
+
+    guard: CallGuard
+    layout: Layout
+    settings: Settings
+    index: Index
+    holds: Holds
+    catalog: Catalog
+    ledger: Ledger
+    account: Account
+    recency: Recency
+    counters: Counters
+    mode: Mode
+    tiers: Tiers
+    spans: Spans
+    room: Room
+    staging: Staging
+    writer: Writer
+    reader: Reader
+    health: Health
+    abort: Abort
+    offers: Offers
+    admit: Admit | None
+
+
+def plan(st: Storing, prefix: Prefix, held: frozenset[int] = frozenset()) -> Plan | StoreResult:
+    """Where the store of ``prefix`` goes, or why it does not (``plan.plan``). Lock held."""
+    return plan_store(st.index, st.holds, st.layout.has_snapshot, prefix, held)
 
 
 def store(
-    eng: Engine, prefix: Prefix, segs, snaps, tokens_from: int, staged=None, held: frozenset[int] = frozenset()
+    st: Storing, prefix: Prefix, segs, snaps, tokens_from: int, staged=None, held: frozenset[int] = frozenset()
 ) -> StoreResult:
     """Store ``prefix``'s checkpoint (validated per-rank ``segs`` / ``snaps``).
 
@@ -107,97 +131,97 @@ def store(
     caller releases them); used when the plan still matches, else staged again.
     ``held``: nodes ``store_async`` reserved at its peek, fenced by its job (one
     fence each, its own): the store refills or replaces them as ``store`` would."""
-    if (res := spans.on_store(eng, prefix, segs, snaps, tokens_from, held)) is not None:
+    if (res := spans.on_store(st.spans, prefix, segs, snaps, tokens_from, held)) is not None:
         return res
-    with eng.guard.lock:
-        t = begin(eng, prefix, segs, snaps, tokens_from, staged, held)
+    with st.guard.lock:
+        t = begin(st, prefix, segs, snaps, tokens_from, staged, held)
     if isinstance(t, StoreResult):
         return t
     try:
-        return write_and_publish(eng, prefix, t)
+        return write_and_publish(st, prefix, t)
     except BaseException as exc:  # not a failed write (those roll back): end the txn
-        pipeline.fail_txn(eng, t.txn, exc)
+        abort.fail_txn(st.abort, t.txn, exc)
         raise
     finally:
-        pipeline.release(t.owned)
-        with eng.guard.lock:
-            eng.holds.clear_inflight(prefix.keys[t.keys_span], t.tid)
-            eng.holds.unfence(t.protect)
-            eng.guard.settled.notify_all()
+        staging.release(t.owned)
+        with st.guard.lock:
+            st.holds.clear_inflight(prefix.keys[t.keys_span], t.tid)
+            st.holds.unfence(t.protect)
+            st.guard.settled.notify_all()
 
 
-def settled_plan(eng: Engine, prefix: Prefix, held: frozenset[int]) -> Plan | StoreResult:
+def settled_plan(st: Storing, prefix: Prefix, held: frozenset[int]) -> Plan | StoreResult:
     """The plan, after waiting up to ``inflight_wait_s`` for an overlapping store in
     flight to settle. Lock held."""
-    p = plan(eng, prefix, held)
-    deadline = time.monotonic() + eng.inflight_wait_s
+    p = plan(st, prefix, held)
+    deadline = time.monotonic() + st.settings.inflight_wait_s
     while isinstance(p, StoreResult) and p.reason == "in_flight":
         left = deadline - time.monotonic()
-        if left <= 0 or eng.guard.closed:
+        if left <= 0 or st.guard.closed:
             break
-        eng.guard.settled.wait(left)
-        p = plan(eng, prefix, held)
+        st.guard.settled.wait(left)
+        p = plan(st, prefix, held)
     return p
 
 
-def refusal(eng: Engine, prefix: Prefix, p: Plan | StoreResult, tokens_from: int) -> StoreResult | None:
+def refusal(st: Storing, prefix: Prefix, p: Plan | StoreResult, tokens_from: int) -> StoreResult | None:
     """Why the store cannot go ahead on plan ``p`` (counted), or None. Lock held."""
     n = len(prefix)
     if isinstance(p, StoreResult):
-        count_skip(eng, p)
+        count_skip(st.counters, p)
         return p
-    if eng.admission is not None and p.existing is None and not eng.admission(eng, prefix, p):
+    if st.admit is not None and p.existing is None and not st.admit(prefix, p):
         res = StoreResult(SKIPPED, n, "admission")
-        count_skip(eng, res)
+        count_skip(st.counters, res)
         return res
-    bt = eng.layout.block_tokens
+    bt = st.layout.block_tokens
     if tokens_from > p.start * bt:
         raise InvalidInputError(
             f"the new node needs tokens from {p.start * bt}, but segments start at tokens_from={tokens_from}"
         )
-    down = ranks_down(eng)
+    down = ranks_down(st)
     if down:  # fail fast: no eviction or intent for a store that cannot be durable
-        eng.counters.inc("stores", FAILED)
+        st.counters.inc("stores", FAILED)
         return StoreResult(FAILED, n, f"rank(s) {down} unavailable")
     return None
 
 
-def begin(eng: Engine, prefix: Prefix, segs, snaps, tokens_from: int, staged, held) -> InFlight | StoreResult:
+def begin(st: Storing, prefix: Prefix, segs, snaps, tokens_from: int, staged, held) -> InFlight | StoreResult:
     """Plan, stage, make space and commit the intent; the store in flight (its blocks
     marked, its parent and refilled row fenced), or why not. Lock held."""
-    L = eng.layout
+    L = st.layout
     n = len(prefix)
-    p = settled_plan(eng, prefix, held)
-    if (res := refusal(eng, prefix, p, tokens_from)) is not None:
+    p = settled_plan(st, prefix, held)
+    if (res := refusal(st, prefix, p, tokens_from)) is not None:
         return res
     key = prefix.keys[-1]
-    gen = replace.next_generation(eng, key, p.existing.generation if p.existing else 0)
+    gen = replace.next_generation(st.catalog, L.ranks, key, p.existing.generation if p.existing else 0)
     meta = {**shards.meta(key, gen, p.start, n, L.has_snapshot),
             **shards.span_provenance(L, prefix.keys, prefix.digests, p.start, n)}
     lo, hi = p.start * L.block_tokens - tokens_from, n * L.block_tokens - tokens_from
     # Zero-copy: each rank's tensors go straight into a buffer laid out as its file.
-    datas = pipeline.stage_store(eng, staged, meta, segs, snaps, lo, hi)
+    datas = staging.stage_store(st.staging, staged, meta, segs, snaps, lo, hi)
     protect = {x.id for x in (p.parent, p.existing) if x is not None}
     t = InFlight(p, 0, key, gen, shard_name(key, gen), n, datas, [] if datas is staged else datas,
                  protect, sum(d.size for d in datas))
     try:  # a failed space step or intent commit must not strand the buffers
-        if (why := space.room_for(eng, t.needed, protect)) is not None:
-            pipeline.release(t.owned)
+        if (why := space.room_for(st.room, t.needed, protect)) is not None:
+            staging.release(t.owned)
             res = StoreResult(REFUSED, n, why, t.needed)
-            count_skip(eng, res)
+            count_skip(st.counters, res)
             return res
-        t.txn = intent(eng, t)
+        t.txn = intent(st, t)
         t.tid = t.txn.id
     except BaseException:
-        pipeline.release(t.owned)
+        staging.release(t.owned)
         raise
-    eng.account.charged += t.needed
-    eng.holds.mark_inflight(prefix.keys[t.keys_span], t.tid)
-    eng.holds.fence(protect)
+    st.account.charged += t.needed
+    st.holds.mark_inflight(prefix.keys[t.keys_span], t.tid)
+    st.holds.fence(protect)
     return t
 
 
-def intent(eng: Engine, t: InFlight) -> Txn:
+def intent(st: Storing, t: InFlight) -> Txn:
     """Commit the store's intent and its reserved (writing) file rows; the transaction."""
     p = t.plan
     payload = {
@@ -205,133 +229,89 @@ def intent(eng: Engine, t: InFlight) -> Txn:
         "parent": p.parent.id if p.parent else None,
         "node": p.existing.id if p.existing else None,
     }
-    with eng.catalog.txn("store.intent") as c:
+    with st.catalog.txn("store.intent") as c:
         sized = [(d.size, d.checksum()) for d in t.datas]
-        txn = journal.begin(eng, c, "store", payload,
-                            rows=lambda tid: eng.catalog.add_writing(c, tid, t.name, t.gen, sized))
+        txn = journal.begin(st.ledger, c, "store", payload,
+                            rows=lambda tid: st.catalog.add_writing(c, tid, t.name, t.gen, sized))
     return txn
 
 
-def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
+def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
     """Write every rank, then publish (or roll back a failed write, or a refill whose
     row a restore keeps pinned)."""
     n = len(prefix)
-    errors = write_all(eng, t.name, t.datas)
+    errors = staging.write_all(st.writer, t.name, t.datas)
     if errors:
-        why = failure_reason(eng, errors, t.datas)  # before the rollback frees room
-        with eng.guard.lock:
-            journal.rollback(eng, t.txn, "failed")
-        check_prior(eng, t.plan, {r for r, _ in errors})
-        eng.counters.inc("stores", FAILED)
+        why = staging.failure_reason(st.tiers, errors, t.datas)  # before the rollback frees room
+        with st.guard.lock:
+            journal.rollback(st.ledger, t.txn, "failed")
+        check_prior(st, t.plan, {r for r, _ in errors})
+        st.counters.inc("stores", FAILED)
         return StoreResult(FAILED, n, why, t.needed)
     # A refilled row pinned by a restore is never replaced under the pin
     # (invariant 6): wait for the pin to go, up to pin_wait_s, else roll back
     # (at once when pin() holds it: a request's pin is not waited for).
     existing = t.plan.existing
-    deadline = time.monotonic() + eng.pin_wait_s
+    deadline = time.monotonic() + st.settings.pin_wait_s
     while True:
-        with eng.guard.lock:
-            if existing is None or not eng.holds.pins[existing.id]:
-                res = published(eng, prefix, t)
-                offer = remote.prepare(eng, t)
+        with st.guard.lock:
+            if existing is None or not st.holds.pins[existing.id]:
+                res = published(st, prefix, t)
+                offer = st.offers.prepare(t)
                 break
-            if time.monotonic() >= deadline or eng.holds.request_pins[existing.id]:
-                journal.rollback(eng, t.txn, "failed")
+            if time.monotonic() >= deadline or st.holds.request_pins[existing.id]:
+                journal.rollback(st.ledger, t.txn, "failed")
                 res = StoreResult(SKIPPED, n, "pinned", t.needed)
-                count_skip(eng, res)
+                count_skip(st.counters, res)
                 return res
         time.sleep(0.002)
-    remote.send(eng, offer)
+    st.offers.send(offer)
     return res
 
 
-def published(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
+def published(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
     """Publish the written store and count it. Lock held."""
     p, n = t.plan, t.end
     digests = b"".join(prefix.digests[p.start:n])
     was_damaged = p.existing is not None and p.existing.state == "damaged"
-    node = publish(eng, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed)
+    node = publish(st, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed)
     status = REFILLED if p.existing is not None else STORED
     if was_damaged:
-        eng.counters.inc("refills")
-    eng.counters.inc("stores", status)
+        st.counters.inc("refills")
+    st.counters.inc("stores", status)
     log.debug("stored", key=t.key.hex()[:12], blocks=n, node=node.id, bytes=t.needed)
     return StoreResult(status, n, None, t.needed)
 
 
-def failure_reason(eng: Engine, errors: list[tuple[int, OSError]], datas: list[Any]) -> str:
-    """Why the writes of ``datas`` failed, per rank: a file system found full is named
-    as such (out of bytes or of inodes, ``gpu/diskroom.py``), any other error as it
-    was raised."""
-    parts = []
-    for r, e in errors:
-        where = getattr(eng.tiers.ranks[r], "directory", None)
-        full = enospc_reason(where, datas[r].size) if e.errno == errno.ENOSPC and where else None
-        parts.append(f"rank {r}: {full or e}")
-    return "; ".join(parts)
-
-
-def count_skip(eng: Engine, res: StoreResult) -> None:
-    """Count a store that did not go ahead (skipped, duplicate, refused)."""
-    if res.status in (SKIPPED, DUPLICATE, REFUSED):
-        eng.counters.inc("skips", res.reason or res.status)
-
-
-def write_all(eng: Engine, name: str, datas: list[Any]) -> list[tuple[int, OSError]]:
-    """Write ``name`` on every rank (in parallel); return the ranks that failed."""
-    lifecycle.check_writable(eng, "write")
-    if len(datas) == 1:
-        try:
-            pipeline.write_shard(eng, 0, name, datas[0])
-            return []
-        except OSError as exc:
-            eng.counters.inc("faults", "write")
-            return [(0, exc)]
-    futures = [eng.tiers.pool.submit(pipeline.write_shard, eng, r, name, d) for r, d in enumerate(datas)]
-    errors: list[tuple[int, OSError]] = []
-    crash: BaseException | None = None
-    for r, f in enumerate(futures):
-        try:
-            f.result()
-        except OSError as exc:
-            eng.counters.inc("faults", "write")
-            errors.append((r, exc))
-        except BaseException as exc:  # a crash or a bug in a rank: re-raised below
-            crash = crash or exc
-    if crash is not None:
-        raise crash
-    return errors
-
-
-def publish(eng: Engine, txn: Txn, plan: Plan, key: bytes, digests: bytes, start: int, end: int,
+def publish(st: Storing, txn: Txn, plan: Plan, key: bytes, digests: bytes, start: int, end: int,
             gen: int, needed: int) -> Node:
     """Commit the store's publish, apply it to the index, then retire a refill's old files."""
-    now = eng.recency.tick()
-    has_snap = eng.layout.has_snapshot
+    now = st.recency.tick()
+    has_snap = st.layout.has_snapshot
     tid = txn.id
-    with eng.catalog.txn("store.publish") as c:
+    with st.catalog.txn("store.publish") as c:
         old = []
         if plan.existing is not None:
             nid = plan.existing.id
-            old = eng.catalog.retire_live(c, tid, nid)
-            eng.catalog.refill_node(c, nid, gen, has_snap, now)
+            old = st.catalog.retire_live(c, tid, nid)
+            st.catalog.refill_node(c, nid, gen, has_snap, now)
         else:
-            nid = eng.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
+            nid = st.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
                                           digests, has_snap, gen, now)
-        eng.catalog.publish_files(c, tid, nid)
-        eng.recency.flush(eng.index, eng.catalog, c)
-        outs = journal.fire(eng, c, txn, "durable")
+        st.catalog.publish_files(c, tid, nid)
+        st.recency.flush(st.index, st.catalog, c)
+        outs = journal.fire(st.ledger, c, txn, "durable")
         if not old:  # nothing to retire: done in the same commit
-            outs = journal.fire(eng, c, txn, "retired")
-    node = apply_publish(eng, plan, nid, key, digests, start, end, gen, needed, now)
-    journal.run(eng, txn, outs)
+            outs = journal.fire(st.ledger, c, txn, "retired")
+    node = apply_publish(st, plan, nid, key, digests, start, end, gen, needed, now)
+    journal.run(st.ledger, txn, outs)
     return node
 
 
-def apply_publish(eng: Engine, plan: Plan, nid: int, key: bytes, digests: bytes, start: int, end: int,
+def apply_publish(st: Storing, plan: Plan, nid: int, key: bytes, digests: bytes, start: int, end: int,
                   gen: int, needed: int, now: int) -> Node:
     """The in-memory side of a committed publish: the node, the index, the victim heap."""
-    has_snap = eng.layout.has_snapshot
+    has_snap = st.layout.has_snapshot
     if plan.existing is not None:
         node = plan.existing
         node.state, node.generation, node.has_snapshot = NODE.next(node.state, "published"), gen, has_snap
@@ -341,14 +321,14 @@ def apply_publish(eng: Engine, plan: Plan, nid: int, key: bytes, digests: bytes,
         node = Node(id=nid, key=key, parent=plan.parent.id if plan.parent else None, start=start,
                     end=end, digests=digests, has_snapshot=has_snap, state=NODE.next("absent", "published"),
                     generation=gen, last_used=now, snap_used=now, nbytes=needed)
-        eng.index.add(node)
+        st.index.add(node)
         if plan.parent is not None:
-            eng.recency.heap.offer(plan.parent)
-    eng.recency.heap.offer(node)
+            st.recency.heap.offer(plan.parent)
+    st.recency.heap.offer(node)
     return node
 
 
-def check_prior(eng: Engine, plan: Plan, failed: set[int]) -> None:
+def check_prior(st: Storing, plan: Plan, failed: set[int]) -> None:
     """After a store failed on ranks ``failed``, verify the prior record: the node
     it would have replaced and its parent (both still fenced by the caller).
 
@@ -362,19 +342,19 @@ def check_prior(eng: Engine, plan: Plan, failed: set[int]) -> None:
     for node in (plan.existing, plan.parent):
         if node is None:
             continue
-        with eng.guard.lock:
-            if node.state != "ready" or eng.index.get(node.id) is not node:
+        with st.guard.lock:
+            if node.state != "ready" or st.index.get(node.id) is not node:
                 continue
             gen = node.generation
-            rows = {r: (name, size, ck) for r, name, size, ck in eng.catalog.live_files(node.id)}
-        why = restore.verify_shards(eng, rows, failed)
+            rows = {r: (name, size, ck) for r, name, size, ck in st.catalog.live_files(node.id)}
+        why = restore.verify_shards(st.reader, rows, failed)
         if why is None:
             continue
-        with eng.guard.lock:
-            if node.state == "ready" and node.generation == gen and eng.index.get(node.id) is node:
-                health.invalidate(eng, node, why)
+        with st.guard.lock:
+            if node.state == "ready" and node.generation == gen and st.index.get(node.id) is node:
+                health.invalidate(st.health, node, why)
 
 
-def ranks_down(eng: Engine) -> list[int]:
+def ranks_down(st: Storing) -> list[int]:
     """Ranks whose executor says it cannot serve now (a rank process down)."""
-    return tiering.ranks_down(eng.tiers.ranks)
+    return tiering.ranks_down(st.tiers.ranks)

@@ -10,7 +10,7 @@ layout, its identity), one function per kind of argument.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,19 +26,16 @@ from prefixstore.engine.checks import callable_or_none, flag, instance, integer
 from prefixstore.engine.results import Match
 from prefixstore.statemachine.compaction import CompactionPolicy
 
-if TYPE_CHECKING:
-    from prefixstore.engine.api import Engine
-
 __all__ = ["compact_policy", "evict_args", "flag", "lookup_args", "match", "prefix", "store_args"]
 
 # ---------------------------------------------------------------------- Engine.open
 
 
-def prefix(eng: Engine, value: Any, argument: str = "prefix") -> Prefix:
+def prefix(layout: Layout, value: Any, argument: str = "prefix") -> Prefix:
     """A Prefix whose block size (when it records one) is the layout's."""
     if not isinstance(value, Prefix):
         raise InvalidArgumentError(argument, f"must be a Prefix, got {type(value).__name__}")
-    bt = eng.layout.block_tokens
+    bt = layout.block_tokens
     if value.block_tokens is not None and value.block_tokens != bt:
         raise BlockSizeMismatchError(
             argument, f"built with block_tokens={value.block_tokens}, but this cache's layout has {bt}"
@@ -46,13 +43,13 @@ def prefix(eng: Engine, value: Any, argument: str = "prefix") -> Prefix:
     return value
 
 
-def match(eng: Engine, value: Any, argument: str = "match") -> Match:
-    """A Match returned by this engine's ``lookup`` (not another engine's, nor a copy
-    made by hand: its ``cache`` is this engine's identity)."""
+def match(cache_id: str, root: str, value: Any, argument: str = "match") -> Match:
+    """A Match returned by the ``lookup`` of the engine ``cache_id`` open at ``root`` (not
+    another engine's, nor a copy made by hand: its ``cache`` is that engine's identity)."""
     if not isinstance(value, Match):
         raise InvalidArgumentError(argument, f"must be a Match from lookup(), got {type(value).__name__}")
-    if value.cache != eng.identity:
-        raise ForeignMatchError(argument, f"comes from another engine or cache, not the one open at {eng.root}")
+    if value.cache != cache_id:
+        raise ForeignMatchError(argument, f"comes from another engine or cache, not the one open at {root}")
     return value
 
 
@@ -60,14 +57,14 @@ def compact_policy(value: Any) -> None:
     instance("policy", value, CompactionPolicy)
 
 
-def evict_args(eng: Engine, nbytes: Any, prefix_: Any) -> tuple[int | None, Prefix | None]:
+def evict_args(layout: Layout, nbytes: Any, prefix_: Any) -> tuple[int | None, Prefix | None]:
     if nbytes is not None and prefix_ is not None:
         raise InvalidArgumentError("nbytes", "give nbytes or prefix, not both")
-    return integer("nbytes", nbytes, none=True), None if prefix_ is None else prefix(eng, prefix_)
+    return integer("nbytes", nbytes, none=True), None if prefix_ is None else prefix(layout, prefix_)
 
 
-def lookup_args(eng: Engine, value: Any, gpu_blocks: Any, total_tokens: Any) -> None:
-    p = prefix(eng, value)
+def lookup_args(layout: Layout, value: Any, gpu_blocks: Any, total_tokens: Any) -> None:
+    p = prefix(layout, value)
     g = integer("gpu_blocks", gpu_blocks)
     if g > len(p):
         raise InvalidArgumentError("gpu_blocks", f"{g} is more than the prefix's {len(p)} blocks")
@@ -94,10 +91,10 @@ def _storable(argument: str, per_rank: list[RankTensors]) -> None:
                 )
 
 
-def store_args(eng: Engine, value: Any, segments: Any, snapshot: Any, tokens_from: Any, valid: Any):
+def store_args(layout: Layout, value: Any, segments: Any, snapshot: Any, tokens_from: Any, valid: Any):
     """``store`` / ``store_async``: returns the per-rank (segments, snapshot or None)."""
-    L = eng.layout
-    p = prefix(eng, value)
+    L = layout
+    p = prefix(layout, value)
     if len(p) == 0:
         raise InvalidArgumentError("prefix", "cannot store an empty prefix")
     tokens_from = integer("tokens_from", tokens_from)

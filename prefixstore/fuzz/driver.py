@@ -202,7 +202,7 @@ class Driver:
     def close(self) -> None:
         """Close the engine (cleanly, faults off) and undo a plant's patches."""
         try:
-            if self.eng is not None and not lifecycle.is_closed(self.eng):
+            if self.eng is not None and not self.eng.guard.closed:
                 self._absorb(self.eng)
                 with self.plan.paused():
                     self.gate.inner = None
@@ -242,8 +242,8 @@ class Driver:
         eng, self.eng = self.eng, None
         if eng is not None:
             self._absorb(eng)
-            if not lifecycle.is_closed(eng):
-                lifecycle.abandon(eng)
+            if not eng.guard.closed:
+                lifecycle.abandon(eng.life)
         self.pins.clear()
 
     def _absorb(self, eng: Engine) -> None:
@@ -355,7 +355,7 @@ class Driver:
             eng.transfers.drain(ASYNC_WAIT_S)
         self.counts["store_async.acknowledged"] += 1
         self._stored(seq, blocks, res)
-        if lifecycle.is_closed(eng):  # a worker died after the result (the acknowledgement stands)
+        if eng.guard.closed:  # a worker died after the result (the acknowledgement stands)
             raise SimulatedCrash("the engine died in its commit or retry worker")
 
     def _stored(self, seq: int, blocks: int, res: Any) -> None:

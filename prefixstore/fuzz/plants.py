@@ -1,8 +1,8 @@
 """Planted bugs: deliberately broken engines the fuzzers must catch.
 
-Each plant subclasses the engine, swaps in broken rank executors, or patches one
-function for the duration of a run (``Plant.active``); nothing in the engine knows
-about them. ``prefixstore fuzz --plant NAME`` runs a campaign against one, and
+Each plant swaps in broken rank executors, or patches one function of a flow for the
+duration of a run (``Plant.active``: every engine opened meanwhile is the planted one;
+its ``engine_cls`` names it); nothing in the engine knows about them. ``prefixstore fuzz --plant NAME`` runs a campaign against one, and
 ``tests/test_plants.py`` shows that each is found within a bounded budget.
 
 ``config`` pins the run settings a plant needs in order to show at all (a lost-commit
@@ -33,7 +33,12 @@ from prefixstore.engine import (
 )
 from prefixstore.engine.api import Engine
 from prefixstore.engine.catalog import Catalog
+from prefixstore.engine.pipeline import AsyncStores
+from prefixstore.engine.replace import Replacing
+from prefixstore.engine.restore import Reader
 from prefixstore.engine.results import STORED, StoreResult
+from prefixstore.engine.space import Room
+from prefixstore.engine.store import Storing
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import TMP_SUFFIX, LocalRank, rank_dir_name
 
@@ -110,12 +115,11 @@ class _PublishEarly(Engine):
 def _publish_early() -> contextlib.AbstractContextManager[None]:
     orig = store.publish
 
-    def publish(eng: Engine, *a: Any, **k: Any):
-        node = orig(eng, *a, **k)
-        if isinstance(eng, _PublishEarly):
-            for r in eng.ranks:
-                if isinstance(r, _LazyLastRank):
-                    r.settle()  # durability arrives after the commit that published
+    def publish(st: Storing, *a: Any, **k: Any):
+        node = orig(st, *a, **k)
+        for r in st.tiers.ranks:
+            if isinstance(r, _LazyLastRank):
+                r.settle()  # durability arrives after the commit that published
         return node
 
     return _patched(store, "publish", publish)
@@ -142,11 +146,11 @@ class _DoubleCountRetire(Engine):
 def _double_count() -> contextlib.AbstractContextManager[None]:
     orig = journal.unlink_owned
 
-    def unlink_owned(eng: Engine, txn, ok: str, failed: str, *, barrier: bool) -> None:
-        before = eng.account.charged
-        orig(eng, txn, ok, failed, barrier=barrier)
-        if isinstance(eng, _DoubleCountRetire) and txn.kind == "compact" and ok == "retired":
-            eng.account.charged -= before - eng.account.charged  # the retired generation, once more
+    def unlink_owned(led: journal.Ledger, txn, ok: str, failed: str, *, barrier: bool) -> None:
+        before = led.account.charged
+        orig(led, txn, ok, failed, barrier=barrier)
+        if txn.kind == "compact" and ok == "retired":
+            led.account.charged -= before - led.account.charged  # the retired generation, once more
 
     return _patched(journal, "unlink_owned", unlink_owned)
 
@@ -162,12 +166,12 @@ class _SkipRetire(Engine):
 def _skip_retire() -> contextlib.AbstractContextManager[None]:
     orig = journal.unlink_owned
 
-    def unlink_owned(eng: Engine, txn, ok: str, failed: str, *, barrier: bool) -> None:
-        if not (isinstance(eng, _SkipRetire) and ok == "retired"):
-            return orig(eng, txn, ok, failed, barrier=barrier)
-        with eng.catalog.txn(f"{txn.kind}.{ok}") as c:
-            outs = eng.driver.fire(c, txn, ok)  # no unlink, no settled rows
-        eng.driver.run_outputs(txn, outs)
+    def unlink_owned(led: journal.Ledger, txn, ok: str, failed: str, *, barrier: bool) -> None:
+        if ok != "retired":
+            return orig(led, txn, ok, failed, barrier=barrier)
+        with led.catalog.txn(f"{txn.kind}.{ok}") as c:
+            outs = led.driver.fire(c, txn, ok)  # no unlink, no settled rows
+        led.driver.run_outputs(txn, outs)
         return None
 
     return _patched(journal, "unlink_owned", unlink_owned)
@@ -181,14 +185,12 @@ class _EvictPinned(Engine):
 
 
 def _ignoring_pins(fn: Callable[..., bool]) -> Callable[..., bool]:
-    def check(eng: Engine, *a: Any) -> bool:
-        if not isinstance(eng, _EvictPinned):
-            return fn(eng, *a)
-        pins, eng.holds.pins = eng.holds.pins, Counter()  # pins are not consulted
+    def check(rm: Room, *a: Any) -> bool:
+        pins, rm.holds.pins = rm.holds.pins, Counter()  # pins are not consulted
         try:
-            return fn(eng, *a)
+            return fn(rm, *a)
         finally:
-            eng.holds.pins = pins
+            rm.holds.pins = pins
 
     return check
 
@@ -203,26 +205,26 @@ def _evict_pinned() -> Iterator[None]:
 # -- rename over a live file --------------------------------------------------------------------
 
 
-def _retire_in_place(eng: Engine, node) -> bool:
+def _retire_in_place(rp: Replacing, node) -> bool:
     """Snapshot retirement that rewrites the live generation under its own name."""
     rows = {
         r: (name, size, ck)
-        for r, name, size, ck in eng.catalog.query(
+        for r, name, size, ck in rp.catalog.query(
             "SELECT rank, name, size, checksum FROM files WHERE node=? AND status='live'", (node.id,)
         )
     }
-    got = restore.read_node(eng, node, rows, with_snap=False)
+    got = restore.read_node(rp.reader, node, rows, with_snap=False)
     if isinstance(got, str):
-        health.invalidate(eng, node, got)
+        health.invalidate(rp.health, node, got)
         return False
     if got is None:
         return False
     meta = shards.meta(node.key, node.generation, node.start, node.end, False)
     datas = [shards.encode(segs, {}, {**meta, "rank": str(r)}) for r, (segs, _) in enumerate(got)]
-    eng.holds.fence([node.id])
+    rp.holds.fence([node.id])
     try:
         for r, data in enumerate(datas):
-            rank = eng.ranks[r]
+            rank = rp.writer.tiers.ranks[r]
             final = rank.path(rows[r][0])
             try:
                 rank.fs.write_new(final + TMP_SUFFIX, data)
@@ -234,19 +236,19 @@ def _retire_in_place(eng: Engine, node) -> bool:
                 with contextlib.suppress(OSError):
                     rank.remove_temp(rows[r][0])
                 return False
-        with eng.catalog.txn("replace.publish") as c:
+        with rp.catalog.txn("replace.publish") as c:
             for r, data in enumerate(datas):
                 c.execute("UPDATE files SET size=?, checksum=? WHERE rank=? AND name=?",
                           (len(data), shards.checksum(data), r, rows[r][0]))
             c.execute("UPDATE nodes SET has_snapshot=0 WHERE id=?", (node.id,))
         freed = sum(s for _, s, _ in rows.values()) - sum(len(d) for d in datas)
-        eng.account.charged -= freed
+        rp.account.charged -= freed
         node.has_snapshot = False
         node.nbytes -= freed
         return True
     finally:
-        eng.holds.unfence([node.id])
-        eng.recency.heap.offer(node)
+        rp.holds.unfence([node.id])
+        rp.recency.heap.offer(node)
 
 
 class _RenameOverLive(Engine):
@@ -254,10 +256,8 @@ class _RenameOverLive(Engine):
 
 
 def _rename_over_live() -> contextlib.AbstractContextManager[None]:
-    orig = replace.retire_snapshot
-
-    def retire_snapshot(eng: Engine, node) -> bool:
-        return _retire_in_place(eng, node) if isinstance(eng, _RenameOverLive) else orig(eng, node)
+    def retire_snapshot(rp: Replacing, node) -> bool:
+        return _retire_in_place(rp, node)
 
     return _patched(replace, "retire_snapshot", retire_snapshot)
 
@@ -272,18 +272,16 @@ class _TrustingRestore(Engine):
 def _trusting_restore() -> contextlib.AbstractContextManager[None]:
     orig = restore.read_node
 
-    def read_node(eng: Engine, node, rows, with_snap: bool):
-        if not isinstance(eng, _TrustingRestore):
-            return orig(eng, node, rows, with_snap)
+    def read_node(rd: Reader, node, rows, with_snap: bool):
         trusted = {}
         for r, (name, size, ck) in rows.items():
             try:
-                with open(os.path.join(eng.ranks[r].directory, name), "rb") as f:
+                with open(os.path.join(rd.tiers.ranks[r].directory, name), "rb") as f:
                     ck = shards.checksum(f.read())  # the file vouches for itself
             except OSError:
                 pass
             trusted[r] = (name, size, ck)
-        return orig(eng, node, trusted, with_snap)
+        return orig(rd, node, trusted, with_snap)
 
     return _patched(restore, "read_node", read_node)
 
@@ -298,9 +296,9 @@ class _EarlyAck(Engine):
 def _ack_before_publish() -> contextlib.AbstractContextManager[None]:
     orig = pipeline.store_async
 
-    def store_async(eng: Engine, prefix, *a: Any, **k: Any) -> pipeline.StoreTicket:
-        ticket = orig(eng, prefix, *a, **k)
-        if not isinstance(eng, _EarlyAck) or ticket.done():
+    def store_async(a_: AsyncStores, prefix, *a: Any, **k: Any) -> pipeline.StoreTicket:
+        ticket = orig(a_, prefix, *a, **k)
+        if ticket.done():
             return ticket
         early: Future = Future()  # the commit worker stores the bytes later (or fails, or dies)
         early.set_result(StoreResult(STORED, len(prefix)))

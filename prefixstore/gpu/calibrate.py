@@ -11,13 +11,13 @@
 
 The probe (about ``PROBE_BYTES``, tens of milliseconds) times the two stages of a
 restore: uploading a staging buffer into a freshly allocated device tensor (the
-executor's host-to-device path, output allocation included) and, for backings that
-read files, reading a freshly written, fsynced file whose pages were dropped from the
-page cache (``posix_fadvise(DONTNEED)``; where the OS keeps them anyway the figure is
-the page cache's). A restore overlaps the two
-(``pipeline.restore_nodes``), so the restore bandwidth is the slower of them. A
-composite backing is calibrated on its disk path: a RAM hit only makes a restore
-cheaper than estimated. The probe file lives in the cache root, never in a rank
+executor's host-to-device path, output allocation included) and, for backings whose
+shards are files in the rank directories (``Capability.RANK_DIRS``), reading a freshly
+written, fsynced file whose pages were dropped from the page cache
+(``posix_fadvise(DONTNEED)``; where the OS keeps them anyway the figure is the page
+cache's). A restore overlaps the two (``transfers.restore_nodes``), so the restore
+bandwidth is the slower of them. A backing with RAM in front of its files is calibrated
+on its file path: a RAM hit only makes a restore cheaper than estimated. The probe file lives in the cache root, never in a rank
 directory, and is removed (a leftover from a crash is removed by the next probe).
 """
 
@@ -33,7 +33,9 @@ import attrs
 import torch
 
 from prefixstore.base.errors import InvalidInputError
+from prefixstore.gpu import tiers
 from prefixstore.gpu.executor import Executor
+from prefixstore.gpu.tier import Capability
 
 PROBE_NAME = "calibrate.probe"
 PROBE_BYTES = 16 << 20
@@ -106,7 +108,7 @@ def probe(executor: Executor, backing_kind: str, root: str, nbytes: int = PROBE_
             done.wait()
             best = min(best, time.perf_counter() - t0)
         h2d = nbytes / max(best, 1e-9)
-        read = None if backing_kind == "memory" else _read_bps(root, buf.mv())
+        read = _read_bps(root, buf.mv()) if Capability.RANK_DIRS in tiers.capabilities(backing_kind) else None
     finally:
         buf.release()
     bps = h2d if read is None else min(h2d, read)
