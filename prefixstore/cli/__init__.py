@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import ModuleType
 
 from prefixstore.base.errors import PrefixStoreError
 from prefixstore.cli import audit, catalog, demo, fiu, fuzz, rank_server, replay, soak
@@ -26,11 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in COMMANDS:
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.__doc__),
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=description(mod),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(handler=mod.run)
     return parser
+
+
+def description(mod: ModuleType) -> str | None:
+    """What ``prefixstore NAME --help`` says of a command: its ``DESCRIPTION``, else its
+    module's docstring."""
+    return getattr(mod, "DESCRIPTION", mod.__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
