@@ -27,7 +27,7 @@ import sys
 
 from prefixstore.base.errors import InvalidInputError
 from prefixstore.engine.workdir import work_dir
-from prefixstore.statemachine.policy import POLICIES
+from prefixstore.statemachine.policy import DEFAULT, registered
 
 NAME = "replay"
 HELP = "replay a workload (e.g. --scenario seed) on the engine and report hit ratios and latency"
@@ -57,9 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        choices=POLICIES,
-        default="prefixstore",
-        help="eviction policy (default prefixstore; leaf-lru is the pre-fix behaviour)",
+        choices=registered(),
+        default=DEFAULT,
+        help=f"eviction policy, one registered (default {DEFAULT}; leaf-lru is the pre-fix behaviour)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     from prefixstore.replay.trace_cmd import add_trace_arguments

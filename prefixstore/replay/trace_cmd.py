@@ -25,7 +25,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=1, metavar="N",
                    help="sessions serving requests at once (threads, 1..256; default 1)")
     g.add_argument("--compare", action="store_true",
-                   help="replay prefixstore, leaf-lru and lru on the engine and add the offline optimum")
+                   help="replay every registered policy on the engine, simulate each, and add the offline "
+                        "optimum")
     g.add_argument("--checkpoint-every", type=int, default=8, metavar="K",
                    help="also checkpoint every K blocks inside a request (default 8; 0: only at its last "
                         "full block)")
