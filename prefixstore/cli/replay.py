@@ -34,7 +34,7 @@ from prefixstore.replay.engine_replay import ReplayConfig, replay
 from prefixstore.replay.report import Series, format_compare, format_report, plot_runs
 from prefixstore.replay.seed import SeedConfig, run_seed
 from prefixstore.replay.trace import load_trace
-from prefixstore.statemachine.policy import POLICIES
+from prefixstore.statemachine.policy import DEFAULT, registered
 
 NAME = "replay"
 HELP = "replay a workload (e.g. --scenario seed) on the engine and report hit ratios and latency"
@@ -64,9 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        choices=POLICIES,
-        default="prefixstore",
-        help="eviction policy (default prefixstore; leaf-lru is the pre-fix behaviour)",
+        choices=registered(),
+        default=DEFAULT,
+        help=f"eviction policy, one registered (default {DEFAULT}; leaf-lru is the pre-fix behaviour)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_trace_arguments(p)
@@ -139,7 +139,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=1, metavar="N",
                    help="sessions serving requests at once (threads, 1..256; default 1)")
     g.add_argument("--compare", action="store_true",
-                   help="replay prefixstore, leaf-lru and lru on the engine and add the offline optimum")
+                   help="replay every registered policy on the engine, simulate each, and add the offline "
+                        "optimum")
     g.add_argument("--checkpoint-every", type=int, default=8, metavar="K",
                    help="also checkpoint every K blocks inside a request (default 8; 0: only at its last "
                         "full block)")

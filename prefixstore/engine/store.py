@@ -320,11 +320,11 @@ def publish(eng: Engine, txn: Txn, plan: Plan, key: bytes, digests: bytes, start
         else:
             nid = eng.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
                                           digests, has_snap, gen, now)
-        eng.catalog.publish_files(c, tid, nid)
+        eng.catalog.publish_file(c, tid, txn.payload["name"], nid)
         recency.flush(eng, c)
         outs = journal.fire(eng, c, txn, "durable")
         if not old:  # nothing to retire: done in the same commit
-            outs = journal.fire(eng, c, txn, "retired")
+            outs = journal.skip(eng, c, txn, "retire_old")
     node = apply_publish(eng, plan, nid, key, digests, start, end, gen, needed, now)
     journal.run(eng, txn, outs)
     return node
