@@ -291,7 +291,7 @@ def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None)
             if fix.drop_nodes:
                 cat.drop_nodes(c, fix.drop_nodes)
             for nid in fix.damage_nodes:
-                cat.mark_nodes_damaged(c, [nid])
+                cat.damage_node(c, nid)
             for tid in fix.drop_journal:
                 cat.release_txn_files(c, tid)
                 Journal().delete(c, tid)

@@ -298,11 +298,11 @@ def publish(st: Storing, txn: Txn, plan: Plan, key: bytes, digests: bytes, start
         else:
             nid = st.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
                                           digests, has_snap, gen, now)
-        st.catalog.publish_files(c, tid, nid)
+        st.catalog.publish_file(c, tid, txn.payload["name"], nid)
         st.recency.flush(st.index, st.catalog, c)
         outs = journal.fire(st.ledger, c, txn, "durable")
         if not old:  # nothing to retire: done in the same commit
-            outs = journal.fire(st.ledger, c, txn, "retired")
+            outs = journal.skip(st.ledger, c, txn, "retire_old")
     node = apply_publish(st, plan, nid, key, digests, start, end, gen, needed, now)
     journal.run(st.ledger, txn, outs)
     return node
