@@ -4,10 +4,14 @@ no reach into another package's private names, and the one-way layers contract."
 from __future__ import annotations
 
 import ast
+import enum
+import importlib
+import inspect
 import shutil
 import subprocess
 from pathlib import Path
 
+import attrs
 import pytest
 
 from prefixstore import cli
@@ -190,6 +194,41 @@ def test_engine_flows_take_components_not_the_engine():
                 if a.arg == "eng" or note.strip("'\"") == "Engine":
                     taking.append(f"{path.relative_to(PKG)}:{fn.lineno} {fn.name}({a.arg}: {note})")
     assert not taking, "functions taking the engine:\n" + "\n".join(taking)
+
+
+def _engine_classes():
+    """Every class an engine module defines (not those it imports)."""
+    for path in _modules(PKG / "engine"):
+        mod = importlib.import_module("prefixstore.engine" + ("" if path.stem == "__init__" else f".{path.stem}"))
+        for cls in vars(mod).values():
+            if inspect.isclass(cls) and cls.__module__ == mod.__name__:
+                yield cls
+
+
+def undeclared_state() -> list[str]:
+    """Engine classes whose instances may hold state their class does not declare: not
+    attrs classes with slots (an instance ``__dict__``), or with a field of no type.
+    Exceptions, enums, named tuples and protocols hold none of the engine's state."""
+    found = []
+    for cls in _engine_classes():
+        if issubclass(cls, (BaseException, tuple, enum.Enum)) or getattr(cls, "_is_protocol", False):
+            continue
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if not attrs.has(cls):
+            found.append(f"{where}: not an attrs class")
+        elif cls.__dictoffset__:
+            found.append(f"{where}: its instances have a __dict__ (no slots)")
+        else:
+            found += [f"{where}.{f.name}: no type" for f in attrs.fields(cls) if f.type is None]
+    return found
+
+
+def test_engine_state_is_declared():
+    """The engine's state is its components' declared fields: every class of the engine
+    is an attrs class with slots and typed fields, so an attribute nobody declared
+    cannot be assigned (AttributeError) and each is read where its class says."""
+    found = undeclared_state()
+    assert not found, "engine classes with undeclared state:\n" + "\n".join(found)
 
 
 # -- no import cycle inside the engine ------------------------------------------------------------

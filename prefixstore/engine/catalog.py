@@ -29,6 +29,8 @@ from contextlib import contextmanager, suppress
 from typing import Any
 from urllib.parse import quote
 
+import attrs
+
 from prefixstore.base.errors import (
     CatalogCorruptError,
     CatalogIOError,
@@ -70,15 +72,27 @@ def catalog_path(root: str) -> str:
     return os.path.join(root, CATALOG_NAME)
 
 
+@attrs.define(slots=True, eq=False, init=False, repr=False)
 class Catalog:
-    """The engine's single writer connection, with fault-hooked commits."""
+    """The engine's single writer connection, with fault-hooked commits. Every write
+    transaction runs under the engine lock (``CallGuard.lock``); ``check_same_thread``
+    is off because the engine's threads take turns under that lock."""
 
-    read_only: PrefixStoreError | None = None
+    path: str
+    root: str
+    synchronous: str
+    hook: FaultHook
+    before_write: Callable[[], None]
+    conn: Any
+    """The ``sqlite3`` connection (a test may wrap it)."""
+    failed: str | None
+    """Why a write failed and the catalog refuses writes until reopened (None: it writes)."""
+    read_only: PrefixStoreError | None
     """Set on a catalog opened by ``read_only``: why; every write transaction is refused."""
-    closed = False
-    failed_corrupt = False
+    closed: bool
+    failed_corrupt: bool
     """Whether the write that failed (``failed``) found the catalog not as the engine wrote it."""
-    cookie = 0
+    cookie: int
     """The schema cookie when the schema was last checked (``schema.cookie``)."""
 
     def __init__(
@@ -95,6 +109,7 @@ class Catalog:
         if synchronous.upper() not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path, self.root = catalog_path(root), root
+        self.read_only, self.closed, self.failed_corrupt, self.cookie = None, False, False, 0
         self.synchronous = synchronous.upper()
         self.hook = hook or FaultHook()
         self.before_write = before_write or (lambda: None)
@@ -108,7 +123,7 @@ class Catalog:
             )
         except sqlite3.Error as exc:
             raise CatalogIOError(f"{root}: cannot open {CATALOG_NAME}: {exc}") from exc
-        self.failed: str | None = None
+        self.failed = None
         try:
             self._setup(fresh=not exists)
         except sqlite3.Error as exc:
@@ -136,6 +151,7 @@ class Catalog:
         self = cls.__new__(cls)
         self.path, self.synchronous, self.hook, self.root = path, "FULL", hook or FaultHook(), root
         self.before_write, self.failed, self.read_only = (lambda: None), None, reason
+        self.closed, self.failed_corrupt, self.cookie = False, False, 0
         try:
             self.conn = sqlite3.connect(f"file:{quote(path)}?{mode}", uri=True, isolation_level=None,
                                         check_same_thread=False, timeout=30)
@@ -775,13 +791,13 @@ def open_readonly(root: str) -> sqlite3.Connection:
     return conn
 
 
+@attrs.define(slots=True, eq=False, repr=False)
 class CatalogView:
     """The reads of a catalog opened read-only without an engine (audit, ``prefixstore
     catalog``): ``conn`` is a ``sqlite3`` connection, or anything with its ``execute``
     (a sqlite-utils Database)."""
 
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
+    conn: Any
 
     @contextmanager
     def snapshot(self) -> Iterator[CatalogView]:

@@ -180,19 +180,35 @@ def merge_job(cp: Compacting, rows: list[Node]) -> replace.Job:
 # ------------------------------------------------------------------ the worker
 
 
+@attrs.define(slots=True, eq=False, init=False, repr=False)
 class Compactor:
-    """The background compaction thread of one engine."""
+    """The background compaction thread of one engine. Its counts and last report are
+    written by that thread only; a pass takes the engine lock as ``compact`` says."""
+
+    cp: Compacting
+    policy: CompactionPolicy
+    passes: int
+    errors: int
+    violation: str | None
+    """An InvariantViolation (the debug checks) that stopped the worker."""
+    last_report: CompactionReport | None
+    _stop: threading.Event
+    _wake: threading.Event
+    _thread: threading.Thread
+    _force: bool
+    """Run the next pass whether or not the cache changed (``nudge``)."""
 
     def __init__(self, cp: Compacting, policy: CompactionPolicy) -> None:
         self.cp = cp
         self.policy = policy
         self.passes = 0
         self.errors = 0
-        self.violation: str | None = None  # an InvariantViolation (debug checks) stopped it
-        self.last_report: CompactionReport | None = None
+        self.violation = None
+        self.last_report = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="prefixstore-compactor", daemon=True)
+        self._force = False
 
     def start(self) -> Compactor:
         self._thread.start()
@@ -212,8 +228,6 @@ class Compactor:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
-
-    _force = False
 
     def _loop(self) -> None:
         cp = self.cp

@@ -17,6 +17,7 @@ from collections import Counter as _Tally
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prefixstore.base.log import log
@@ -25,12 +26,38 @@ LOOKUP_OUTCOMES = ("hit", "gpu_resident", "miss", "rejected_cost", "damaged")
 _SECONDS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
 
 
+@attrs.define(slots=True, eq=False, init=False, repr=False)
 class Counters:
     """Every counter the engine keeps, mirrored into a Prometheus registry.
 
     Mount ``counters.registry`` in the embedding server (e.g. with
-    ``prometheus_client.make_wsgi_app(registry)``).
+    ``prometheus_client.make_wsgi_app(registry)``). Safe from any thread: the
+    tallies and the last decision change under the counters' own lock, never the
+    engine's.
     """
+
+    registry: CollectorRegistry
+    tally: _Tally[str]
+    seconds: _Tally[str]
+    """Sums of estimated seconds, for ``stats()``."""
+    last_decision: dict[str, Any] | None
+    lookups: Counter
+    stores: Counter
+    skips: Counter
+    retries: Counter
+    refills: Counter
+    evictions: Counter
+    faults: Counter
+    replaces: Counter
+    evicted_bytes: Counter
+    decisions: Counter
+    remote: Counter
+    bytes: Gauge
+    state: Gauge
+    transfer_s: Histogram
+    prefill_s: Histogram
+    _lock: threading.Lock
+    _children: dict[tuple[str, str | None], tuple[Any, str]]
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

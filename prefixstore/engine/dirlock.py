@@ -13,18 +13,18 @@ import fcntl
 import os
 import time
 
+import attrs
+
 from prefixstore.base.errors import LockedError
 
 LOCK_NAME = "LOCK"
 
 
+@attrs.define(slots=True, eq=False)
 class DirLock:
     """The descriptors holding a directory's locks; ``release`` closes them."""
 
-    __slots__ = ("fds",)
-
-    def __init__(self, fds: list[int]) -> None:
-        self.fds = fds
+    fds: list[int]
 
     def release(self) -> None:
         while self.fds:

@@ -91,8 +91,10 @@ class Txn:
     outputs: tuple[str, ...] = ()
 
 
+@attrs.define(slots=True, eq=False)
 class Journal:
-    """The SQL of the ``journal`` table, plus the row reads of the invariant checks."""
+    """The SQL of the ``journal`` table, plus the row reads of the invariant checks
+    (no state: every statement runs in the caller's connection ``c``)."""
 
     def insert(self, c: Any, kind: str, state: str, payload: Mapping[str, Any]) -> int:
         cur = c.execute("INSERT INTO journal(kind, state, payload) VALUES(?, ?, ?)",
@@ -142,8 +144,18 @@ def _marks(n: int) -> str:
     return ",".join("?" * n)
 
 
+@attrs.define(slots=True, eq=False, init=False, repr=False)
 class Driver:
-    """Drives every journaled transaction by its table; see the module docstring."""
+    """Drives every journaled transaction by its table; see the module docstring.
+    Fixed once built: every call runs in its caller's catalog transaction (under the
+    engine lock where the caller holds it)."""
+
+    machines: dict[str, Machine]
+    handlers: dict[str, dict[str, Handler]]
+    ranks: int
+    durable: Durable | None
+    debug: bool
+    journal: Journal
 
     def __init__(
         self,

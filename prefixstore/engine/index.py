@@ -52,13 +52,14 @@ class Node:
         return chain_all(parent_key, [d[i : i + DIGEST_SIZE] for i in range(0, len(d), DIGEST_SIZE)])
 
 
+@attrs.define(slots=True, eq=False, repr=False)
 class Index:
-    """Nodes by id and by key, and block key -> owning node id."""
+    """Nodes by id and by key, and block key -> owning node id. Changed and read under
+    the engine lock (``CallGuard.lock``)."""
 
-    def __init__(self) -> None:
-        self.nodes: dict[int, Node] = {}
-        self.by_key: dict[bytes, int] = {}
-        self.blocks: dict[bytes, int] = {}
+    nodes: dict[int, Node] = attrs.field(factory=dict)
+    by_key: dict[bytes, int] = attrs.field(factory=dict)
+    blocks: dict[bytes, int] = attrs.field(factory=dict)
 
     def clear(self) -> None:
         """Forget every node (new tables: a caller holding the old ``nodes`` keeps them)."""

@@ -152,17 +152,30 @@ def _peek(a: AsyncStores, prefix: Any, tokens_from: int) -> StoreTicket | tuple[
     return gen, held, first
 
 
+@attrs.define(slots=True, eq=False, init=False, repr=False)
 class _QueuedStore:
     """An asynchronous store between its staging and its commit: its staged shards,
     its reservations (fences once it runs) and its slot, given back once."""
+
+    a: AsyncStores
+    prefix: Any
+    with_snap: bool
+    valid: Callable[[], bool] | None
+    first: int
+    held: list[int]
+    staged: list[Staged]
+    cleaned: threading.Lock
+    """Taken once: by a failed staging, the job's ``finally`` or its cancellation."""
+    started: threading.Event
+    """Set when the job runs: its reservations are then fences of its transaction."""
 
     def __init__(self, a: AsyncStores, prefix: Any, with_snap: bool, valid: Callable[[], bool] | None,
                  first: int, held: list[int]) -> None:
         self.a, self.prefix, self.with_snap, self.valid = a, prefix, with_snap, valid
         self.first, self.held = first, held
-        self.staged: list[Staged] = []
-        self.cleaned = threading.Lock()  # a failed staging, the job's finally, or its cancellation: once
-        self.started = threading.Event()  # the job runs: its reservations are fences of its transaction
+        self.staged = []
+        self.cleaned = threading.Lock()
+        self.started = threading.Event()
 
     def stage(self, gen: int, segs: Any, snaps: Any, tokens_from: int) -> None:
         """Start the device to host copies of every rank's shard. Staged from ``first``:

@@ -58,16 +58,19 @@ class RemoteRef:
     local: Match
 
 
+@attrs.define(slots=True, eq=False, repr=False)
 class Backfill:
     """The checkpoints this engine has sent to the remote, and one thread that sends the
     ancestors a new checkpoint builds on which were never sent (those of an earlier
-    process, or made by a split): without them no other engine has a path to it."""
+    process, or made by a split): without them no other engine has a path to it.
+    ``lock`` guards ``jobs``."""
 
-    def __init__(self) -> None:
-        self.sent: set[tuple[bytes, int]] = set()  # (node key, generation)
-        self.jobs: list[concurrent.futures.Future] = []
-        self.lock = threading.Lock()
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, "prefixstore-remote-backfill")
+    sent: set[tuple[bytes, int]] = attrs.field(factory=set)
+    """(node key, generation) of each checkpoint sent."""
+    jobs: list[concurrent.futures.Future] = attrs.field(factory=list)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+    pool: concurrent.futures.ThreadPoolExecutor = attrs.field(
+        factory=lambda: concurrent.futures.ThreadPoolExecutor(1, "prefixstore-remote-backfill"))
 
     def submit(self, fn: Any, *args: Any) -> None:
         with self.lock:

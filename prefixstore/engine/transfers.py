@@ -34,8 +34,23 @@ from prefixstore.gpu.tier import Capability, has
 from prefixstore.gpu.workers import Worker
 
 
+@attrs.define(slots=True, eq=False, init=False, repr=False)
 class Transfers:
-    """The engine's transfer machinery: reader threads, workers, last-restore timings."""
+    """The engine's transfer machinery: reader threads, workers, last-restore timings.
+    Its own lock guards only whether a retry is queued; the rest is thread-safe by
+    itself (pools, workers, the semaphore) or written by one restore at a time."""
+
+    readers: ThreadPoolExecutor
+    window: int
+    """Reads in flight per restore, at most."""
+    commit: Worker
+    retry: Worker
+    slots: threading.BoundedSemaphore
+    """Async stores staged and not yet committed, at most ``max_inflight_stores``."""
+    last_restore: dict[str, float]
+    restaged: int
+    _retry_queued: bool
+    _lock: threading.Lock
 
     def __init__(self, ranks: int, *, max_inflight_stores: int = 8) -> None:
         self.readers = ThreadPoolExecutor(max_workers=max(2, 2 * ranks), thread_name_prefix="reader")
@@ -43,7 +58,6 @@ class Transfers:
         self.commit = Worker("commit")
         self.retry = Worker("retry")
         self.slots = threading.BoundedSemaphore(max_inflight_stores)
-        """Async stores staged and not yet committed, at most ``max_inflight_stores``."""
         self._retry_queued = False
         self._lock = threading.Lock()
         self.last_restore: dict[str, float] = {}
@@ -187,12 +201,32 @@ def restore_nodes(f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]]
     return outs, run.snaps, len(run.chunks)
 
 
+@attrs.define(slots=True, eq=False, init=False, repr=False)
 class _Restore:
-    """One restore's chunks, fetches and uploads (``restore_nodes``).
+    """One restore's chunks, fetches and uploads (``restore_nodes``), on one thread.
 
     A chunk is (node, rank, file row, output row, rows cut, rows copied): the rows the
     GPU holds already are cut, and a partial hit stops inside the last node.
     """
+
+    f: Fetch
+    end: Node
+    chunks: list[tuple[Node, int, tuple, int, int, int]]
+    rows_out: int
+    seg_rows: list[tuple[str, int]]
+    """Bytes per token row of each segment tensor."""
+    got: list[Any]
+    missing: list[int]
+    move: float
+    """Wall seconds spent moving bytes (``move_cpu``: this thread's CPU seconds)."""
+    move_cpu: float
+    moved: int
+    copies: int
+    snaps: list[dict[str, torch.Tensor]]
+    flats: list[dict[str, Any]]
+    ready: list[tuple[int, _Fetched]]
+    """Fetched, not yet uploaded."""
+    nxt: int
 
     def __init__(self, f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match) -> None:
         L = f.layout
