@@ -457,7 +457,7 @@ def test_async_stores_queued_behind_a_crash_fail_typed_and_give_back_what_they_h
             t.result(10)
     assert eng.guard.closed and not eng.holds.fences and not eng.holds.reserved
     assert eng.executor.pool.stats()["outstanding_bytes"] == 0
-    assert eng.transfers._slots._value == 8  # Transfers(max_inflight_stores=8): every slot back
+    assert eng.transfers.slots._value == 8  # Transfers(max_inflight_stores=8): every slot back
 
 
 def _async_scenario(root, ranks, backing, hook):
