@@ -82,7 +82,7 @@ def stand_in_for_torchvision() -> None:
 
 
 def launch_flags(root: str, pass_prefix_keys: bool, size: int, backend: str = "prefixstore") -> list[str]:
-    """The README's launch flags (less the model), for the prefixstore or SGLang's file
+    """The launch flags of docs/sglang.md (less the model), for the prefixstore or SGLang's file
     backend. The prefixstore backend's directory is its ``dir`` without prefix keys, and
     ``--file-storage-path`` (which SGLang adds to the extra config) beside ``dir`` with them."""
     where = ["--file-storage-path", root]

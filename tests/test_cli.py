@@ -20,8 +20,8 @@ from conftest import make_layout
 
 from prefixstore.base.errors import LayoutMismatchError
 from prefixstore.cli import main
+from prefixstore.cli.demo import demo_layout
 from prefixstore.engine.api import Engine
-from prefixstore.engine.cmd_demo import demo_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -65,6 +65,8 @@ def assert_every_node_restores(eng: Engine, stored: dict[tuple[int, int], bool])
         key = Prefix.from_tokens(toks, BT).keys[-1]
         if key not in eng.index.by_key:
             continue  # evicted by a committed evict
+        if not eng.index.nodes[eng.index.by_key[key]].has_snapshot:
+            continue  # its snapshot retired by a committed eviction: no longer an endpoint
         m = eng.lookup(Prefix.from_tokens(toks, BT))
         assert m.hit and m.blocks == blocks, (seed, blocks, m)
         got = eng.restore(m)
@@ -157,7 +159,8 @@ class _CrashBeforeWrite(FaultHook):
 def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs, reserve, via):
     """A snapshot retirement (a compact-replace) dies after rank 0 wrote its new shard;
     the disk then fills up. The next open (or ``audit --repair``) rolls the compaction
-    back, and the cache serves."""
+    back and evicts nothing for room, and the cache serves: writable when the reserve
+    it released left room, read-only when nothing is left."""
     root = os.path.join(small_fs, "cache")
     stored: dict[tuple[int, int], bool] = {}
     with Engine.open(root, LAYOUT, CAP) as eng:
@@ -183,8 +186,15 @@ def test_open_on_a_full_disk_finishes_an_unfinished_compaction_rollback(small_fs
             assert not eng.catalog.journal()
             rep = eng.audit()
             assert rep.ok, rep.violations
-            assert assert_every_node_restores(eng, stored) > 0
-            assert eng.evict(64 << 10) > 0
+            assert assert_every_node_restores(eng, stored) == len(stored)  # nothing evicted for room
+            if reserve == "held":  # the reserve released at open left room: writable
+                assert eng.read_only is None
+                assert eng.evict(64 << 10) > 0
+            else:  # recovered, and still no room: read-only rather than evict
+                assert isinstance(eng.read_only, DiskFullError), eng.read_only
+                assert "rather than evict" in str(eng.read_only)
+                with pytest.raises(ReadOnlyError):
+                    eng.evict(64 << 10)
         with Engine.open(root, LAYOUT, CAP) as eng:  # and again, still full
             assert eng.audit().ok
     finally:

@@ -21,7 +21,7 @@ from prefixstore.adapters.hf_tiny import causal_lm_types  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "models.md"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "transformers.md"
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]*) \| ([^|]+) \| ([^|]*) \|", re.M)
 FULL = os.environ.get("PREFIXSTORE_HF_WALK") == "full"
 SUBSET = (
@@ -70,8 +70,8 @@ def test_the_docs_table_covers_every_type_and_no_row_failed() -> None:
     for m, (_, verdict, diff) in listed.items():  # an exact row says by how much
         assert (verdict.startswith("exact")) == bool(diff), m
         assert not diff or float(diff) < hf_walk.TOL, m
-    # the README links the page and repeats its summary
+    # the transformers page links the table and repeats its summary
     summary = re.search(r"\*\*(\d+ model types: [^*]+)\.\*\*", DOCS.read_text())
     assert summary is not None
-    readme = README.read_text()
-    assert "docs/models.md" in readme and summary.group(1) in readme
+    page = PAGE.read_text()
+    assert "(models.md)" in page and summary.group(1) in page

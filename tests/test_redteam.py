@@ -4,7 +4,7 @@ A new finding lands as an ``xfail(strict=True)`` test, its root cause in the
 ``reason``: it fails while the bug is there (the suite stays green) and turns the
 suite red (XPASS) once the bug is fixed, so whoever fixes it removes the marker. The
 contract is ``shared/DESIGN.md`` (invariants 1-8 in section 4, the failure model in
-section 5) and the documented API (README, docstrings, ``base/errors.py``).
+section 5) and the documented API (docs/api.md, docstrings, ``base/errors.py``).
 """
 
 from __future__ import annotations

@@ -120,16 +120,18 @@ def test_constant_eviction_never_gives_wrong_bytes(tmp_path):
     refuses every write): it evicts on almost every write."""
     server = RedisServer(tmp_path / "redis", "--maxmemory-policy", "allkeys-lru").start()
     try:
-        with tier(server.url) as warm:  # the clients the test's tier will hold
-            warm.deepest(chain(1))
-            r = server.client()
-            r.config_set("maxmemory", r.info("memory")["used_memory"] + 256 * 1024)
         with tier(server.url, write_behind=False) as t:
+            warm = chain(1, seed=999)  # every client the tier holds connects before the limit is set
+            t.put(warm[0], t.manifest_for(warm[0], blobs_for(999, size=16), start=0, end=1,
+                                          generation=1, snapshot=False), blobs_for(999, size=16))
+            t.fetch_path(t.deepest(warm).path)
+            r = server.client()
+            r.config_set("maxmemory", r.info("memory")["used_memory"] + 384 * 1024)
             hits = 0
             for seed in range(40):
                 keys = chain(4, seed=seed)
                 for start, end, s in ((0, 2, 2 * seed), (2, 4, 2 * seed + 1)):
-                    blobs = blobs_for(s, size=2048)
+                    blobs = blobs_for(s, size=4096)
                     m = t.manifest_for(keys[end - 1], blobs, start=start, end=end,
                                        generation=1, snapshot=False)
                     t.put(keys[end - 1], m, blobs)
@@ -138,7 +140,7 @@ def test_constant_eviction_never_gives_wrong_bytes(tmp_path):
                     if hit is None:
                         continue
                     got = t.fetch_path(hit.path)
-                    want = [blobs_for(2 * old + (m.start > 0), size=2048) for m in hit.path]
+                    want = [blobs_for(2 * old + (m.start > 0), size=4096) for m in hit.path]
                     assert got == want[: len(got)]
                     hits += len(got) == len(want)
             evicted = server.client().info("stats")["evicted_keys"]

@@ -24,9 +24,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-# Imported here, not first inside a capsys test below: trace_cmd.Progress binds
-# sys.stderr as a default argument at import, and a capsys stream is closed after its test.
-import prefixstore.replay.trace_cmd  # noqa: F401
 from prefixstore import cli
 from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import Layout, TensorSpec

@@ -41,6 +41,9 @@ def free_port() -> int:
 def run_ranks(root, size: int) -> list[dict]:
     """Start ``size`` rank processes over ``root``; their results, rank by rank."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    # An earlier test's sglang or vllm import may have set this in our process: prometheus_client
+    # would then keep the harness's metrics in files shared by every collector of the run.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     port = free_port()
     procs = []
     for r in range(size):

@@ -14,7 +14,7 @@ from prefixstore.fuzz.soak import SoakStats, check_round
 
 
 def _soak(tmp_path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "prefixstore.fuzz.soak", "--dir", str(tmp_path), "--json", *args]
+    cmd = [sys.executable, "-m", "prefixstore.cli", "soak", "--dir", str(tmp_path), "--json", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     assert lines, proc.stderr[-3000:]

@@ -5,6 +5,7 @@ model runner steps them, over CPU KV caches vLLM planned and allocated
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -31,7 +32,12 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from prefixstore.adapters.vllm import PrefixStoreConnector, UnknownConfigKeysError  # noqa: E402
-from prefixstore.base.errors import InvalidInputError, LayoutError, LockedError  # noqa: E402
+from prefixstore.base.errors import (  # noqa: E402
+    IdentityMismatchError,
+    InvalidInputError,
+    LayoutError,
+    LockedError,
+)
 from prefixstore.base.keys import Prefix  # noqa: E402
 
 BS = drv.BS
@@ -216,6 +222,36 @@ def test_second_process_gets_first_ones_blocks_byte_for_byte_after_a_sigkill(tmp
         assert second.wrong == 0 and engine(second).audit().ok
     finally:
         second.close()
+
+
+def test_a_cache_directory_belongs_to_the_model_config_and_setup_that_wrote_it(tmp_path, model):
+    cache = str(tmp_path / "c")
+    tokens = drv.prompt(3, 4 * BS + 1)
+    first = drv.Instance(model, cache, extra=staging(tmp_path))
+    try:
+        serve(first, "a", tokens)
+        assert engine(first).stats()["nodes"] >= 1
+    finally:
+        first.close()
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    config["rms_norm_eps"] = 1e-6  # same path, same cache layout, another model
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(IdentityMismatchError, match="config") as err:
+        drv.Instance(model, cache, extra=staging(tmp_path))
+    assert err.value.differences and all("config" in d for d in err.value.differences)
+    config["rms_norm_eps"] = 1e-5
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(IdentityMismatchError, match="namespace"):  # keys folded with another namespace
+        drv.Instance(model, cache, extra={**staging(tmp_path), "namespace": "another"})
+    again = drv.Instance(model, cache, extra=staging(tmp_path))
+    try:
+        assert serve(again, "a-again", tokens + [5]) == 4 * BS  # the same model: every full block back
+        assert again.wrong == 0
+    finally:
+        again.close()
 
 
 # ---------------------------------------------------------------------- tensor parallel

@@ -1,7 +1,7 @@
 """prefixstore as SGLang's HiCache L3 storage backend (sglang 0.5.23).
 
 SGLang loads it with ``--hicache-storage-backend dynamic`` and an ``extra_config`` naming
-this module and ``PrefixStoreHiCache`` (see README, "SGLang HiCache backend").
+this module and ``PrefixStoreHiCache`` (see docs/sglang.md).
 
 Mapping. One SGLang page is one prefixstore block (``block_tokens`` = the KV page size,
 digest = blake2b of the page hash). Every pool gets its own engine in its own directory:

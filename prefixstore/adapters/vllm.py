@@ -28,7 +28,12 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefixstore.adapters.vllm_options import ConnectorOptions, UnknownConfigKeysError, kv_layout
+from prefixstore.adapters.vllm_options import (
+    ConnectorOptions,
+    UnknownConfigKeysError,
+    kv_layout,
+    model_identity,
+)
 from prefixstore.adapters.vllm_scheduler import SchedulerSide
 from prefixstore.adapters.vllm_staging import LoadJob, SaveJob, Staging
 from prefixstore.adapters.vllm_worker import WorkerSide
@@ -117,7 +122,8 @@ class PrefixStoreConnector(KVConnectorBase_V1):
                 log.warning("vllm_load_failure_policy", policy=self._kv_transfer_config.kv_load_failure_policy,
                             hint="a block that fails verification fails its request; 'recompute' recomputes it")
             hash_bs = getattr(vllm_config.cache_config, "hash_block_size", None) or self.layout.block_tokens
-            self.scheduler = SchedulerSide(self.options, self.layout, int(hash_bs))
+            self.scheduler = SchedulerSide(self.options, self.layout, int(hash_bs),
+                                           model_identity(vllm_config, self.options.namespace, tp))
         else:
             rank = int(par.rank) % tp
             self.worker = WorkerSide(Staging(self.options.staging_root, self.layout), self.layout, rank,

@@ -190,3 +190,24 @@ def _cost(value: Any) -> CostModel:
         return CostModel(**value)
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"kv_connector_extra_config['cost']: {exc}") from exc
+
+
+def model_identity(vllm_config: Any, namespace: str, tp: int) -> dict[str, str]:
+    """What the cache's rows mean (``Engine.open(identity=...)``): the model, its revision
+    and a fingerprint of its config, the dtypes, the tensor-parallel size, the block size
+    and hash, the key namespace. A directory another model or setup wrote is refused."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    hf = getattr(model, "hf_config", None)
+    text = hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else repr(hf)
+    return {
+        "adapter": "vllm",
+        "model": str(model.model),
+        "revision": str(getattr(model, "revision", None) or ""),
+        "config": hashlib.sha256(text.encode()).hexdigest(),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "tp": str(tp),
+        "block_size": str(cache.block_size),
+        "hash": str(cache.prefix_caching_hash_algo),
+        "namespace": namespace,
+    }

@@ -82,7 +82,8 @@ class _Load:
 class SchedulerSide:
     """The engine and the ledger of jobs in flight (see the module docstring)."""
 
-    def __init__(self, options: ConnectorOptions, layout: Layout, hash_block_size: int) -> None:
+    def __init__(self, options: ConnectorOptions, layout: Layout, hash_block_size: int,
+                 identity: dict[str, str] | None = None) -> None:
         self.options, self.layout = options, layout
         self.bs, self.ranks = layout.block_tokens, layout.ranks
         if self.bs % hash_block_size:
@@ -95,6 +96,8 @@ class SchedulerSide:
             row = layout.ranks * layout.token_bytes * self.bs
             self.admission = RetentionAdmission(max(1, options.capacity_bytes // max(1, row)))
             engine_opts["admission"] = self.admission
+        if identity is not None:
+            engine_opts["identity"] = identity
         self.engine = Engine.open(options.dir, layout, options.capacity_bytes, **engine_opts)
         self.staging = Staging(options.staging_root, layout)
         self.staging.reset()

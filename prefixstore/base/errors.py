@@ -69,6 +69,17 @@ class IllegalTransitionError(PrefixStoreError):
     """A transaction's state machine was fed an event its current state cannot handle."""
 
 
+class RowTransitionError(IllegalTransitionError):
+    """A catalog row was fed an event of its row table (``statemachine/rows.py``) that
+    its state cannot take: ``table``, ``row``, ``state`` and ``event`` say which. The
+    write is refused with its whole commit."""
+
+    def __init__(self, table: str, row: str, state: object, event: str, detail: str = "") -> None:
+        self.table, self.row, self.state, self.event = table, row, state, event
+        super().__init__(f"{table} row {row}: can't handle event {event!r} in state {state!r}"
+                         + (f" ({detail})" if detail else ""))
+
+
 class ShardError(PrefixStoreError):
     """A shard file failed verification (missing, short, checksum or header mismatch)."""
 

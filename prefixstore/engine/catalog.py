@@ -34,9 +34,11 @@ from prefixstore.base.errors import (
     CatalogIOError,
     EngineClosedError,
     ForeignSchemaError,
+    IllegalTransitionError,
     NotACacheError,
     PrefixStoreError,
     ReadOnlyError,
+    RowTransitionError,
     SchemaVersionError,
 )
 from prefixstore.engine import schema, trust
@@ -50,11 +52,19 @@ from prefixstore.engine.schema import (
 from prefixstore.engine.structure import FILE_COLUMNS, NODE_COLUMNS
 from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
 from prefixstore.gpu.fileio import FaultHook
+from prefixstore.statemachine.machine import Machine
 from prefixstore.statemachine.rows import FILE, NODE
 
-# Repair (re)attaches a file row to its node whatever its status was: outside the
-# FILE table's edges, it writes the status a published row has.
-REPAIRED_LIVE = FILE.next("writing", "published")
+# Where each row table's rows live: (SQL table, state column).
+_ROWS = {FILE.name: ("files", "status"), NODE.name: ("nodes", "state")}
+_CHUNK = 400  # rows named per statement (two parameters each for a file row)
+
+# Repair and recovery's reconcile rewrite rows whatever state they hold (a catalog
+# that contradicts itself): outside the tables' edges, they write the state an
+# event's rows take (a published file row's, a retired one's).
+REPAIRED_LIVE = FILE.target("published")
+REPAIRED_GARBAGE = FILE.target("retired")
+
 
 def catalog_path(root: str) -> str:
     return os.path.join(root, CATALOG_NAME)
@@ -385,25 +395,16 @@ class Catalog:
     def add_writing(self, c: sqlite3.Connection, tid: int, name: str, gen: int,
                     shards: Sequence[tuple[int, str]]) -> None:
         """Reserve ``name`` on every rank for ``tid``: ``shards`` is (size, checksum) per rank."""
-        c.executemany(
-            "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
-            "VALUES(?, ?, NULL, ?, ?, ?, ?, ?)",
-            [(r, name, gen, size, ck, FILE.next("absent", "reserved"), tid) for r, (size, ck) in enumerate(shards)],
-        )
+        self.insert_writing_files(c, tid, [(r, name, gen, size, ck) for r, (size, ck) in enumerate(shards)])
 
     def retire_live(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
-        """Hand the live files of ``node_id`` to ``tid`` as garbage; their (rank, name, size)."""
-        old = c.execute("SELECT rank, name, size FROM files WHERE node=? AND status='live'", (node_id,)).fetchall()
-        c.execute("UPDATE files SET status=?, node=NULL, txn=? WHERE node=? AND status=?",
-                  (FILE.next("live", "retired"), tid, node_id, "live"))
-        return old
+        """Hand the files of ``node_id`` (each live) to ``tid`` as garbage; their (rank, name, size)."""
+        return self.file_event(c, "retired", "node=?", (node_id,), sets="node=NULL, txn=?", values=(tid,))
 
     def refill_node(self, c: sqlite3.Connection, node_id: int, gen: int, has_snapshot: bool, now: int) -> None:
         """Make node ``node_id`` ready at generation ``gen``, used at ``now``."""
-        c.execute(
-            "UPDATE nodes SET state=?, generation=?, has_snapshot=?, last_used=?, snap_used=? WHERE id=?",
-            (NODE.next("damaged", "published"), gen, int(has_snapshot), now, now, node_id),
-        )
+        self.node_event(c, "published", [node_id], sets="generation=?, has_snapshot=?, last_used=?, snap_used=?",
+                        values=(gen, int(has_snapshot), now, now))
 
     def insert_node(self, c: sqlite3.Connection, key: bytes, parent: int | None, start: int, end: int,
                     digests: bytes, has_snapshot: bool, gen: int, now: int) -> int:
@@ -411,43 +412,34 @@ class Catalog:
         cur = c.execute(
             "INSERT INTO nodes(key, parent, start_block, end_block, digests, has_snapshot, "
             "state, generation, last_used, snap_used) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (key, parent, start, end, digests, int(has_snapshot), NODE.next("absent", "published"), gen, now, now),
+            (key, parent, start, end, digests, int(has_snapshot), _inserted(NODE, "published"), gen, now, now),
         )
         return int(cur.lastrowid)
 
-    def publish_files(self, c: sqlite3.Connection, tid: int, node_id: int) -> None:
-        """Make the files ``tid`` wrote the live files of ``node_id``."""
-        c.execute("UPDATE files SET status=?, node=?, txn=NULL WHERE txn=? AND status=?",
-                  (FILE.next("writing", "published"), node_id, tid, "writing"))
-
-    def abandon_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
-        """Abandon the files ``tid`` reserved (writing -> garbage)."""
-        c.execute("UPDATE files SET status=? WHERE txn=? AND status=?",
-                  (FILE.next("writing", "abandoned"), tid, "writing"))
+    def owned_event(self, c: sqlite3.Connection, event: str, tid: int) -> None:
+        """Feed FILE's ``event`` to every file row ``tid`` owns (a transition's ``owned``
+        event, e.g. a rollback's ``abandoned``: writing -> garbage)."""
+        self.file_event(c, event, "txn=?", (tid,))
 
     def evict_node(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
         """Delete node ``node_id``, handing its files to ``tid`` as garbage; their (rank, name, size)."""
-        rows = c.execute("SELECT rank, name, size FROM files WHERE node=?", (node_id,)).fetchall()
-        c.execute("UPDATE files SET status=?, node=NULL, txn=? WHERE node=?", (FILE.next("live", "retired"), tid, node_id))
-        c.execute("DELETE FROM nodes WHERE id=?", (node_id,))
+        rows = self.file_event(c, "retired", "node=?", (node_id,), sets="node=NULL, txn=?", values=(tid,))
+        self.node_event(c, "removed", [node_id])
         return rows
 
     def settle_files(self, c: sqlite3.Connection, rows: Sequence[tuple], left: set[tuple[int, str]]) -> None:
-        """After unlinking ``rows``: delete those gone, release those ``left`` to loose garbage."""
-        for r, name, *_ in rows:
-            if (r, name) in left:
-                c.execute("UPDATE files SET txn=NULL WHERE rank=? AND name=?", (r, name))
-            else:
-                c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+        """After unlinking the garbage ``rows``: delete those gone (``unlinked``), release
+        those ``left`` to loose garbage (``unlink_failed``)."""
+        kept = [(r, name) for r, name, *_ in rows if (r, name) in left]
+        self._files_event(c, "unlinked", [(r, name) for r, name, *_ in rows if (r, name) not in left])
+        self._files_event(c, "unlink_failed", kept, sets="txn=NULL")
 
     def delete_files(self, c: sqlite3.Connection, rows: Sequence[tuple], left: set[tuple[int, str]]) -> None:
-        """Delete the rows of ``rows`` not in ``left``."""
-        for r, name, *_ in rows:
-            if (r, name) not in left:
-                c.execute("DELETE FROM files WHERE rank=? AND name=?", (r, name))
+        """Delete the rows of the garbage ``rows`` not in ``left`` (``unlinked``)."""
+        self._files_event(c, "unlinked", [(r, name) for r, name, *_ in rows if (r, name) not in left])
 
     def mark_damaged(self, c: sqlite3.Connection, node_id: int) -> None:
-        c.execute("UPDATE nodes SET state=? WHERE id=?", (NODE.next("ready", "invalidated"), node_id))
+        self.node_event(c, "invalidated", [node_id])
 
     def set_recency(self, c: sqlite3.Connection, rows: Sequence[tuple[int, int, int]]) -> None:
         """``rows``: (last_used, snap_used, node id)."""
@@ -530,8 +522,8 @@ class Catalog:
         return int(top)
 
     def garbage_stray_writing(self, c: sqlite3.Connection) -> None:
-        """Every ``writing`` row becomes garbage of no transaction."""
-        c.execute("UPDATE files SET status=?, txn=NULL WHERE status=?", (FILE.next("writing", "abandoned"), "writing"))
+        """Every row that can be abandoned (``writing``) becomes garbage of no transaction."""
+        self.file_event(c, "abandoned", "1", sets="txn=NULL", every=False)
 
     def set_node_generation(self, c: sqlite3.Connection, nid: int, gen: int) -> None:
         c.execute("UPDATE nodes SET generation=? WHERE id=?", (gen, nid))
@@ -556,29 +548,36 @@ class Catalog:
     def garbage_file(self, c: sqlite3.Connection, rank: int, name: str) -> None:
         """File ``rank``/``name`` becomes garbage of no node and no transaction."""
         c.execute("UPDATE files SET status=?, node=NULL, txn=NULL WHERE rank=? AND name=?",
-                  (FILE.next("live", "retired"), rank, name))
+                  (REPAIRED_GARBAGE, rank, name))
 
     def forget_file(self, c: sqlite3.Connection, rank: Any, name: Any) -> None:
         """Delete the file row (never the file): its rank or name may be of any type."""
         c.execute("DELETE FROM files WHERE rank IS ? AND name IS ?", (rank, name))
 
     def mark_nodes_damaged(self, c: sqlite3.Connection, ids: Iterable[int]) -> None:
-        c.executemany("UPDATE nodes SET state=? WHERE id=?", [(NODE.next("ready", "invalidated"), i) for i in ids])
+        """Nodes ``ids`` (each ready) become damaged."""
+        self.node_event(c, "invalidated", list(ids))
+
+    def damage_node(self, c: sqlite3.Connection, nid: int) -> None:
+        """Repair: node ``nid`` becomes damaged whatever its state (outside NODE's edges)."""
+        c.execute("UPDATE nodes SET state=? WHERE id=?", (NODE.target("invalidated"), nid))
 
     def set_parent(self, c: sqlite3.Connection, nid: int, parent: int | None) -> None:
         c.execute("UPDATE nodes SET parent=? WHERE id=?", (parent, nid))
 
     def drop_nodes(self, c: sqlite3.Connection, ids: Sequence[int]) -> None:
-        """Delete nodes ``ids``, their files becoming garbage of no node."""
+        """Repair: delete nodes ``ids``, their files (whatever their status) becoming
+        garbage of no node."""
         marks = ",".join("?" * len(ids))
         c.execute(f"UPDATE files SET status=?, node=NULL, txn=NULL WHERE node IN ({marks})",
-                  (FILE.next("live", "retired"), *ids))
+                  (REPAIRED_GARBAGE, *ids))
         c.execute(f"UPDATE nodes SET parent=NULL WHERE id IN ({marks})", ids)
         c.execute(f"DELETE FROM nodes WHERE id IN ({marks})", ids)
 
     def release_txn_files(self, c: sqlite3.Connection, tid: int) -> None:
-        """Transaction ``tid``'s ``writing`` files become garbage; none stays its."""
-        c.execute("UPDATE files SET status=? WHERE txn=? AND status=?", (FILE.next("writing", "abandoned"), tid, "writing"))
+        """Transaction ``tid``'s files that can be abandoned (``writing``) become
+        garbage; none stays its."""
+        self.file_event(c, "abandoned", "txn=?", (tid,), every=False)
         c.execute("UPDATE files SET txn=NULL WHERE txn=?", (tid,))
 
     def insert_writing_files(self, c: sqlite3.Connection, tid: int,
@@ -587,39 +586,104 @@ class Catalog:
         c.executemany(
             "INSERT INTO files(rank, name, node, generation, size, checksum, status, txn) "
             "VALUES(?, ?, NULL, ?, ?, ?, ?, ?)",
-            [(*r, FILE.next("absent", "reserved"), tid) for r in rows],
+            [(*r, _inserted(FILE, "reserved"), tid) for r in rows],
         )
 
     def retire_node_files(self, c: sqlite3.Connection, ids: Sequence[int], tid: int) -> list[tuple[int, str, int]]:
-        """The files of nodes ``ids`` become garbage held by ``tid``; returns their
-        (rank, name, size)."""
+        """The files of nodes ``ids`` (each live) become garbage held by ``tid``; returns
+        their (rank, name, size)."""
         marks = ",".join("?" * len(ids))
-        old = c.execute(f"SELECT rank, name, size FROM files WHERE node IN ({marks})", ids).fetchall()
-        c.execute(f"UPDATE files SET status=?, node=NULL, txn=? WHERE node IN ({marks})",
-                  (FILE.next("live", "retired"), tid, *ids))
-        return [tuple(f) for f in old]
+        return self.file_event(c, "retired", f"node IN ({marks})", ids, sets="node=NULL, txn=?", values=(tid,))
 
     def rewrite_node(self, c: sqlite3.Connection, nid: int, fields: tuple) -> None:
         """Node ``nid`` becomes ready with ``fields`` = (parent, start, end, digests,
         has_snapshot, generation, last_used, snap_used)."""
-        c.execute("UPDATE nodes SET parent=?, start_block=?, end_block=?, digests=?, has_snapshot=?, "
-                  "state=?, generation=?, last_used=?, snap_used=? WHERE id=?",
-                  (*fields[:5], NODE.next("ready", "published"), *fields[5:], nid))
+        self.node_event(c, "published", [nid], sets="parent=?, start_block=?, end_block=?, digests=?, "
+                        "has_snapshot=?, generation=?, last_used=?, snap_used=?", values=fields)
 
     def insert_node_fields(self, c: sqlite3.Connection, key: bytes, fields: tuple) -> int:
         """A new ready node of ``key`` with ``fields`` (as ``rewrite_node``); its id."""
         cur = c.execute("INSERT INTO nodes(parent, start_block, end_block, digests, has_snapshot, state, "
                         "generation, last_used, snap_used, key) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (*fields[:5], NODE.next("absent", "published"), *fields[5:], key))
+                        (*fields[:5], _inserted(NODE, "published"), *fields[5:], key))
         return int(cur.lastrowid)
 
     def publish_file(self, c: sqlite3.Connection, tid: int, name: str, nid: int) -> None:
-        """``tid``'s ``writing`` files named ``name`` become node ``nid``'s live files."""
-        c.execute("UPDATE files SET status=?, node=?, txn=NULL WHERE txn=? AND status=? AND name=?",
-                  (FILE.next("writing", "published"), nid, tid, "writing", name))
+        """``tid``'s files named ``name`` (at least one, each ``writing``) become node
+        ``nid``'s live files."""
+        if not self.file_event(c, "published", "txn=? AND name=?", (tid, name), sets="node=?, txn=NULL",
+                               values=(nid,)):
+            raise RowTransitionError(FILE.name, f"{name} of transaction {tid}", FILE.initial, "published")
 
     def delete_node(self, c: sqlite3.Connection, nid: int) -> None:
-        c.execute("DELETE FROM nodes WHERE id=?", (nid,))
+        self.node_event(c, "removed", [nid])
+
+    # -- row events (statemachine/rows.py) ----------------------------------------------
+
+    def file_event(self, c: sqlite3.Connection, event: str, where: str, args: Sequence[Any] = (), *,
+                   sets: str = "", values: Sequence[Any] = (), every: bool = True) -> list[tuple[int, str, int]]:
+        """Feed FILE's ``event`` to the file rows ``where`` selects, inside ``c``: each row
+        in one of the event's source statuses (``FILE.sources``) takes its target status
+        (deleted when that is final) and the columns ``sets`` (``"col=?, ..."`` with
+        ``values``). With ``every``, a selected row in another status raises
+        RowTransitionError naming it and nothing is written; without, it is left as it
+        is. Returns the (rank, name, size) of the rows moved."""
+        select, params = f"SELECT rank, name, size, status FROM files WHERE ({where})", tuple(args)
+        if not every:  # only the rows that take the event are read
+            sources = _sources(FILE, event)
+            select, params = f"{select} AND status IN ({','.join('?' * len(sources))})", (*params, *sources)
+        found = c.execute(select, params).fetchall()
+        moved = self._move(c, FILE, event, where, tuple(args), sets, tuple(values), found, every)
+        return [(r[0], r[1], r[2]) for r in moved]
+
+    def node_event(self, c: sqlite3.Connection, event: str, ids: Sequence[int], *,
+                   sets: str = "", values: Sequence[Any] = ()) -> None:
+        """Feed NODE's ``event`` to nodes ``ids``, inside ``c``: each must be in one of its
+        source states (a missing one is ``absent``), else RowTransitionError names it and
+        nothing is written; each takes the target state (deleted when final) and ``sets``."""
+        for i in range(0, len(ids), _CHUNK):
+            part = tuple(ids[i:i + _CHUNK])
+            where = f"id IN ({','.join('?' * len(part))})"
+            found = c.execute(f"SELECT id, state FROM nodes WHERE {where}", part).fetchall()
+            if missing := sorted(set(part) - {r[0] for r in found}):
+                raise RowTransitionError(NODE.name, str(missing[0]), NODE.initial, event)
+            self._move(c, NODE, event, where, part, sets, tuple(values), found, True)
+
+    def _files_event(self, c: sqlite3.Connection, event: str, files: Sequence[tuple[int, str]],
+                     sets: str = "") -> None:
+        """``file_event`` on the rows of ``files`` ((rank, name) each), every one of them."""
+        for i in range(0, len(files), _CHUNK):
+            part = files[i:i + _CHUNK]
+            where = f"(rank, name) IN (VALUES {','.join(['(?, ?)'] * len(part))})"
+            args = [x for f in part for x in f]
+            if len(self.file_event(c, event, where, args, sets=sets)) != len(set(part)):
+                gone = set(part) - {(r[0], r[1]) for r in c.execute(f"SELECT rank, name FROM files WHERE {where}",
+                                                                    args)}
+                r, name = min(gone)
+                raise RowTransitionError(FILE.name, f"rank{r}/{name}", FILE.initial, event)
+
+    @staticmethod
+    def _move(c: sqlite3.Connection, m: Machine, event: str, where: str, args: tuple, sets: str,
+              values: tuple, found: list, every: bool) -> list:
+        """The write of a row event: ``found`` are the rows ``where`` selects (their
+        state last); those in a source state of ``event`` move."""
+        table, col = _ROWS[m.name]
+        sources = _sources(m, event)
+        moved = [r for r in found if r[-1] in sources]
+        if every and len(moved) != len(found):
+            bad = next(r for r in found if r[-1] not in sources)
+            raise RowTransitionError(m.name, _row_name(m, bad), bad[-1], event)
+        if not moved:
+            return moved
+        dst, marks = m.target(event), ",".join("?" * len(sources))
+        if m.is_final(dst):
+            sql, params = f"DELETE FROM {table} WHERE ({where}) AND {col} IN ({marks})", (*args, *sources)
+        else:
+            sql = f"UPDATE {table} SET {col}=?{', ' + sets if sets else ''} WHERE ({where}) AND {col} IN ({marks})"
+            params = (dst, *values, *args, *sources)
+        if (n := c.execute(sql, params).rowcount) != len(moved):
+            raise CatalogCorruptError(f"{table}: event {event!r} moved {n} rows of the {len(moved)} it selected")
+        return moved
 
     def close(self) -> None:
         self.closed = True
@@ -631,6 +695,25 @@ class Catalog:
 # opened read-only), IOERR, CORRUPT (what a failed read of a page can look like), FULL,
 # CANTOPEN, PROTOCOL.
 _IO_CODES = frozenset({8, 10, 11, 13, 14, 15})
+
+
+def _sources(m: Machine, event: str) -> list[str]:
+    """The states of existing rows that take ``event`` (its ``WHERE state IN (...)``)."""
+    if not (sources := sorted(m.sources(event) - {m.initial})):
+        raise IllegalTransitionError(f"{m.name}: event {event!r} moves no existing row")
+    return sources
+
+
+def _inserted(m: Machine, event: str) -> str:
+    """The state a new row takes by ``event`` (which an absent row must take)."""
+    if m.initial not in m.sources(event):
+        raise IllegalTransitionError(f"{m.name}: event {event!r} cannot add a row (no {m.initial} --{event}-->)")
+    return m.target(event)
+
+
+def _row_name(m: Machine, row: Sequence[Any]) -> str:
+    """How an error names a row of ``m``'s table (``rank0/NAME``, a node's id)."""
+    return f"rank{row[0]}/{row[1]}" if m is FILE else str(row[0])
 
 
 def _io_error(exc: sqlite3.DatabaseError) -> bool:

@@ -24,7 +24,8 @@ from prefixstore.gpu.backings import BACKINGS
 from prefixstore.gpu.remote import RemoteConfig, registry
 from prefixstore.statemachine.compaction import CompactionPolicy
 from prefixstore.statemachine.cost import CostModel
-from prefixstore.statemachine.policy import POLICIES
+from prefixstore.statemachine.policy import DEFAULT as DEFAULT_POLICY
+from prefixstore.statemachine.policy import registered
 
 if TYPE_CHECKING:
     from prefixstore.gpu.fileio import FaultHook, FileSystem
@@ -38,6 +39,11 @@ def _checked(check: Callable[..., Any], *args: Any, **kw: Any) -> Callable[[Any,
         check(attribute.name, value, *args, **kw)
 
     return validator
+
+
+def _registered_policy(argument: str, value: Any) -> None:
+    """``value`` names a policy registered now (``statemachine/policy.py``'s REGISTRY)."""
+    choice(argument, value, registered())
 
 
 def check_executor(argument: str, value: Any) -> None:
@@ -112,7 +118,7 @@ class EngineConfig:
     """
 
     synchronous: str = attrs.field(default="FULL", validator=_checked(choice, ("FULL", "NORMAL"), fold=True))
-    policy: str = attrs.field(default="prefixstore", validator=_checked(choice, POLICIES))
+    policy: str = attrs.field(default=DEFAULT_POLICY, validator=_checked(_registered_policy))
     cost: CostModel | None = attrs.field(default=None, validator=_checked(instance, CostModel))
     high_watermark: float = attrs.field(default=1.0, validator=_FRACTION)
     low_watermark: float = attrs.field(default=1.0, validator=[_FRACTION, _low_below_high])

@@ -16,10 +16,12 @@ store with nothing to retire fires ``durable`` then ``retired`` in one commit).
 
 With ``debug`` on (``PREFIXSTORE_DEBUG_INVARIANTS=1`` in the environment, or the
 ``debug`` argument / attribute) ``begin`` and every ``fire`` assert the per-state
-invariants of the state reached (``transactions.violations``) over a snapshot of
-the transaction's rows read through ``c`` and the ranks' answer to "is this shard
-durable on rank r" (``durable(rank, name)``; without one, durability is not
-checked), raising ``InvariantViolation``.
+invariants of the state reached and the row invariants of the file and node rows
+it holds (``transactions.violations``; the rows' own from ``statemachine/rows.py``)
+over a snapshot of the transaction's rows read through ``c`` (the rows it owns or
+writes, the nodes it names or its rows name, every row naming those nodes) and the
+ranks' answer to "is this shard durable on rank r" (``durable(rank, name)``;
+without one, durability is not checked), raising ``InvariantViolation``.
 
 Recovery and abort come from the table: ``recover(c, row)`` / ``abort(c, txn)``
 give a ``Step`` (the event, the direction, and either the event to fire now or
@@ -28,14 +30,15 @@ the state's outputs to re-run).
 The engine's wiring: ``eng.driver`` is built at open (``lifecycle.init_state`` ->
 ``journal.build``) with the handlers of ``journal.handlers`` (``retire_old``,
 ``clean_up``, ``reclaim``: unlink the owned files, settle their rows, fire the
-ending event) and ``durable(r, name)`` = the rank tier's ``durable(name)`` when it
+events the table declares for the output, ``Machine.outcome``) and ``durable(r, name)`` = the rank tier's ``durable(name)`` when it
 declares ``Capability.REPORTS_DURABILITY`` (``LocalRank``: the fault file system's
 ``is_durable``, else what its own fsync, rename and directory fsync completed), else
 None (taken as durable). Call sites: ``store.intent`` / ``replace._intent`` /
 ``evict.evict_nodes`` begin (their rows written by ``rows(tid)``); ``store.publish`` /
 ``replace._swap`` fire ``durable`` (a store with nothing to retire also ``retired``)
 and run the outputs after the commit; ``journal.rollback`` fires ``failed`` /
-``stale`` / ``recover`` (its new rows abandoned in the same commit);
+``stale`` (``journal.advance``: the rows it owns take its transition's ``owned`` row
+event, ``abandoned``, in the same commit);
 ``recovery.recover`` and ``pipeline.fail_txn`` end a transaction by
 ``recover`` / ``abort``'s step (``journal.end``). Repair's and a volatile backing's
 journal deletes go through ``Journal``. The flag: ``tests/conftest.py`` and the fuzz
@@ -55,7 +58,7 @@ import attrs
 from prefixstore.base.debug import DEBUG_ENV as DEBUG_ENV  # re-exported: the flag's name
 from prefixstore.base.debug import debug_from_env
 from prefixstore.base.errors import CatalogCorruptError, IllegalTransitionError
-from prefixstore.statemachine.machine import Machine, Step
+from prefixstore.statemachine.machine import Machine, Step, Transition
 from prefixstore.statemachine.rows import FileRow, NodeRow
 from prefixstore.statemachine.transactions import (
     MACHINES,
@@ -186,14 +189,19 @@ class Driver:
         """Feed ``event`` to ``txn`` in the state its journal row holds; return the
         outputs to run after the commit. IllegalTransitionError when the row is gone,
         belongs to another kind, or its state cannot take ``event``."""
-        kind, state = self._current(c, txn)
-        t = self._machine(kind).transition(state, event)
-        if self._machine(kind).is_final(t.dst):
+        t = self.transition(c, txn, event)
+        if self._machine(txn.kind).is_final(t.dst):
             self.journal.delete(c, txn.id)
         else:
             self.journal.set_state(c, txn.id, t.dst)
         self._assert(c, txn, t.dst)
         return t.outputs
+
+    def transition(self, c: Any, txn: Txn, event: str) -> Transition:
+        """The edge ``event`` takes from the state ``txn``'s journal row holds now (as
+        ``fire`` would take it; nothing is written)."""
+        kind, state = self._current(c, txn)
+        return self._machine(kind).transition(state, event)
 
     def run_outputs(self, txn: Txn, outputs: Iterable[str]) -> None:
         """Run ``outputs`` in order through ``txn.kind``'s handlers (after the commit)."""
@@ -229,6 +237,9 @@ class Driver:
         ids = named_nodes(txn.kind, txn.payload)
         files = self.journal.files(c, txn.id, names, ids, self.ranks)
         node_ids = {*ids, *(f.node for f in files if f.node is not None)}
+        if more := node_ids - set(ids):  # every row naming a node the new rows name
+            have = {f.where for f in files}
+            files += [f for f in self.journal.files(c, txn.id, (), more, self.ranks) if f.where not in have]
         mine = [f for f in files if f.name in names]
         if self.durable is None:
             durable = frozenset(f.where for f in mine)

@@ -6,8 +6,11 @@ No state is written here by hand: ``begin`` / ``fire`` go through the engine's
 row and takes the next state and its outputs from the transaction's table. The
 handlers are the tables' outputs: ``retire_old`` / ``reclaim`` unlink the files a
 published transaction owns (the retired generation, the evicted nodes' files) and
-``clean_up`` unlinks the files of one that rolled back; each then fires the event
-that ends its state (or its failure sibling when a file stays).
+``clean_up`` unlinks the files of one that rolled back; each then fires the event its
+table declares for it (``Machine.outcome``: ``ok``, or ``failed`` when a file stays).
+A fire that ends a state at once (``advance``: a rollback, a recovery or abort step
+that fires) feeds the rows the transaction owns the row event its transition names
+(``Transition.owned``) in the same commit.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from prefixstore.engine import lifecycle
 from prefixstore.engine.driver import Driver, Handler, Txn
 from prefixstore.gpu.tier import Capability, has
 from prefixstore.statemachine.machine import Step
+from prefixstore.statemachine.transactions import MACHINES
 
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
@@ -29,19 +33,21 @@ def build(eng: Engine) -> Driver:
     return Driver(handlers=handlers(eng), ranks=eng.layout.ranks, durable=lambda r, name: durable(eng, r, name))
 
 
+# Every output of the engine's tables unlinks the files its transaction owns.
+UNLINKING = {"store": ("retire_old", "clean_up"), "compact": ("retire_old", "clean_up"), "evict": ("reclaim",)}
+
+
 def handlers(eng: Engine) -> dict[str, Mapping[str, Handler]]:
-    """The output handlers per transaction kind."""
-    def retire(txn: Txn) -> None:
-        unlink_owned(eng, txn, "retired", "retire_failed", barrier=True)
+    """The output handlers per transaction kind: each unlinks the files its transaction
+    owns and fires the events its table declares for it (``outcome``); the files of a
+    published state are unlinked only after its commit is durable (``barrier``)."""
+    def unlinker(kind: str, output: str) -> Handler:
+        m = MACHINES[kind]
+        done = m.outcome(output)
+        barrier = any(m.is_published(s) for s in m.runs_in(output))
+        return lambda txn: unlink_owned(eng, txn, done.ok, done.failed, barrier=barrier)
 
-    def clean_up(txn: Txn) -> None:
-        unlink_owned(eng, txn, "cleaned", "cleanup_failed", barrier=False)
-
-    def reclaim(txn: Txn) -> None:
-        unlink_owned(eng, txn, "reclaimed", "reclaim_failed", barrier=True)
-
-    replacing = {"retire_old": retire, "clean_up": clean_up}
-    return {"store": replacing, "compact": replacing, "evict": {"reclaim": reclaim}}
+    return {kind: {o: unlinker(kind, o) for o in outputs} for kind, outputs in UNLINKING.items()}
 
 
 def durable(eng: Engine, rank: int, name: str) -> bool | None:
@@ -59,6 +65,12 @@ def begin(eng: Engine, c: Any, kind: str, payload: dict[str, Any], rows=None) ->
 def fire(eng: Engine, c: Any, txn: Txn, event: str) -> tuple[str, ...]:
     """Feed ``event`` to ``txn`` inside ``c`` (the commit's last statement); its outputs."""
     return eng.driver.fire(c, txn, event)
+
+
+def skip(eng: Engine, c: Any, txn: Txn, output: str) -> tuple[str, ...]:
+    """End, inside ``c``, the state ``output`` would end, by its ``ok`` event (it has
+    nothing to do: a store with no old generation to retire); the outputs to run."""
+    return eng.driver.fire(c, txn, MACHINES[txn.kind].outcome(output).ok)
 
 
 def run(eng: Engine, txn: Txn, outputs: tuple[str, ...]) -> None:
@@ -81,22 +93,33 @@ def unlink_owned(eng: Engine, txn: Txn, ok: str, failed: str, *, barrier: bool) 
     eng.driver.run_outputs(txn, outs)
 
 
-def rollback(eng: Engine, txn: Txn, event: str) -> None:
-    """End a transaction that had not published: ``event`` takes it from INTENT to
-    ROLLING_BACK (its new rows abandoned in the same commit), then ``clean_up`` runs."""
-    with eng.catalog.txn(f"{txn.kind}.rollback") as c:
-        eng.catalog.abandon_txn_files(c, txn.id)
+def advance(eng: Engine, txn: Txn, event: str, label: str) -> None:
+    """Fire ``event`` in a commit of its own (``label``), with the row event its
+    transition names for the rows ``txn`` owns (``owned``), then run its outputs."""
+    with eng.catalog.txn(label) as c:
+        owned = eng.driver.transition(c, txn, event).owned
+        if owned is not None:
+            eng.catalog.owned_event(c, owned, txn.id)
         outs = eng.driver.fire(c, txn, event)
     eng.driver.run_outputs(txn, outs)
 
 
+def rollback(eng: Engine, txn: Txn, event: str) -> None:
+    """End a transaction that had not published by ``event`` (``failed``, ``stale``:
+    INTENT -> ROLLING_BACK, its new rows abandoned in the same commit), then its
+    outputs (``clean_up``)."""
+    advance(eng, txn, event, f"{txn.kind}.rollback")
+
+
 def end(eng: Engine, txn: Txn, step: Step) -> None:
-    """End ``txn`` by a recovery or abort ``step``: fire its event (a rollback from
-    INTENT), or re-run its state's outputs."""
-    if step.fire is not None:
-        rollback(eng, txn, step.fire)
-    else:
+    """End ``txn`` by a recovery or abort ``step``, as its table says: fire the step's
+    event now (``advance``; a step back is the transaction's rollback), or re-run its
+    state's outputs, which fire the events their ``outcome`` declares."""
+    if step.fire is None:
         eng.driver.run_outputs(txn, step.outputs)
+    else:
+        back = step.direction == "back"
+        advance(eng, txn, step.fire, f"{txn.kind}.{'rollback' if back else step.fire}")
 
 
 def drop_rows(eng: Engine, c: Any, tids) -> None:

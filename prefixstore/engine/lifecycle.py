@@ -44,12 +44,18 @@ from prefixstore.engine import (
     tiering,
     trust,
 )
-from prefixstore.engine.catalog import CATALOG_NAME, Catalog, drop_empty_log, log_files
+from prefixstore.engine.catalog import (
+    CATALOG_NAME,
+    Catalog,
+    catalog_path,
+    drop_empty_log,
+    log_files,
+)
 from prefixstore.engine.config import EngineConfig
 from prefixstore.engine.counters import Counters
 from prefixstore.engine.index import Index
 from prefixstore.gpu import tiers
-from prefixstore.gpu.diskroom import LOW_WATER, DiskRoom, free_bytes
+from prefixstore.gpu.diskroom import DiskRoom
 from prefixstore.gpu.executor import make_executor
 from prefixstore.gpu.fileio import FaultHook, OsFS
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name
@@ -127,7 +133,7 @@ def open_cache(eng: Engine, root: str, layout: Layout, capacity_bytes: int, o: E
     init_state(eng, root, layout, capacity_bytes, o)
     check_root(eng, o.create)
     take_lock(eng)
-    eng.disk = DiskRoom(root, eng.disk_reserve_bytes)
+    eng.disk = DiskRoom(root, eng.disk_reserve_bytes, catalog=catalog_path(root))
     logs = log_files(root)
     try:
         open_catalog(eng, o)
@@ -198,7 +204,7 @@ def open_catalog(eng: Engine, o: EngineConfig) -> None:
     """Open the catalog (after refusing symlinked own directories, with nothing touched)."""
     root, layout = eng.root, eng.layout
     cachedirs.check_own_dirs(root, layout.ranks if o.ranks is None and o.backing != "memory" else 0)
-    if o.ranks is None and eng.disk.tight() and os.path.exists(os.path.join(root, CATALOG_NAME)):
+    if o.ranks is None and eng.disk.full() and os.path.exists(os.path.join(root, CATALOG_NAME)):
         recovery.room_before_open(root, layout.ranks)
     eng.catalog = Catalog(root, synchronous=o.synchronous, hook=eng.hook, create=o.create,
                           before_write=eng.disk.before_catalog_write)
@@ -223,6 +229,9 @@ def open_effects(eng: Engine, o: EngineConfig) -> None:
     eng.recovery_report = recovery.recover(eng)
     loading.load(eng)
     fit(eng)
+    if o.read_only_fallback and o.ranks is None and o.backing == "disk" and eng.disk.full():
+        # recovered, and still no room to write: read-only rather than evict for room
+        raise disk_full(eng, "the cache opens read-only rather than evict checkpoints for room")
     eng.calibration = calibration.resolve(eng, o.bandwidth)
     eng.transfers = pipeline.Transfers(layout.ranks)
     eng.compactor = compaction.start_worker(eng, o.compaction)
@@ -235,15 +244,15 @@ def drop_pool(eng: Engine) -> None:
 
 
 def fall_back(eng: Engine, exc: BaseException, o: EngineConfig, logs: frozenset[str]) -> bool:
-    """After a failed open: True when the cache opened read-only instead (a full disk);
-    else the lock is released and the caller raises (a full disk: as DiskFullError)."""
-    root = eng.root
-    full = isinstance(exc, CatalogIOError) and eng.disk.tight()
-    reason = DiskFullError(
-        f"{root}: the disk is full ({free_bytes(root)} bytes free, no reserve left, nothing "
-        f"this cache can free without a catalog write): free {LOW_WATER} bytes on that "
-        "file system and open again"
-    ) if full else None
+    """After a failed open: True when the cache opened read-only instead (a full disk:
+    out of bytes or of inodes); else the lock is released and the caller raises (a
+    full disk: as DiskFullError)."""
+    if isinstance(exc, DiskFullError):
+        reason: DiskFullError | None = exc  # recovered, and no room: closing the catalog may have freed its log
+    elif isinstance(exc, CatalogIOError) and eng.disk.full():
+        reason = disk_full(eng, "nothing this cache can free without a catalog write")
+    else:
+        reason = None
     if reason is not None and o.read_only_fallback and o.ranks is None and o.backing == "disk":
         try:
             open_read_only(eng, reason, o.bandwidth, logs)
@@ -257,6 +266,14 @@ def fall_back(eng: Engine, exc: BaseException, o: EngineConfig, logs: frozenset[
     if reason is not None:
         raise reason from exc
     return False
+
+
+def disk_full(eng: Engine, why: str) -> DiskFullError:
+    """The error naming the full disk under the catalog: what it has free (bytes,
+    inodes), ``why`` the open gave up on writing, and what to free."""
+    free, remedy = eng.disk.lack()
+    return DiskFullError(f"{eng.root}: the disk is full ({free}, no reserve left; {why}): "
+                         f"free {remedy} on that file system and open again")
 
 
 def open_read_only(eng: Engine, reason: DiskFullError, bandwidth: Any, logs: frozenset[str]) -> None:
@@ -275,7 +292,8 @@ def open_read_only(eng: Engine, reason: DiskFullError, bandwidth: Any, logs: fro
                                       for r in range(eng.layout.ranks)], given=False)
         eng._pool = ThreadPoolExecutor(max_workers=max(1, eng.layout.ranks), thread_name_prefix="rank")
         eng.disk.bind([r.directory for r in eng.ranks], eng.layout.ranks)
-        eng.recovery_report = recovery.RecoveryReport()
+        if getattr(eng, "recovery_report", None) is None:  # kept when recovery ran before
+            eng.recovery_report = recovery.RecoveryReport()
         loading.load(eng)
         eng.unsettled = readonly.hold_out(eng.catalog, eng.index)
         eng.calibration = calibration.resolve(eng, None if isinstance(bandwidth, str) else bandwidth)
@@ -337,11 +355,12 @@ def check_layout(eng: Engine) -> None:
 
 
 def fit(eng: Engine) -> None:
-    """At open: evict by policy (journaled) until the charged bytes fit the capacity
-    and the disk has the catalog's margin; take the disk reserve back if it fits. Raises
-    CapacityError when the capacity cannot be reached."""
+    """At open: evict by policy (journaled) until the charged bytes fit the capacity;
+    hold the catalog's room in its files and take the disk reserve back if they fit. The disk's room is no reason to evict here
+    (a full disk opens read-only instead, see ``open_effects``). Raises CapacityError
+    when the capacity cannot be reached."""
     with eng._lock:
-        over = max(eng._charged - eng.capacity, eng.disk.shortfall(0, reserve=False))
+        over = eng._charged - eng.capacity
         if over > 0:
             freed = space.free(eng, over)
             eng.recovery_report.evicted += freed
@@ -351,6 +370,7 @@ def fit(eng: Engine) -> None:
                 f"{eng.root}: {eng._charged} bytes stay charged after evicting what open "
                 f"can, above capacity_bytes={eng.capacity}; open with a larger capacity"
             )
+        eng.disk.hold_catalog_room()
         eng.disk.restore()
 
 

@@ -1,10 +1,13 @@
 """A read-only engine: what a cache whose disk is full may still serve.
 
-When the disk is full, the catalog's reserve is spent and nothing can be freed
-without a commit, ``Engine.open`` opens the cache read-only (unless
-``read_only_fallback=False``): the catalog is opened without writing
+When the disk is full (out of bytes or of inodes), the catalog's reserve is spent
+and nothing can be freed without a commit, ``Engine.open`` opens the cache read-only
+(unless ``read_only_fallback=False``): the catalog is opened without writing
 (``Catalog.open_read_only``), no recovery runs, no reserve file is created and no
-file is unlinked or written. Ready nodes are looked up and restored (every restore
+file is unlinked or written. When recovery can run (a crash left the catalog's log)
+but the disk is still full once it has, the open goes read-only the same way after
+it, with the recovery's report kept: evicting checkpoints by policy to make room is
+never what an open does. Ready nodes are looked up and restored (every restore
 verifies its shards; a shard that fails is a miss, its node damaged in memory only);
 every mutation raises ReadOnlyError naming the reason. Pins are in memory and stay
 allowed.

@@ -284,7 +284,7 @@ def apply_catalog_fix(root: str, fix: CatalogFix, hook: FaultHook | None = None)
             if fix.drop_nodes:
                 cat.drop_nodes(c, fix.drop_nodes)
             for nid in fix.damage_nodes:
-                cat.mark_nodes_damaged(c, [nid])
+                cat.damage_node(c, nid)
             for tid in fix.drop_journal:
                 cat.release_txn_files(c, tid)
                 Journal().delete(c, tid)
@@ -329,7 +329,7 @@ def repair(
     ranks = None
     if rank_dirs:
         ranks = [LocalRank(r, d, fs, hook) for r, d in enumerate(rank_dirs)]
-    opts: dict[str, Any] = {"create": False, "ranks": ranks}
+    opts: dict[str, Any] = {"create": False, "ranks": ranks, "read_only_fallback": False}  # repair writes
     if hook is not None:
         opts["hook"] = hook
     if fs is not None:

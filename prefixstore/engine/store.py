@@ -3,6 +3,7 @@ publish (a refill retires the row's old generation), or roll back."""
 
 from __future__ import annotations
 
+import errno
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ from prefixstore.engine.results import (
     StoreResult,
 )
 from prefixstore.gpu import shards
+from prefixstore.gpu.diskroom import enospc_reason
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine.rows import NODE
 
@@ -181,9 +183,9 @@ def begin(eng: Engine, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
     t = InFlight(p, 0, key, gen, shard_name(key, gen), n, datas, [] if datas is staged else datas,
                  protect, sum(d.size for d in datas))
     try:  # a failed space step or intent commit must not strand the buffers
-        if not space.make_space(eng, t.needed, protect):
+        if (why := space.room_for(eng, t.needed, protect)) is not None:
             pipeline.release(t.owned)
-            res = StoreResult(REFUSED, n, "no_space", t.needed)
+            res = StoreResult(REFUSED, n, why, t.needed)
             count_skip(eng, res)
             return res
         t.txn = intent(eng, t)
@@ -218,11 +220,12 @@ def write_and_publish(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     n = len(prefix)
     errors = write_all(eng, t.name, t.datas)
     if errors:
+        why = failure_reason(eng, errors, t.datas)  # before the rollback frees room
         with eng._lock:
             journal.rollback(eng, t.txn, "failed")
         check_prior(eng, t.plan, {r for r, _ in errors})
         eng.counters.inc("stores", FAILED)
-        return StoreResult(FAILED, n, "; ".join(f"rank {r}: {e}" for r, e in errors), t.needed)
+        return StoreResult(FAILED, n, why, t.needed)
     # A refilled row pinned by a restore is never replaced under the pin
     # (invariant 6): wait for the pin to go, up to pin_wait_s, else roll back
     # (at once when pin() holds it: a request's pin is not waited for).
@@ -256,6 +259,18 @@ def published(eng: Engine, prefix: Prefix, t: InFlight) -> StoreResult:
     eng.counters.inc("stores", status)
     log.debug("stored", key=t.key.hex()[:12], blocks=n, node=node.id, bytes=t.needed)
     return StoreResult(status, n, None, t.needed)
+
+
+def failure_reason(eng: Engine, errors: list[tuple[int, OSError]], datas: list[Any]) -> str:
+    """Why the writes of ``datas`` failed, per rank: a file system found full is named
+    as such (out of bytes or of inodes, ``gpu/diskroom.py``), any other error as it
+    was raised."""
+    parts = []
+    for r, e in errors:
+        where = getattr(eng.ranks[r], "directory", None)
+        full = enospc_reason(where, datas[r].size) if e.errno == errno.ENOSPC and where else None
+        parts.append(f"rank {r}: {full or e}")
+    return "; ".join(parts)
 
 
 def count_skip(eng: Engine, res: StoreResult) -> None:
@@ -305,11 +320,11 @@ def publish(eng: Engine, txn: Txn, plan: Plan, key: bytes, digests: bytes, start
         else:
             nid = eng.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
                                           digests, has_snap, gen, now)
-        eng.catalog.publish_files(c, tid, nid)
+        eng.catalog.publish_file(c, tid, txn.payload["name"], nid)
         recency.flush(eng, c)
         outs = journal.fire(eng, c, txn, "durable")
         if not old:  # nothing to retire: done in the same commit
-            outs = journal.fire(eng, c, txn, "retired")
+            outs = journal.skip(eng, c, txn, "retire_old")
     node = apply_publish(eng, plan, nid, key, digests, start, end, gen, needed, now)
     journal.run(eng, txn, outs)
     return node

@@ -34,6 +34,7 @@ from prefixstore.engine.workdir import ensure_dir
 from prefixstore.fuzz import plants as plant_registry
 from prefixstore.fuzz.driver import Driver, RunConfig, Violation, replay
 from prefixstore.fuzz.faultfs import OPS
+from prefixstore.statemachine.policy import DEFAULT, registered
 
 FORMAT = "prefixstore-fuzz-reproducer-1"
 
@@ -68,16 +69,23 @@ _FAULT_OPS = {"write": 3, "fsync": 2, "rename": 1, "fsync_dir": 1, "unlink": 2, 
 assert set(_FAULT_OPS) == set(OPS)
 
 
+def policy_weights() -> dict[str, int]:
+    """Every eviction policy registered now, with its weight in a run's draw (the
+    engine's default three times any other)."""
+    return {name: 6 if name == DEFAULT else 2 for name in registered()}
+
+
 def draw_config(seed: int, ranks: int | None = None, plant: Any = None) -> RunConfig:
     """A run's configuration from its seed (``ranks`` and a plant's needs override)."""
     rng = random.Random(f"config/{seed}")
+    weights = policy_weights()
     r = ranks or rng.choice([1, 2, 4])
     fields: dict[str, Any] = dict(
         ranks=r,
         snapshot=rng.random() < 0.75,
         synchronous=rng.choice(["FULL", "NORMAL"]),
         capacity=r * rng.randrange(2500, 7000),
-        policy=rng.choices(["prefixstore", "leaf-lru", "lru"], [6, 2, 2])[0],
+        policy=rng.choices(list(weights), list(weights.values()))[0],
         seed=seed,
     )
     if rng.random() < 0.5:  # evict ahead of need: room to retire snapshots

@@ -69,6 +69,7 @@ from prefixstore.fuzz.model import CatalogObserver, NodeRow, Universe, fuzz_layo
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import rank_dir_name
 from prefixstore.statemachine.compaction import CompactionPolicy
+from prefixstore.statemachine.policy import DEFAULT as DEFAULT_POLICY
 
 STORE_STATUSES = frozenset({"stored", "refilled", "duplicate", "queued", "refused", "failed", "skipped"})
 LOOKUP_OUTCOMES = frozenset({"hit", "gpu_resident", "miss", "rejected_cost", "damaged"})
@@ -94,7 +95,7 @@ class RunConfig:
     snapshot: bool = True
     synchronous: str = "FULL"
     capacity: int = 6000
-    policy: str = "prefixstore"
+    policy: str = DEFAULT_POLICY
     high_watermark: float = 1.0
     low_watermark: float = 1.0
     seed: int = 0

@@ -51,7 +51,6 @@ import torch
 from prefixstore.base.errors import CatalogIOError, EngineClosedError, PrefixStoreError
 from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
-from prefixstore.engine.workdir import work_dir
 from prefixstore.fuzz.soak import (
     BT,
     CAPACITY,
@@ -63,9 +62,6 @@ from prefixstore.fuzz.soak import (
     verify_restore,
 )
 from prefixstore.gpu.ranks import LocalRank
-
-NAME = "fiu"
-HELP = "run a workload under libfiu (real ENOSPC/EIO from libc); audit after"
 
 POINTS = {
     "files": ["posix/io/oc/open", "posix/io/rw/write", "posix/io/sync/fsync", "posix/io/dir/rename",
@@ -312,48 +308,21 @@ def summary(res: FiuResult) -> list[str]:
     return out
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default=None, help="cache directory (default: a new temp dir)")
-    p.add_argument("--target", choices=sorted(POINTS), default="all", help="which libc calls fail")
-    p.add_argument("--ops", type=int, default=400, help="operations while armed (default 400)")
-    p.add_argument("--p", type=float, default=0.05, help="failure probability per call (default 0.05)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep", action="store_true",
-                   help="keep the temporary work directory (without --dir) instead of removing it")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plant", choices=sorted(PLANTS), default=None,
-                   help="run against a deliberately broken engine (the check must fail)")
-
-
-def run(args: argparse.Namespace) -> int:
-    if not fiu_available():
-        print("fiu-run is not installed (apt-get install fiu-utils)", file=sys.stderr)
-        return 2
-    with work_dir("fiu", args.dir, args.keep, option="--dir") as root:
-        return _run(args, root)
-
-
-def _run(args: argparse.Namespace, root: str) -> int:
-    res = run_under_fiu(root, target=args.target, ops=args.ops, probability=args.p, seed=args.seed,
-                        plant=args.plant)
-    if args.json:
-        print(json.dumps(res.to_dict()))
-    else:
-        print("\n".join(summary(res)))
-    return 0 if res.ok else 1
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixstore.fuzz.fiu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    """The child's entry (``python -m prefixstore.fuzz.fiu --child ROOT ...``, as
+    :func:`run_under_fiu` starts it under ``fiu-run -x``): run the armed workload, print
+    its JSON result, and end as a process death would."""
+    p = argparse.ArgumentParser(prog="python -m prefixstore.fuzz.fiu")
+    p.add_argument("--child", required=True, metavar="ROOT")
+    p.add_argument("--target", choices=sorted(POINTS), default="all")
+    p.add_argument("--ops", type=int, default=400)
+    p.add_argument("--p", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plant", choices=sorted(PLANTS), default=None)
     args = p.parse_args(argv)
-    if args.child:
-        out = child_main(args.child, args.target, args.ops, args.p, args.seed, args.plant)
-        print(json.dumps(out), flush=True)
-        os._exit(0)  # as a process death: no clean close of the engine
-    return run(args)
+    out = child_main(args.child, args.target, args.ops, args.p, args.seed, args.plant)
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # as a process death: no clean close of the engine
 
 
 if __name__ == "__main__":

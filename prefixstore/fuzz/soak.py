@@ -30,15 +30,12 @@ were acknowledged in all, or its time budget (``max_seconds``) is spent;
 ``SoakStats.target_met`` says which.
 
 Run: ``prefixstore soak [--kills N] [--ranks 1 4] [--seed S] [--min-acked M] [--max-seconds T]
-[--json]`` or
-``python -m prefixstore.fuzz.soak``.
+[--json]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import random
 import signal
@@ -46,7 +43,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter
 from typing import Any
 
 import attrs
@@ -57,12 +53,8 @@ from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir, read_catalog
-from prefixstore.engine.workdir import work_dir
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.ranks import LocalRank
-
-NAME = "soak"
-HELP = "SIGKILL a working engine many times; audit and check acknowledged stores after each"
 
 BT = 4
 CONVERSATIONS = 6
@@ -382,69 +374,3 @@ def soak(
 def _split(total: int, parts: int) -> list[int]:
     """``total`` split over ``parts`` as evenly as integers allow, the larger first."""
     return [total // parts + (i < total % parts) for i in range(parts)]
-
-
-# ---------------------------------------------------------------------- CLI
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
-    p.add_argument("--kills", type=int, default=200, help="SIGKILLs in all, split over --ranks (default 200)")
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="rank counts (default 1 4)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-delay", type=float, default=0.25, help="longest life of a child, seconds")
-    p.add_argument("--effect-delay-ms", type=float, default=0.0,
-                   help="model a slow disk: sleep this long after every effect in the child, so "
-                        "more kills land inside transactions (default 0)")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the temporary work directory (without --dir) instead of removing it")
-    p.add_argument("--min-acked", type=int, default=0,
-                   help="after the kills, keep killing (the --ranks in turn) until this many stores "
-                        "were acknowledged in all, within --max-seconds (default 0)")
-    p.add_argument("--max-seconds", type=float, default=600.0,
-                   help="time budget for the rounds past --kills, from the start (default 600)")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--plant", choices=sorted(PLANTS), default=None,
-                   help="run against a deliberately broken engine (the soak must report it)")
-
-
-def run(args: argparse.Namespace) -> int:
-    with work_dir("soak", args.dir, args.keep, option="--dir") as root:
-        return _run(args, root)
-
-
-def _run(args: argparse.Namespace, root: str) -> int:
-    st = soak(root, kills=args.kills, ranks=tuple(args.ranks), seed=args.seed,
-              max_delay=args.max_delay, progress=not args.json, plant=args.plant,
-              effect_delay=args.effect_delay_ms / 1000, min_acked=args.min_acked,
-              max_seconds=args.max_seconds)
-    lost_or_bad = st.lost or st.violations
-    if args.json:
-        print(json.dumps(st.to_dict()))
-    else:
-        print(f"soak in {root}: {st.kills} SIGKILLs {dict(st.kills_by_ranks)} in {st.seconds} s"
-              f" ({st.extra_kills} past --kills to reach --min-acked)")
-        print(f"  kills that left an unfinished transaction: {st.unfinished_at_kill} "
-              f"{dict(Counter(st.unfinished_kinds))}")
-        print(f"  recoveries by the checker: {st.recoveries} (rolled back {st.rolled_back}, "
-              f"forward {st.rolled_forward}); the others by the next child")
-        print(f"  acknowledged stores: {st.acked_stores} {dict(st.acked_by_ranks)}"
-              f"{'' if st.target_met else ' (below --min-acked: --max-seconds ran out)'}; "
-              f"acknowledged checkpoints checked: {st.acked_checks}; evictions announced: "
-              f"{st.evictions_announced}")
-        print(f"  restores verified bit-identical after recovery: {st.restores_verified}")
-        print(f"  lost acknowledged stores: {st.lost}; violations: {len(st.violations)}")
-        for v in st.violations[:20]:
-            print(f"    - {v}")
-    return 1 if lost_or_bad else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixstore.fuzz.soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -39,11 +39,18 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from prefixstore.engine.api import Engine
 from prefixstore.fuzz.driver import DAMAGE, Driver, RunConfig
 from prefixstore.fuzz.faultfs import OPS
+from prefixstore.statemachine.policy import DEFAULT, registered
 
 SEQS = st.integers(0, 5)
 BLOCKS = st.integers(1, 8)
 MODES = st.sampled_from(["drop", "garble"])
 SNAPS = st.floats(0.0, 0.999, allow_nan=False)
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> str:
+    """An eviction policy registered when drawn (the engine's default twice as often)."""
+    return draw(st.sampled_from([DEFAULT, *registered()]))
 
 
 def _fault(ranks: int) -> st.SearchStrategy[dict[str, Any]]:
@@ -94,7 +101,7 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(
         target=keys,
         per_rank=st.integers(2500, 7000),
-        policy=st.sampled_from(["prefixstore", "prefixstore", "leaf-lru", "lru"]),
+        policy=policies(),
         seed=st.integers(0, 2**16),
         low=st.sampled_from([1.0, 0.8, 0.6]),
         first=st.lists(st.tuples(SEQS, BLOCKS), min_size=1, max_size=4),

@@ -22,8 +22,7 @@ from prefixstore.replay.engine_replay import (
 )
 from prefixstore.replay.sim import SimResult, compile_trace, simulate
 from prefixstore.replay.trace import Request
-
-DEFAULT_POLICIES = ("prefixstore", "leaf-lru", "lru")
+from prefixstore.statemachine.policy import registered
 
 
 def sim_timeline(requests: Sequence[Request], res: SimResult, cfg: ReplayConfig) -> Timeline:
@@ -77,12 +76,13 @@ def compare(
     cfg: ReplayConfig,
     root: str | None = None,
     *,
-    policies: Sequence[str] = DEFAULT_POLICIES,
+    policies: Sequence[str] | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> Comparison:
-    """Replay ``requests`` on the engine under each policy (each in its own new
-    directory under ``root``, or a temp dir), then simulate the same policies and the
-    offline optimum at the same capacity."""
+    """Replay ``requests`` on the engine under each policy (default: every one
+    registered now; each in its own new directory under ``root``, or a temp dir),
+    then simulate the same policies and the offline optimum at the same capacity."""
+    policies = registered() if policies is None else policies
     ct = compile_trace(requests)
     unique = ct.n_nodes
     prefill = cfg.cost().prefill_s

@@ -84,7 +84,7 @@ from prefixstore.replay.sim import PREFILL_A, PREFILL_B
 from prefixstore.replay.trace import BLOCK_TOKENS, Request, parse_capacity, unique_blocks
 from prefixstore.statemachine.admission import RetentionAdmission
 from prefixstore.statemachine.cost import CostModel
-from prefixstore.statemachine.policy import POLICIES, takes_retention
+from prefixstore.statemachine.policy import DEFAULT, policy_named, takes_retention
 
 TOKEN_BYTES = 16
 """File bytes per token (one uint8 segment tensor of width 16, one rank)."""
@@ -97,7 +97,7 @@ _PERIOD = 65521  # distinct block contents (a prime): block id -> offset into on
 class ReplayConfig:
     """What to replay and how (sizes in modeled bytes unless said otherwise)."""
 
-    policy: str = "prefixstore"
+    policy: str = DEFAULT
     capacity: str | int = "10%"
     concurrency: int = 1
     checkpoint_every: int = 8
@@ -124,8 +124,7 @@ class ReplayConfig:
     remote_namespace: str = "replay"
 
     def __attrs_post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise InvalidInputError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        policy_named(self.policy)  # InvalidInputError naming the registered ones
         if not 1 <= self.concurrency <= 256:
             raise InvalidInputError(f"concurrency must be 1..256, got {self.concurrency}")
         if self.checkpoint_every < 0:

@@ -51,7 +51,7 @@ from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.api import Engine
 from prefixstore.statemachine.cost import CostModel
-from prefixstore.statemachine.policy import POLICIES
+from prefixstore.statemachine.policy import policy_named
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 _WINDOWS = 4096  # distinct snapshot contents per transcript (positions modulo this)
@@ -189,8 +189,7 @@ def run_seed(
 
 
 def _run(root: str | None, policy: str, cfg: SeedConfig) -> dict[str, Any]:
-    if policy not in POLICIES:
-        raise InvalidInputError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    policy_named(policy)  # InvalidInputError naming the registered ones
     if root is None:
         root = tempfile.mkdtemp(prefix="prefixstore-seed-")
     elif os.path.isdir(root) and os.listdir(root):

@@ -23,9 +23,9 @@ Prefill seconds come from a cumulative curve ``prefill_s(tokens)`` (default
 ``5e-5*t + 1e-10*t**2``): prefilling ``(h, T]`` on top of ``h`` cached tokens costs
 ``prefill_s(T) - prefill_s(h)``, so a hit of ``h`` tokens saves ``prefill_s(h)``.
 
-Policies (``POLICIES``): the engine's, from the registry of
-:mod:`prefixstore.statemachine.policy` (a new policy goes there, one entry, and runs
-here unchanged), each hosted by :class:`TreePolicy`; a policy that takes the shared
+Policies (``POLICIES``, read from the registry whenever asked): the engine's, from
+the registry of :mod:`prefixstore.statemachine.policy` (a new policy goes there, one
+entry, and runs here unchanged), each hosted by :class:`TreePolicy`; a policy that takes the shared
 retention rule by :class:`PrefixStorePolicy`. A host compiles the policy's ordering
 once per run into a container of its own (:func:`compile_order`: a leaf heap or a
 recency list), so no event asks the policy anything. Here every node is one ready
@@ -71,7 +71,7 @@ from __future__ import annotations
 import functools
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prefixstore.base.errors import InvalidInputError
 from prefixstore.replay.compiled import (
@@ -628,9 +628,22 @@ def policy_for(name: str) -> Policy:
     return PrefixStorePolicy(policy=name) if impl.uses_retention else TreePolicy(name)
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {
-    name: functools.partial(policy_for, name) for name in eviction.POLICIES
-}
+class _Hosts(Mapping[str, Callable[[], Policy]]):
+    """Name -> a factory of fresh simulator hosts, for every policy registered now."""
+
+    def __getitem__(self, name: str) -> Callable[[], Policy]:
+        if name not in eviction.REGISTRY:
+            raise KeyError(name)
+        return functools.partial(policy_for, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(eviction.registered())
+
+    def __len__(self) -> int:
+        return len(eviction.REGISTRY)
+
+
+POLICIES: Mapping[str, Callable[[], Policy]] = _Hosts()
 
 
 def make_policy(policy: str | Policy) -> Policy:
@@ -783,15 +796,17 @@ def simulate(
 def evaluate(
     trace: CompiledTrace | Sequence[Request],
     fractions: Sequence[float] = (0.05, 0.10, 0.25),
-    policies: Sequence[str | Callable[[], Policy]] = ("leaf-lru", "lru", "prefixstore", "optimal"),
+    policies: Sequence[str | Callable[[], Policy]] | None = None,
     *,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     prefill_s: PrefillFn = default_prefill_s,
 ) -> list[tuple[float, SimResult]]:
     """Every policy at every capacity given as a fraction of the trace's unique bytes.
 
-    A policy is a name (as for :func:`simulate`) or a factory of fresh instances.
+    A policy is a name (as for :func:`simulate`) or a factory of fresh instances;
+    by default every policy registered now, then ``'optimal'``.
     """
+    policies = (*eviction.registered(), "optimal") if policies is None else policies
     ct = as_compiled(trace)
     total = ct.unique_bytes(block_bytes)
     out: list[tuple[float, SimResult]] = []

@@ -17,11 +17,19 @@ published state in a final state only published states lead to (and any other
 state in one they do not). Feeding an event a
 state cannot handle raises IllegalTransitionError naming the transaction kind, the
 state and the event (h11-style).
+
+Outputs end their state themselves: ``outcomes`` declares, for every output that runs
+in a non-final state, the event it fires when it succeeds and the one it fires when it
+fails (``Outcome(ok=..., failed=...)``); both must be events of that state, and ``ok``
+its recovery event (recovery re-runs the output). A transition may also name the row
+event its commit feeds the rows the transaction owns (``owned``, an event of the FILE
+row table). A row table is ``targeted``: each event leads to one state from every state
+that takes it, so the event alone names the value a row takes (``target(event)``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -42,11 +50,23 @@ class Transition:
     outputs: tuple[str, ...] = ()
     recovery: bool = False
     abort: bool = False
+    owned: str | None = None
+    """The row event its commit feeds every file row the transaction owns (or None)."""
 
 
-def T(src: str, event: str, dst: str, *outputs: str, recovery: bool = False, abort: bool = False) -> Transition:
+def T(src: str, event: str, dst: str, *outputs: str, recovery: bool = False, abort: bool = False,
+      owned: str | None = None) -> Transition:
     """A transition, written as one table line."""
-    return Transition(src, event, dst, tuple(outputs), recovery, abort)
+    return Transition(src, event, dst, tuple(outputs), recovery, abort, owned)
+
+
+@attrs.frozen
+class Outcome:
+    """The events an output fires to end the state it runs in: ``ok`` when its work
+    is done, ``failed`` when some of it stays undone."""
+
+    ok: str
+    failed: str
 
 
 @attrs.frozen
@@ -64,7 +84,8 @@ class Step:
 class Machine:
     """An immutable transition table: ``state -> event -> Transition``."""
 
-    __slots__ = ("_table", "entry", "finals", "initial", "initial_outputs", "name", "published", "states")
+    __slots__ = ("_table", "entry", "finals", "initial", "initial_outputs", "name", "outcomes", "published",
+                 "states", "targeted")
 
     def __init__(
         self,
@@ -75,12 +96,16 @@ class Machine:
         *,
         published: Iterable[str] = (),
         initial_outputs: Iterable[str] = (),
+        outcomes: Mapping[str, Outcome] | None = None,
+        targeted: bool = False,
     ) -> None:
         self.name = name
         self.initial = initial
         self.finals = frozenset(finals)
         self.published = frozenset(published)
         self.initial_outputs = tuple(initial_outputs)
+        self.outcomes = dict(outcomes or {})
+        self.targeted = targeted
         table: dict[str, dict[str, Transition]] = {}
         for e in edges:
             t = e if isinstance(e, Transition) else Transition(*e)
@@ -118,6 +143,11 @@ class Machine:
                 raise MachineDefinitionError(f"{self.name}: non-final state {s} has no way out")
             if not (self._reachable_from(s) & self.finals):
                 raise MachineDefinitionError(f"{self.name}: state {s} cannot reach a final state")
+        if self.targeted:
+            for event in {t.event for t in self.transitions()}:
+                if len(dsts := {t.dst for t in self.transitions() if t.event == event}) != 1:
+                    raise MachineDefinitionError(
+                        f"{self.name}: event {event} leads to {sorted(dsts)}; a row table's event names one state")
         if not any(t.recovery for t in self.transitions()):
             return  # a bare table (tests of the checks): no recovery declared
         for s in self.states - self.finals:
@@ -134,6 +164,25 @@ class Machine:
             end = self.recovered(s)
             if (s in self.published) != (end in self.committed_finals()):
                 raise MachineDefinitionError(f"{self.name}: recovery from {s} ends in {end}, the wrong way")
+        self._validate_outcomes()
+
+    def _validate_outcomes(self) -> None:
+        """Every output run in a non-final state declares the events it ends it with;
+        both are events of that state, ``ok`` its recovery event."""
+        running = {o: s for s in self.states - self.finals for o in self.entry.get(s, ())}
+        if extra := set(self.outcomes) - set(running):
+            raise MachineDefinitionError(f"{self.name}: outcomes for {sorted(extra)}, which run in no unfinished state")
+        for output, s in sorted(running.items()):
+            oc = self.outcomes.get(output)
+            if oc is None:
+                raise MachineDefinitionError(f"{self.name}: output {output} (run in {s}) declares no outcome events")
+            if missing := {oc.ok, oc.failed} - self.events(s):
+                raise MachineDefinitionError(
+                    f"{self.name}: output {output} fires {sorted(missing)}, which {s} cannot take")
+            if oc.ok != self.recovery_event(s):
+                raise MachineDefinitionError(
+                    f"{self.name}: output {output} ends {s} with {oc.ok}, but recovery of {s} feeds "
+                    f"{self.recovery_event(s)}")
 
     def _reachable_from(self, start: str) -> set[str]:
         seen, todo = {start}, [start]
@@ -167,6 +216,25 @@ class Machine:
         """The states that accept ``event`` (e.g. for an SQL ``WHERE status IN (...)``)."""
         return frozenset(s for s, row in self._table.items() if event in row)
 
+    def target(self, event: str) -> str:
+        """The state ``event`` leads to (a ``targeted`` table: the same from every
+        source); IllegalTransitionError when no state takes it."""
+        dsts = {row[event].dst for row in self._table.values() if event in row}
+        if len(dsts) != 1:
+            raise IllegalTransitionError(f"{self.name}: event {event!r} leads to {sorted(dsts) or 'no state'}")
+        return dsts.pop()
+
+    def outcome(self, output: str) -> Outcome:
+        """The events ``output`` ends its state with (``ok`` / ``failed``)."""
+        try:
+            return self.outcomes[output]
+        except KeyError:
+            raise IllegalTransitionError(f"{self.name}: output {output!r} declares no outcome events") from None
+
+    def runs_in(self, output: str) -> frozenset[str]:
+        """The unfinished states whose entry runs ``output``."""
+        return frozenset(s for s, outs in self.entry.items() if output in outs and s not in self.finals)
+
     def events(self, state: str) -> frozenset[str]:
         """Events ``state`` accepts."""
         return frozenset(self._table.get(state, {}))
@@ -182,6 +250,10 @@ class Machine:
 
     def edges(self) -> list[tuple[str, str, str]]:
         return sorted((t.src, t.event, t.dst) for t in self.transitions())
+
+    def all_events(self) -> frozenset[str]:
+        """Every event the table takes in some state."""
+        return frozenset(t.event for t in self.transitions())
 
     def all_outputs(self) -> frozenset[str]:
         """Every output name the table uses (each needs a handler)."""

@@ -32,8 +32,10 @@ the trace simulator (``replay/sim.py``, ``TreePolicy``) compiles each ``ordering
 into a container of its own (a leaf heap, a recency list) and asks ``action`` only for
 a policy without one. A new policy is an :class:`OrderedPolicy` entry in ``REGISTRY``
 (or any object satisfying :class:`EvictionPolicy`); the engine's ``policy=`` option,
-the CLI choices, the engine replay and the simulator pick it up from there (with
-``uses_retention``, the replay and the simulator also plug in the retention rule).
+the CLI choices, the engine replay and its ``--compare``, the simulator and the fuzzer
+read the registry when they run (``registered()``), so an entry added at any time is
+picked up with no list of names to edit (with ``uses_retention``, the replay and the
+simulator also plug in the retention rule). ``POLICIES``: the built-in names.
 
 Pressure and recency. The *order* is recency (within the damaged-first class). The
 *amount* is actual backing pressure: the engine keeps taking victims until the real
@@ -186,6 +188,14 @@ REGISTRY: dict[str, EvictionPolicy] = {
     )
 }
 POLICIES = tuple(REGISTRY)
+"""The built-in policies' names (the registry as this module defines it)."""
+DEFAULT = "prefixstore"
+"""The engine's policy unless told otherwise."""
+
+
+def registered() -> tuple[str, ...]:
+    """The names of every policy registered now, in registration order."""
+    return tuple(REGISTRY)
 
 
 def policy_named(name: str) -> EvictionPolicy:

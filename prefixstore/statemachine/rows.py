@@ -1,9 +1,17 @@
 """The catalog's row states as tables: a node row and a file row.
 
-Every status change of a row goes through these tables: a caller asks
-``NODE.next(state, event)`` / ``FILE.next(status, event)`` for the value it writes
-(an illegal change raises IllegalTransitionError), and ``FILE.sources(event)`` for
-the statuses an ``UPDATE ... WHERE status IN (...)`` may move.
+Every status change of a catalog row is an event of these tables: the catalog's
+row writes (``engine/catalog.py``, ``Catalog.file_event`` / ``node_event``) take the
+event, move only rows in its ``sources(event)`` (their ``WHERE status IN (...)``)
+to its ``target(event)`` (a row reaching ``removed`` is deleted, one leaving
+``absent`` inserted), and refuse a selected row in any other state with
+RowTransitionError naming the table, the row, its state and the event. Both tables
+are ``targeted``: an event leads to one state from every state that takes it.
+The in-memory index asks ``NODE.next(state, event)`` for a node's new state.
+
+With ``PREFIXSTORE_DEBUG_INVARIANTS=1`` the journal driver asserts the invariants
+below (``file_row_violations``, ``node_row_violations``) on every transition, over
+the rows of the transaction and of the nodes it names or writes.
 
 NODE (``nodes.state``; ``absent`` / ``removed``: no row)::
 
@@ -40,6 +48,7 @@ NODE = Machine(
     "node",
     initial="absent",
     finals={"removed"},
+    targeted=True,
     edges=[
         T("absent", "published", "ready"),
         T("ready", "published", "ready"),
@@ -54,6 +63,7 @@ FILE = Machine(
     "file",
     initial="absent",
     finals={"removed"},
+    targeted=True,
     edges=[
         T("absent", "reserved", "writing"),
         T("writing", "published", "live"),

@@ -30,8 +30,11 @@ while the new files were written).
     ``retire_old`` unlinks the files the transaction owns (the old generation) and
     fires ``retired`` (or ``retire_failed``); with nothing to retire it fires
     ``retired`` at once. ``clean_up`` unlinks the new files and fires ``cleaned`` (or
-    ``cleanup_failed``). Recovery of PUBLISHED / ROLLING_BACK re-runs the state's
-    output (both are idempotent: a missing file is success).
+    ``cleanup_failed``). These pairs are declared with the table (``outcomes``), and
+    the handlers fire what it says. Recovery of PUBLISHED / ROLLING_BACK re-runs the
+    state's output (both are idempotent: a missing file is success). The commit of
+    each edge into ROLLING_BACK abandons the rows the transaction owns (``owned``:
+    FILE's ``writing --abandoned--> garbage``).
 
     STORE / COMPACT invariants ("new rows": the file rows of the names the payload writes):
     INTENT       1. the journal row is in INTENT.
@@ -80,25 +83,41 @@ from typing import Any
 
 import attrs
 
-from prefixstore.statemachine.machine import Machine, MachineDefinitionError, T
-from prefixstore.statemachine.rows import FileRow, NodeRow, file_row_violations
+from prefixstore.statemachine.machine import Machine, MachineDefinitionError, Outcome, T
+from prefixstore.statemachine.rows import (
+    FILE,
+    FileRow,
+    NodeRow,
+    file_row_violations,
+    node_row_violations,
+)
 
+# A rollback's commit abandons the new rows (writing --abandoned--> garbage) with the fire.
 _STORE_EDGES = [
     T("INTENT", "durable", "PUBLISHED", "retire_old"),
-    T("INTENT", "failed", "ROLLING_BACK", "clean_up", abort=True),
-    T("INTENT", "recover", "ROLLING_BACK", "clean_up", recovery=True),
+    T("INTENT", "failed", "ROLLING_BACK", "clean_up", abort=True, owned="abandoned"),
+    T("INTENT", "recover", "ROLLING_BACK", "clean_up", recovery=True, owned="abandoned"),
     T("PUBLISHED", "retired", "DONE", recovery=True),
     T("PUBLISHED", "retire_failed", "DONE"),
     T("ROLLING_BACK", "cleaned", "ROLLED_BACK", recovery=True),
     T("ROLLING_BACK", "cleanup_failed", "ROLLED_BACK"),
 ]
 
-STORE = Machine("store", "INTENT", {"DONE", "ROLLED_BACK"}, _STORE_EDGES, published={"PUBLISHED"})
+# What each output fires to end the state it runs in: ``ok`` when every file it
+# unlinks is gone, ``failed`` when one stays (loose garbage, reclaimed later).
+_STORE_OUTCOMES = {
+    "retire_old": Outcome(ok="retired", failed="retire_failed"),
+    "clean_up": Outcome(ok="cleaned", failed="cleanup_failed"),
+}
+
+STORE = Machine("store", "INTENT", {"DONE", "ROLLED_BACK"}, _STORE_EDGES, published={"PUBLISHED"},
+                outcomes=_STORE_OUTCOMES)
 
 COMPACT = Machine(
     "compact", "INTENT", {"DONE", "ROLLED_BACK"},
-    [*_STORE_EDGES, T("INTENT", "stale", "ROLLING_BACK", "clean_up")],
+    [*_STORE_EDGES, T("INTENT", "stale", "ROLLING_BACK", "clean_up", owned="abandoned")],
     published={"PUBLISHED"},
+    outcomes=_STORE_OUTCOMES,
 )
 
 EVICT = Machine(
@@ -109,6 +128,7 @@ EVICT = Machine(
     ],
     published={"REMOVED"},
     initial_outputs=("reclaim",),
+    outcomes={"reclaim": Outcome(ok="reclaimed", failed="reclaim_failed")},
 )
 
 MACHINES: dict[str, Machine] = {m.name: m for m in (STORE, COMPACT, EVICT)}
@@ -134,7 +154,7 @@ class TxnSnapshot:
 
     ``state``: the state the transaction just reached; ``journal_state``: what its
     journal row says (None when the row is gone). ``files``: the rows it owns, the
-    rows of the names it writes and the rows naming the nodes it names. ``nodes``:
+    rows of the names it writes and the rows naming the nodes in ``nodes``. ``nodes``:
     the rows of the node ids it names or its new rows name (an id with no row is
     absent). ``durable``: the (rank, name) of its new rows durable on their rank.
     """
@@ -302,17 +322,23 @@ INVARIANTS: dict[str, dict[str, list[Check]]] = {
 
 def violations(s: TxnSnapshot) -> list[str]:
     """Every per-state invariant ``s`` breaks, numbered as in this module's tables, plus
-    the row invariants of the file rows it holds; empty when all hold (a kind with no
-    invariants here, e.g. a test's own table, is checked for its row invariants only)."""
+    the row invariants (``statemachine/rows.py``) of the file rows and the node rows it
+    holds; empty when all hold (a kind with no invariants here, e.g. a test's own table,
+    is checked for its row invariants only)."""
     checks = INVARIANTS.get(s.kind, {}).get(s.state, [])
     out = [f"{s.kind} {s.state} {i}: {msg}" for i, check in enumerate(checks, 1) for msg in check(s)]
-    return out + [e for f in s.files for e in file_row_violations(f)]
+    out += [e for f in s.files for e in file_row_violations(f)]
+    return out + [e for n in s.nodes.values() for e in node_row_violations(n, s.files, s.ranks)]
 
 
 def _check_coverage() -> None:
     for kind, m in MACHINES.items():
         if set(INVARIANTS[kind]) != set(m.states):
             raise MachineDefinitionError(f"{kind}: invariants for {sorted(INVARIANTS[kind])}, states {sorted(m.states)}")
+        for t in m.transitions():
+            if t.owned is not None and t.owned not in FILE.all_events():
+                raise MachineDefinitionError(f"{kind}: {t.src} --{t.event}--> feeds its rows {t.owned!r}, "
+                                             "no event of the file row table")
 
 
 _check_coverage()

@@ -48,6 +48,7 @@ import sys
 
 from prefixstore.base.errors import PrefixStoreError
 from prefixstore.engine.audit import TITLES, AuditReport, audit_dir
+from prefixstore.engine.repair import repair
 
 NAME = "audit"
 HELP = "check a cache directory's invariants (read-only), or --repair it"
@@ -83,8 +84,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.repair:
-            from prefixstore.engine.repair import repair
-
             fixed, rep = repair(args.dir, rank_dirs=args.rank_dir, rebuild_catalog=args.rebuild,
                                 capacity=args.capacity)
         else:

@@ -29,6 +29,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import structlog
+
+from prefixstore.base.errors import InvalidArgumentError
+from prefixstore.engine import health, lifecycle, replace, retry, store
+from prefixstore.engine.workdir import ensure_dir
+from prefixstore.fuzz import plants
+from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
+
 NAME = "fuzz"
 HELP = "fuzz the engine under crashes, power loss and I/O faults (campaign runner)"
 
@@ -56,10 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prefixstore.base.errors import InvalidArgumentError
-    from prefixstore.engine.workdir import ensure_dir
-    from prefixstore.fuzz import plants
-
     if args.list_plants:
         for pl in plants.PLANTS.values():
             if args.json:
@@ -87,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _campaign(args: argparse.Namespace, plant: Any) -> int:
-    from prefixstore.fuzz.campaign import run_campaign
-
     profile = args.profile or ("campaign" if args.minutes else "dev")
     show = _Progress(enabled=not args.quiet)
     res = run_campaign(
@@ -109,8 +111,6 @@ def _campaign(args: argparse.Namespace, plant: Any) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp
-
     try:
         cfg, ops, plant, doc = load_reproducer(args.replay)
     except (OSError, ValueError, KeyError) as exc:
@@ -187,10 +187,6 @@ def _engine_logs(verbose: bool) -> Iterator[None]:
     if verbose:
         yield
         return
-    import structlog
-
-    from prefixstore.engine import health, lifecycle, replace, retry, store
-
     quiet = structlog.wrap_logger(structlog.PrintLogger(file=sys.stderr),
                                   wrapper_class=structlog.make_filtering_bound_logger(50))
     mods = (health, lifecycle, retry, store, replace)

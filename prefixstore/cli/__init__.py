@@ -1,28 +1,23 @@
 """The ``prefixstore`` command line.
 
-Each subcommand lives in its own module exposing ``NAME``, ``HELP``,
-``add_arguments(parser)`` and ``run(args) -> int``; list it in COMMANDS.
+Each subcommand is one module of this package exposing ``NAME``, ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> int`` (its ``--help`` description is
+its docstring, or ``DESCRIPTION`` when it has one); import it here and list it in
+COMMANDS. A command module holds only its arguments and output; the work it runs lives
+in the layer it belongs to (``engine``, ``replay``, ``fuzz``, ``gpu``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
+from types import ModuleType
 
 from prefixstore.base.errors import PrefixStoreError
+from prefixstore.cli import audit, catalog, demo, fiu, fuzz, rank_server, replay, soak
 
-COMMANDS = [
-    "prefixstore.engine.cmd_demo",
-    "prefixstore.engine.cmd_audit",
-    "prefixstore.engine.cmd_catalog",
-    "prefixstore.engine.cmd_rank_server",
-    "prefixstore.replay.cmd_replay",
-    "prefixstore.fuzz.cmd_fuzz",
-    "prefixstore.fuzz.soak",
-    "prefixstore.fuzz.fiu",
-]
+COMMANDS = (demo, audit, catalog, rank_server, replay, fuzz, soak, fiu)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,13 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="A transactional host-tier storage engine for LLM prefix caches.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for modname in COMMANDS:
-        mod = importlib.import_module(modname)
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__,
+    for mod in COMMANDS:
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=description(mod),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(handler=mod.run)
     return parser
+
+
+def description(mod: ModuleType) -> str | None:
+    """What ``prefixstore NAME --help`` says of a command: its ``DESCRIPTION``, else its
+    module's docstring."""
+    return getattr(mod, "DESCRIPTION", mod.__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +77,3 @@ def _quiet_stdout() -> None:
         pass
     finally:
         os.close(devnull)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
