@@ -4,6 +4,9 @@ nothing else changed; schemes are listed live; names and schemes are never taken
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import remote_dict
 from conftest import store_tokens, tokens_for
@@ -73,3 +76,20 @@ def test_a_name_or_a_scheme_is_registered_once(dict_backend):
     with pytest.raises(InvalidInputError):
         remote.register("dict")
     assert remote.registry.backend_for("redis://h:1").name == "redis"
+
+
+def test_every_remote_url_the_readme_and_the_remote_pages_show_is_accepted():
+    """Each ``remote="..."`` in the README and docs/remote-*.md (adjacent string literals
+    joined) is a URL the engine's options accept: an example that cannot work fails here."""
+    root = Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("remote-*.md"))]
+    urls = {}
+    for page in pages:
+        for literal in re.findall(r'remote=((?:"[^"\n]*"\s*)+)', page.read_text()):
+            urls["".join(re.findall(r'"([^"\n]*)"', literal))] = page.name
+    assert {u.partition("://")[0] for u in urls} >= {"redis", "mooncake"}, urls
+    for url, page in urls.items():
+        try:
+            EngineConfig(remote=url)
+        except InvalidArgumentError as exc:
+            pytest.fail(f"{page}: {url}: {exc}")
