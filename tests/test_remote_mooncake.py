@@ -188,6 +188,23 @@ def test_a_forged_size_costs_no_memory_and_is_that_checkpoint_s_miss(remote):
         assert t.fetch_path(t.deepest(keys).path)[1] == good  # the real one still reads
 
 
+def test_a_tier_that_missed_the_master_s_restart_writes_at_its_first_try(remote):
+    """The master restarts while a tier is idle: Mooncake's client fails its next two or
+    three requests at once (its connections to the old master), then works. The tier's
+    first write after the restart still lands (no error, no drop, the tier up), each
+    round, and another tier reads it."""
+    with remote.tier(write_behind=False) as t:
+        for round_ in range(3):
+            keys = chain(4, seed=round_)
+            store(t, keys, 0, 4, seed=round_)  # connected to this master
+            remote.served.restart()
+            good, took = timed(store, t, chain(4, seed=10 + round_), 0, 4, 20 + round_)
+            within(took, t.config.write_timeout)
+            assert t.stats()["errors"] == 0 and t.stats()["dropped"] == 0 and t.up
+            with remote.tier() as other:
+                assert other.fetch_path(other.deepest(chain(4, seed=10 + round_)).path) == [good]
+
+
 def test_a_dead_storage_node_costs_each_call_at_most_its_budget(remote):
     """The storage node holding every object dies. The first read of its keys fails at
     once (errors, counted; the master answered: the tier stays up); until the master

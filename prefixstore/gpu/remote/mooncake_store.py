@@ -52,6 +52,8 @@ FAULTS = Faults(answered=(MooncakeRefused,), network=(MooncakeUnreachable,), tim
 REMOVALS = {Removal.REMOVED: 1, Removal.CHANGED: -1}
 """``delete_if``'s outcomes as the tier counts them (any other: nothing done)."""
 T = TypeVar("T")
+STALE_TRIES = 8
+"""Tries of a call whose master connection failed at once (``_reconnecting``)."""
 
 
 def check(config: RemoteConfig) -> None:
@@ -77,17 +79,20 @@ def _left() -> float:
 
 def _reconnecting(client: MooncakeClient, call: Callable[[float], T]) -> T:
     """``call(seconds left)`` once ``client`` is connected (a call that comes before the
-    tier's warm-up has connected waits for it, or connects, within its budget), once more
-    if it failed at once with ``RPC_FAIL``: a connection to a master that has since
-    restarted fails its next request (in about a millisecond) and is made again for the
-    one after (redis-py checks its pooled connections the same way before it uses one).
-    Every try keeps to the budget."""
+    tier's warm-up has connected waits for it, or connects, within its budget), tried
+    again while it fails at once with ``RPC_FAIL`` (at most ``STALE_TRIES`` times, a
+    millisecond more apart each time): Mooncake's connections to a master that has since
+    restarted fail their next requests (two or three, each in about a millisecond), and
+    the ones made again after them work (redis-py checks its pooled connections the same
+    way before it uses one). Every try keeps to the budget."""
     client.connect(_left())
-    try:
-        return call(_left())
-    except MooncakeUnreachable as exc:
-        if exc.code != RPC_FAIL or isinstance(exc, MooncakeTimeout):
-            raise
+    for tries in range(1, STALE_TRIES):
+        try:
+            return call(_left())
+        except MooncakeUnreachable as exc:
+            if exc.code != RPC_FAIL or isinstance(exc, MooncakeTimeout):
+                raise
+        time.sleep(min(tries * 0.001, _left()))
     return call(_left())
 
 
