@@ -1,4 +1,4 @@
-"""The shared remote tier (``gpu/remote``, Redis) seen from the engine.
+"""The shared remote tier (``gpu/remote``: any registered backend) seen from the engine.
 
 Below the local tiers: a store's checkpoint goes to the remote after its local publish
 (``prepare`` under the lock, ``send`` after it; write-behind by default); a lookup the
@@ -151,7 +151,7 @@ def open_tier(link: RemoteLink, layout: Layout, counters: Counters, o: EngineCon
     the engine's registry."""
     if o.remote is None:
         return
-    tier = RemoteTier.for_layout(o.remote, layout, o.remote_options)
+    tier = RemoteTier.for_layout(o.remote, layout, o.remote_options)  # the backend of o.remote's scheme
     counters.registry.register(RemoteCollector(tier.stats))
     link.backfill = Backfill()
     link.tier = tier
@@ -255,7 +255,7 @@ def extend(rr: RemoteReads, prefix: Prefix, local: Match, gpu_blocks: int, total
     if hit is None:
         return local
     if hit.blocks <= held:
-        tier.touch(hit.path)  # in use here: keep its blobs as fresh as its manifests in Redis
+        tier.touch(hit.path)  # in use here: keep its blobs as fresh as its manifests in the store
         return local
     tier.touch(hit.below)  # the remote's copy of the local part, read but not fetched
     bt = rr.layout.block_tokens
