@@ -25,7 +25,11 @@ reader thread reads the shard from its tier into a staging buffer and verifies i
 there, through ``gpu/verify.py``) with up to ``window`` reads
 in flight, so reading the next shards overlaps uploading the current one; each shard
 is uploaded straight into its slice of the output. A staging buffer returns to the
-pool once its upload completed.
+pool once its upload completed. Where the outputs are host memory (the CPU executor)
+and the tier reads from a descriptor (``READS_FD``), a shard is read straight into its
+slices of the output instead (``verify.read_placed``: hashed as each piece lands, no
+staging buffer, no second copy), several shards at once on the reader threads. The
+outputs are the caller's tensors when it passes ``into``.
 """
 
 from __future__ import annotations
@@ -408,6 +412,31 @@ class _Fetched:
     buffer: Buffer
 
 
+@attrs.define(eq=False, slots=True)
+class _Placed:
+    """A shard read and verified in its final place: only its snapshot tensors to keep."""
+
+    snap: dict[str, torch.Tensor]
+    nbytes: int
+
+
+def _fetch_placed(eng: Engine, x: Node, r: int, row: tuple[str, int, str], place: verify.Placement,
+                  snap: dict[str, torch.Tensor]) -> Any:
+    """One shard read straight into ``place`` (``verify.read_placed``): a ``_Placed``,
+    a damage string, or None on an I/O error."""
+    name, size, ck = row
+    L = eng.layout
+    meta = {**shards.meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
+    got = verify.read_placed(eng.ranks[r], name, size, ck, verify.Header(L, x.blocks * L.block_tokens,
+                             x.has_snapshot, meta), place, eng.executor.stats)
+    if isinstance(got, verify.Transient):
+        eng.counters.inc("faults", "read")
+        return None
+    if isinstance(got, verify.Damage):
+        return f"rank {r}: {got.why}"
+    return _Placed(snap, sum(len(d) for _, d in place.values()))
+
+
 def _fetch(eng: Engine, x: Node, r: int, row: tuple[str, int, str], from_ram: bool) -> Any:
     """One shard as views of a host buffer; a damage string; None on an I/O error.
 
@@ -460,7 +489,8 @@ def _parsed(eng: Engine, x: Node, r: int, row: tuple[str, int, str], buf: Buffer
 _NOT_RESIDENT = object()
 
 
-def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match) -> Any:
+def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match,
+                  into: list[dict[str, torch.Tensor]] | None = None) -> Any:
     """Read, verify and upload the shards of ``nodes`` (root first).
 
     Returns ``(segments, snapshot, files)`` per rank, a ``Damage``, or None on a
@@ -477,7 +507,7 @@ def restore_nodes(eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tupl
     for x in nodes:
         if rows[x.id].keys() != all_ranks:
             return Damage(x, f"shards recorded on ranks {sorted(rows[x.id])}")
-    run = _Restore(eng, nodes, rows, match)
+    run = _Restore(eng, nodes, rows, match, into)
     outs = run.run()
     if outs is None or isinstance(outs, Damage):
         return outs
@@ -493,8 +523,10 @@ class _Restore:
     GPU holds already are cut, and a partial hit stops inside the last node.
     """
 
-    def __init__(self, eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match) -> None:
+    def __init__(self, eng: Engine, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match,
+                 into: list[dict[str, torch.Tensor]] | None = None) -> None:
         L = eng.layout
+        self.into = into
         bt = L.block_tokens
         self.eng, self.end = eng, nodes[-1]
         self.chunks: list[tuple[Node, int, tuple, int, int, int]] = []
@@ -514,6 +546,7 @@ class _Restore:
         self.flats: list[dict[str, Any]] = []
         self.ready: list[tuple[int, _Fetched]] = []  # fetched, not yet uploaded
         self.nxt = 0
+        self.placed = eng.executor.host_outputs  # shards read straight into the outputs
 
     def run(self) -> Any:
         """The output tensors per rank, a ``Damage``, or None (a transient error)."""
@@ -524,8 +557,9 @@ class _Restore:
                 if isinstance(g, str):  # a RAM copy failed its check
                     return Damage(x, g)
             with ex.gate.foreground():
-                outs = [{s.name: ex.empty((self.rows_out, *s.shape), s.torch_dtype) for s in L.segments}
-                        for _ in range(L.ranks)]
+                outs = self.into if self.into is not None else [
+                    {s.name: ex.empty((self.rows_out, *s.shape), s.torch_dtype) for s in L.segments}
+                    for _ in range(L.ranks)]
                 self.flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
                 while self.nxt < min(eng.transfers.window, len(self.missing)):
                     self.read_next()
@@ -539,6 +573,9 @@ class _Restore:
                         self.move += clock() - tw
                         if self.nxt < len(self.missing):
                             self.read_next()
+                    if item.__class__ is _Placed:
+                        self.took_placed(i, item)
+                        continue
                     if item.__class__ is not _Fetched:
                         return Damage(x, item) if isinstance(item, str) else None
                     self.ready.append((i, item))
@@ -558,8 +595,41 @@ class _Restore:
     def read_next(self) -> None:
         i = self.missing[self.nxt]
         x, r, row = self.chunks[i][:3]
-        self.got[i] = self.eng.transfers.readers.submit(_fetch, self.eng, x, r, row, False)
+        rank, readers = self.eng.ranks[r], self.eng.transfers.readers
+        if self.placed and has(rank, Capability.READS_FD) and not has(rank, Capability.PROMOTES):
+            place, snap = self.placement(i)
+            if len(self.missing) == 1:  # one shard to read: this thread reads it (no hand-off)
+                self.got[i] = _fetch_placed(self.eng, x, r, row, place, snap)
+            else:
+                self.got[i] = readers.submit(_fetch_placed, self.eng, x, r, row, place, snap)
+        else:
+            self.got[i] = readers.submit(_fetch, self.eng, x, r, row, False)
         self.nxt += 1
+
+    def took_placed(self, i: int, item: _Placed) -> None:
+        """A shard read into its place: keep its snapshot, count its bytes (the
+        snapshot's as an upload of its own, as ``upload`` counts them)."""
+        self.snaps[self.chunks[i][1]].update(item.snap)
+        self.moved += item.nbytes
+        self.copies += 1
+        if item.snap:
+            snap_bytes = sum(t.numel() * t.element_size() for t in item.snap.values())
+            self.eng.executor.stats.add(h2d_bytes=snap_bytes, h2d_copies=len(item.snap))
+        self.got[i] = None
+
+    def placement(self, i: int) -> tuple[verify.Placement, dict[str, torch.Tensor]]:
+        """Where chunk ``i``'s shard goes: its rows into their slices of the outputs,
+        the snapshot (of the last node) into tensors of its own."""
+        x, r, _, o, cut, ntok = self.chunks[i]
+        ex, L, flat = self.eng.executor, self.eng.layout, self.flats[r]
+        place = {f"seg.{name}": (cut * rb, memoryview(flat[name][o * rb : (o + ntok) * rb]))
+                 for name, rb in self.seg_rows}
+        snap: dict[str, torch.Tensor] = {}
+        if x is self.end and L.has_snapshot:
+            for s in L.snapshots:
+                t = snap[s.name] = ex.empty(tuple(s.shape), s.torch_dtype)
+                place[f"snap.{s.name}"] = (0, memoryview(ex.flat(t)))
+        return place, snap
 
     def upload_ready(self) -> None:
         """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""

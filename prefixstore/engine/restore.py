@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from prefixstore.engine import health, holds, lookup, pipeline, recency
 from prefixstore.engine.index import Node
 from prefixstore.engine.results import Match, Restored
@@ -17,8 +19,9 @@ FileRows = dict[int, tuple[str, int, str]]
 """``{rank: (name, size, checksum)}`` of one node's live files."""
 
 
-def restore(eng: Engine, match: Match) -> Restored | None:
-    """Read, verify and return the tensors of ``match`` (a hit); None on a miss."""
+def restore(eng: Engine, match: Match, into: list[dict[str, torch.Tensor]] | None = None) -> Restored | None:
+    """Read, verify and return the tensors of ``match`` (a hit); None on a miss.
+    ``into``: the output tensors per rank (checked by ``validate.into``)."""
     with eng._lock:
         if not lookup.path_current(eng, match):
             eng.counters.inc("lookups", "stale")
@@ -32,7 +35,7 @@ def restore(eng: Engine, match: Match) -> Restored | None:
         holds.take(eng._pins, ids)
     try:
         # Reads overlap uploads; each shard lands in its slice of the output (no cat).
-        got = pipeline.restore_nodes(eng, nodes, rows, match)
+        got = pipeline.restore_nodes(eng, nodes, rows, match, into)
         if isinstance(got, pipeline.Damage):
             with eng._lock:
                 # only the generation this restore read can be declared damaged

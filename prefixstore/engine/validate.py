@@ -29,7 +29,7 @@ from prefixstore.statemachine.compaction import CompactionPolicy
 if TYPE_CHECKING:
     from prefixstore.engine.api import Engine
 
-__all__ = ["compact_policy", "evict_args", "flag", "lookup_args", "match", "prefix", "store_args"]
+__all__ = ["compact_policy", "evict_args", "flag", "into", "lookup_args", "match", "prefix", "store_args"]
 
 # ---------------------------------------------------------------------- Engine.open
 
@@ -54,6 +54,33 @@ def match(eng: Engine, value: Any, argument: str = "match") -> Match:
     if value.cache != eng.identity:
         raise ForeignMatchError(argument, f"comes from another engine or cache, not the one open at {eng.root}")
     return value
+
+
+def into(eng: Engine, m: Match, value: Any) -> list[dict[str, torch.Tensor]] | None:
+    """``restore(..., into=)``: per rank, the layout's segments with the rows the match
+    restores, contiguous, on the executor's device, each its own memory (None: none
+    given). Checked before anything is read, so a refused ``into`` is left untouched."""
+    if value is None:
+        return None
+    L = eng.layout
+    per = _rank_tensors(L, "into", value)
+    _storable("into", per)
+    rows = m.tokens - m.gpu_tokens
+    seen: list[tuple[int, int]] = []
+    dev = eng.executor.device
+    for r, t in enumerate(per):
+        L.check_segments(r, t, rows)
+        for name, x in t.items():
+            if not x.is_contiguous():
+                raise ShapeError(f"into: rank {r}: {name!r} is not contiguous")
+            if x.device.type != dev.type or (dev.index is not None and x.device.index != dev.index):
+                raise InvalidArgumentError("into", f"rank {r}: {name!r} is on {x.device}, the executor's outputs on {dev}")
+            lo = x.data_ptr()
+            span = (lo, lo + x.numel() * x.element_size())
+            if any(a < span[1] and span[0] < b for a, b in seen):
+                raise InvalidArgumentError("into", f"rank {r}: {name!r} overlaps another tensor of into")
+            seen.append(span)
+    return [dict(t) for t in per]
 
 
 def compact_policy(value: Any) -> None:
