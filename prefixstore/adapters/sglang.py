@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefixstore.adapters import sglang_input as check
@@ -98,6 +99,15 @@ def page_digest(key: str) -> bytes:
 
 def digests_of(keys: Sequence[str]) -> list[bytes]:
     return [hashlib.blake2b(k.encode(), digest_size=DIGEST_SIZE).digest() for k in keys]
+
+
+def gather(pages: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``pages`` (1-D uint8 host tensors) end to end in a new tensor, by one
+    single-threaded memcpy each (numpy): never through torch's intra-op thread pool,
+    whose barrier made copying one 256 KiB page take 4 ms instead of 6 us on a busy host."""
+    out = torch.empty(sum(x.numel() for x in pages), dtype=torch.uint8)
+    np.concatenate([x.numpy() for x in pages], out=out.numpy())
+    return out
 
 
 def storage_metrics(**lists: list) -> Any:
@@ -667,7 +677,7 @@ class PrefixStoreHiCache(HiCacheStorage):
         """Store pages ``base..`` of ``chain`` as few checkpoints: how many are stored, or
         None when the chain before ``base`` is not stored (nothing to hang them on)."""
         n = len(pages)
-        rows = torch.cat(pages).view(n * p.bt, -1)
+        rows = gather(pages).view(n * p.bt, -1)
         prefix = Prefix(chain)
         done = base
         for end in self._positions(p, prefix, base, n):

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from prefixstore.base.errors import DiskFullError, InvalidInputError
+from prefixstore.base.errors import DiskFullError, InvalidArgumentError, InvalidInputError
 from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import Layout, RankTensors
 from prefixstore.engine import (
@@ -316,20 +316,26 @@ class Engine(Parts):
         self.counters.inc("lookups", match.outcome)
         return match
 
-    def restore(self, match: Match) -> Restored | None:
+    def restore(self, match: Match, *, into: Any = None) -> Restored | None:
         """Read, verify and return the tensors of ``match``; None on a miss.
 
         A shard that is missing, short, or fails its checksum or header check marks
         its node damaged and the restore reports a miss: other bytes are never
-        returned.
+        returned. ``into``: the caller's tensors to fill (a mapping of the layout's
+        segments, or one per rank; the rows the match restores, contiguous, on the
+        executor's device), returned as the segments; refused with a typed error
+        before anything is read. After a miss their contents are unspecified.
         """
         validate.match(self.identity, self.root, match)
+        outs = validate.into(self.layout, self.executor.device, match, into)
         if not match.hit:
             return None
         with self.guard:
             if match.source == remote.SOURCE:
+                if outs is not None:
+                    raise InvalidArgumentError("into", "a match served by the remote tier cannot restore into tensors")
                 return remote.restore(self.flows.remote_reads, match)
-            return restore.restore(self.flows.restoring, match)
+            return restore.restore(self.flows.restoring, match, outs)
 
     def pin(self, match: Match) -> bool:
         """Pin every local node a restore of ``match`` reads (never evicted or replaced

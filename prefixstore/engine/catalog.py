@@ -670,7 +670,8 @@ class Catalog:
         """``file_event`` on the rows of ``files`` ((rank, name) each), every one of them."""
         for i in range(0, len(files), _CHUNK):
             part = files[i:i + _CHUNK]
-            where = f"(rank, name) IN (VALUES {','.join(['(?, ?)'] * len(part))})"
+            # an OR of key lookups: SQLite scans the whole table for a row-value IN (VALUES ...)
+            where = " OR ".join(["(rank=? AND name=?)"] * len(part))
             args = [x for f in part for x in f]
             if len(self.file_event(c, event, where, args, sets=sets)) != len(set(part)):
                 gone = set(part) - {(r[0], r[1]) for r in c.execute(f"SELECT rank, name FROM files WHERE {where}",

@@ -4,6 +4,7 @@ stores, compaction and audits."""
 from __future__ import annotations
 
 import attrs
+import torch
 
 from prefixstore.base.layout import Layout
 from prefixstore.engine import health, lookup, transfers
@@ -49,8 +50,9 @@ class Restoring:
     fetch: transfers.Fetch
 
 
-def restore(rs: Restoring, match: Match) -> Restored | None:
-    """Read, verify and return the tensors of ``match`` (a hit); None on a miss."""
+def restore(rs: Restoring, match: Match, into: list[dict[str, torch.Tensor]] | None = None) -> Restored | None:
+    """Read, verify and return the tensors of ``match`` (a hit); None on a miss.
+    ``into``: the output tensors per rank (checked by ``validate.into``)."""
     with rs.guard.lock:
         if not lookup.path_current(rs.index, match):
             rs.counters.inc("lookups", "stale")
@@ -64,7 +66,7 @@ def restore(rs: Restoring, match: Match) -> Restored | None:
         rs.holds.pin(ids)
     try:
         # Reads overlap uploads; each shard lands in its slice of the output (no cat).
-        got = transfers.restore_nodes(rs.fetch, nodes, rows, match)
+        got = transfers.restore_nodes(rs.fetch, nodes, rows, match, into)
         if isinstance(got, transfers.Damage):
             with rs.guard.lock:
                 # only the generation this restore read can be declared damaged

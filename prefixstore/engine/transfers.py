@@ -8,7 +8,11 @@ reader thread reads the shard from its tier into a staging buffer and verifies i
 there, through ``gpu/verify.py``) with up to ``window`` reads
 in flight, so reading the next shards overlaps uploading the current one; each shard
 is uploaded straight into its slice of the output. A staging buffer returns to the
-pool once its upload completed.
+pool once its upload completed. Where the outputs are host memory (the CPU executor)
+and the tier reads from a descriptor (``READS_FD``), a shard is read straight into its
+slices of the output instead (``verify.read_placed``: hashed as each piece lands, no
+staging buffer, no second copy), several shards at once on the reader threads. The
+outputs are the caller's tensors when it passes ``into``.
 """
 
 from __future__ import annotations
@@ -124,6 +128,31 @@ class _Fetched:
     buffer: Buffer
 
 
+@attrs.define(eq=False, slots=True)
+class _Placed:
+    """A shard read and verified in its final place: only its snapshot tensors to keep."""
+
+    snap: dict[str, torch.Tensor]
+    nbytes: int
+
+
+def _fetch_placed(f: Fetch, x: Node, r: int, row: tuple[str, int, str], place: verify.Placement,
+                  snap: dict[str, torch.Tensor]) -> Any:
+    """One shard read straight into ``place`` (``verify.read_placed``): a ``_Placed``,
+    a damage string, or None on an I/O error."""
+    name, size, ck = row
+    L = f.layout
+    meta = {**shards.meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
+    got = verify.read_placed(f.tiers.ranks[r], name, size, ck, verify.Header(L, x.blocks * L.block_tokens,
+                             x.has_snapshot, meta), place, f.executor.stats)
+    if isinstance(got, verify.Transient):
+        f.counters.inc("faults", "read")
+        return None
+    if isinstance(got, verify.Damage):
+        return f"rank {r}: {got.why}"
+    return _Placed(snap, sum(len(d) for _, d in place.values()))
+
+
 def _fetch(f: Fetch, x: Node, r: int, row: tuple[str, int, str], from_ram: bool) -> Any:
     """One shard as views of a host buffer; a damage string; None on an I/O error.
 
@@ -175,7 +204,8 @@ def _parsed(L: Layout, x: Node, r: int, row: tuple[str, int, str], buf: Buffer) 
 _NOT_RESIDENT = object()
 
 
-def restore_nodes(f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match) -> Any:
+def restore_nodes(f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match,
+                  into: list[dict[str, torch.Tensor]] | None = None) -> Any:
     """Read, verify and upload the shards of ``nodes`` (root first).
 
     Returns ``(segments, snapshot, files)`` per rank, a ``Damage``, or None on a
@@ -192,7 +222,7 @@ def restore_nodes(f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]]
     for x in nodes:
         if rows[x.id].keys() != all_ranks:
             return Damage(x, f"shards recorded on ranks {sorted(rows[x.id])}")
-    run = _Restore(f, nodes, rows, match)
+    run = _Restore(f, nodes, rows, match, into)
     outs = run.run()
     if outs is None or isinstance(outs, Damage):
         return outs
@@ -210,6 +240,8 @@ class _Restore:
     """
 
     f: Fetch
+    into: list[dict[str, torch.Tensor]] | None
+    """The caller's output tensors per rank (None: allocated here)."""
     end: Node
     chunks: list[tuple[Node, int, tuple, int, int, int]]
     rows_out: int
@@ -227,9 +259,13 @@ class _Restore:
     ready: list[tuple[int, _Fetched]]
     """Fetched, not yet uploaded."""
     nxt: int
+    placed: bool
+    """The outputs are host memory: shards are read straight into them."""
 
-    def __init__(self, f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match) -> None:
+    def __init__(self, f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match,
+                 into: list[dict[str, torch.Tensor]] | None = None) -> None:
         L = f.layout
+        self.into = into
         bt = L.block_tokens
         self.f, self.end = f, nodes[-1]
         self.chunks: list[tuple[Node, int, tuple, int, int, int]] = []
@@ -249,6 +285,7 @@ class _Restore:
         self.flats: list[dict[str, Any]] = []
         self.ready: list[tuple[int, _Fetched]] = []  # fetched, not yet uploaded
         self.nxt = 0
+        self.placed = f.executor.host_outputs
 
     def run(self) -> Any:
         """The output tensors per rank, a ``Damage``, or None (a transient error)."""
@@ -259,8 +296,9 @@ class _Restore:
                 if isinstance(g, str):  # a RAM copy failed its check
                     return Damage(x, g)
             with ex.gate.foreground():
-                outs = [{s.name: ex.empty((self.rows_out, *s.shape), s.torch_dtype) for s in L.segments}
-                        for _ in range(L.ranks)]
+                outs = self.into if self.into is not None else [
+                    {s.name: ex.empty((self.rows_out, *s.shape), s.torch_dtype) for s in L.segments}
+                    for _ in range(L.ranks)]
                 self.flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
                 while self.nxt < min(f.transfers.window, len(self.missing)):
                     self.read_next()
@@ -274,6 +312,9 @@ class _Restore:
                         self.move += clock() - tw
                         if self.nxt < len(self.missing):
                             self.read_next()
+                    if item.__class__ is _Placed:
+                        self.took_placed(i, item)
+                        continue
                     if item.__class__ is not _Fetched:
                         return Damage(x, item) if isinstance(item, str) else None
                     self.ready.append((i, item))
@@ -293,8 +334,41 @@ class _Restore:
     def read_next(self) -> None:
         i = self.missing[self.nxt]
         x, r, row = self.chunks[i][:3]
-        self.got[i] = self.f.transfers.readers.submit(_fetch, self.f, x, r, row, False)
+        rank, readers = self.f.tiers.ranks[r], self.f.transfers.readers
+        if self.placed and has(rank, Capability.READS_FD) and not has(rank, Capability.PROMOTES):
+            place, snap = self.placement(i)
+            if len(self.missing) == 1:  # one shard to read: this thread reads it (no hand-off)
+                self.got[i] = _fetch_placed(self.f, x, r, row, place, snap)
+            else:
+                self.got[i] = readers.submit(_fetch_placed, self.f, x, r, row, place, snap)
+        else:
+            self.got[i] = readers.submit(_fetch, self.f, x, r, row, False)
         self.nxt += 1
+
+    def took_placed(self, i: int, item: _Placed) -> None:
+        """A shard read into its place: keep its snapshot, count its bytes (the
+        snapshot's as an upload of its own, as ``upload`` counts them)."""
+        self.snaps[self.chunks[i][1]].update(item.snap)
+        self.moved += item.nbytes
+        self.copies += 1
+        if item.snap:
+            snap_bytes = sum(t.numel() * t.element_size() for t in item.snap.values())
+            self.f.executor.stats.add(h2d_bytes=snap_bytes, h2d_copies=len(item.snap))
+        self.got[i] = None
+
+    def placement(self, i: int) -> tuple[verify.Placement, dict[str, torch.Tensor]]:
+        """Where chunk ``i``'s shard goes: its rows into their slices of the outputs,
+        the snapshot (of the last node) into tensors of its own."""
+        x, r, _, o, cut, ntok = self.chunks[i]
+        ex, L, flat = self.f.executor, self.f.layout, self.flats[r]
+        place = {f"seg.{name}": (cut * rb, memoryview(flat[name][o * rb : (o + ntok) * rb]))
+                 for name, rb in self.seg_rows}
+        snap: dict[str, torch.Tensor] = {}
+        if x is self.end and L.has_snapshot:
+            for s in L.snapshots:
+                t = snap[s.name] = ex.empty(tuple(s.shape), s.torch_dtype)
+                place[f"snap.{s.name}"] = (0, memoryview(ex.flat(t)))
+        return place, snap
 
     def upload_ready(self) -> None:
         """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""

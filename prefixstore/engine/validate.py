@@ -26,7 +26,7 @@ from prefixstore.engine.checks import callable_or_none, flag, instance, integer
 from prefixstore.engine.results import Match
 from prefixstore.statemachine.compaction import CompactionPolicy
 
-__all__ = ["compact_policy", "evict_args", "flag", "lookup_args", "match", "prefix", "store_args"]
+__all__ = ["compact_policy", "evict_args", "flag", "into", "lookup_args", "match", "prefix", "store_args"]
 
 # ---------------------------------------------------------------------- Engine.open
 
@@ -51,6 +51,31 @@ def match(cache_id: str, root: str, value: Any, argument: str = "match") -> Matc
     if value.cache != cache_id:
         raise ForeignMatchError(argument, f"comes from another engine or cache, not the one open at {root}")
     return value
+
+
+def into(layout: Layout, device: torch.device, m: Match, value: Any) -> list[dict[str, torch.Tensor]] | None:
+    """``restore(..., into=)``: per rank, the layout's segments with the rows the match
+    restores, contiguous, on the executor's ``device``, each its own memory (None: none
+    given). Checked before anything is read, so a refused ``into`` is left untouched."""
+    if value is None:
+        return None
+    per = _rank_tensors(layout, "into", value)
+    _storable("into", per)
+    rows = m.tokens - m.gpu_tokens
+    seen: list[tuple[int, int]] = []
+    for r, t in enumerate(per):
+        layout.check_segments(r, t, rows)
+        for name, x in t.items():
+            if not x.is_contiguous():
+                raise ShapeError(f"into: rank {r}: {name!r} is not contiguous")
+            if x.device.type != device.type or (device.index is not None and x.device.index != device.index):
+                raise InvalidArgumentError("into", f"rank {r}: {name!r} is on {x.device}, the executor's outputs on {device}")
+            lo = x.data_ptr()
+            span = (lo, lo + x.numel() * x.element_size())
+            if any(a < span[1] and span[0] < b for a, b in seen):
+                raise InvalidArgumentError("into", f"rank {r}: {name!r} overlaps another tensor of into")
+            seen.append(span)
+    return [dict(t) for t in per]
 
 
 def compact_policy(value: Any) -> None:

@@ -292,6 +292,9 @@ class Executor(Protocol):
     stats: CopyStats
     gate: ForegroundGate
 
+    host_outputs: bool
+    """True when a restore's output tensors are host memory a file can be read into."""
+
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
     def stage(self, plan: shards.ShardPlan, tensors: Mapping[str, torch.Tensor], *,
               background: bool = False) -> Staged: ...
@@ -401,7 +404,10 @@ class CpuExecutor:
     """The CPU as the device: staging and uploads are plain (inline) copies.
 
     Device tensors given to it (an engine opened without ``executor='cuda'``) are
-    copied synchronously, as ``tensor.to('cpu')`` would."""
+    copied synchronously, as ``tensor.to('cpu')`` would. Its outputs are host memory:
+    a restore reads shards straight into them (``host_outputs``)."""
+
+    host_outputs = True
 
     def __init__(self, *, keep_bytes: int = 256 << 20, chunk_bytes: int = 2 << 20,
                  gate: ForegroundGate | None = None) -> None:
@@ -496,6 +502,8 @@ class CudaExecutor:
     allocates ordinary memory in the pool's finer classes and page-locks it with
     ``cudaHostRegister`` (unregistered when the buffer is freed).
     """
+
+    host_outputs = False
 
     def __init__(self, device: str | torch.device | None = None, *, keep_bytes: int = 4 << 30,
                  chunk_bytes: int = 16 << 20, gate: ForegroundGate | None = None,

@@ -13,6 +13,7 @@ replaced by a symlink, FIFO or device raises ``NotRegularFileError`` (damage) at
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -83,6 +84,47 @@ def open_regular(path: str, flags: int = 0) -> int:
         os.close(fd)
         raise
     return fd
+
+
+READ_CHUNK = 1 << 20
+"""Bytes per read of a hashed read: few system calls, and hashed while still in the
+CPU's caches (1 MiB pieces read as fast as whole-file reads here; 256 KiB ones cost
+a third more in system calls)."""
+
+
+def advise_sequential(fd: int) -> None:
+    """Tell the kernel the file is read once, front to back (a doubled readahead
+    window for a cold read). ``POSIX_FADV_WILLNEED`` is not asked: on a file already in
+    the page cache it cost 280 us per 4 MiB here (as much as reading it), and it did
+    not make cold reads faster on this machine's disk."""
+    with contextlib.suppress(OSError):  # a file system without advice: a plain read
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
+def read_hashed(fd: int, pos: int, out: memoryview, hasher, chunk: int = READ_CHUNK) -> int:
+    """Read ``len(out)`` bytes at ``pos`` into ``out``, feeding each piece to ``hasher``
+    right after it lands (still in cache); the bytes read (fewer at end of file)."""
+    got, n = 0, len(out)
+    while got < n:
+        view = out[got : got + chunk]
+        k = os.preadv(fd, [view], pos + got)
+        if k <= 0:
+            break
+        hasher.update(view[:k])
+        got += k
+    return got
+
+
+def skip_hashed(fd: int, pos: int, n: int, hasher, scratch: memoryview) -> int:
+    """Feed ``n`` bytes at ``pos`` to ``hasher`` through ``scratch`` (kept nowhere);
+    the bytes read."""
+    got = 0
+    while got < n:
+        k = read_hashed(fd, pos + got, scratch[: min(len(scratch), n - got)], hasher)
+        if k <= 0:
+            break
+        got += k
+    return got
 
 
 def read_fd(fd: int) -> bytes:
@@ -160,6 +202,15 @@ class OsFS:
                 got += n
                 view = view[n:]
             return size
+        finally:
+            os.close(fd)
+
+    def read_with(self, path: str, fn):
+        """``fn(fd)`` on the regular file ``path`` opened for reading (``open_regular``),
+        closed afterwards; what ``fn`` returns."""
+        fd = open_regular(path)
+        try:
+            return fn(fd)
         finally:
             os.close(fd)
 
@@ -324,6 +375,15 @@ class HookedFS:
         n = min(len(data), len(out))
         out[:n] = memoryview(data)[:n]
         return len(data)
+
+    @property
+    def reads_fd(self) -> bool:
+        """True when the inner file system runs ``read_with`` (reads from a descriptor)."""
+        return hasattr(self.inner, "read_with")
+
+    def read_with(self, path: str, fn):
+        """``OsFS.read_with`` through the hook (op 'read')."""
+        return self._run("read", path, self.inner.read_with, path, fn)  # type: ignore[attr-defined]
 
     def size(self, path: str) -> int | None:
         return self.inner.size(path)

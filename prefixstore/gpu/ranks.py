@@ -34,7 +34,7 @@ class LocalRank:
     ``directory`` is named by the caller and resolved once (a symlink to it is
     followed here); every effect after that refuses to follow a symlink. A tier with
     ``READS_INTO`` and ``LOCAL_FILES`` (and ``COPIES_ON_READ`` when its file system
-    cannot read in place).
+    cannot read in place; ``READS_FD`` when it reads from a descriptor).
     """
 
     available = True
@@ -74,10 +74,22 @@ class LocalRank:
         """Read ``name`` into ``out``; returns the file's size."""
         return self.fs.read_into(self.path(name), out)
 
+    def read_shard_with(self, name: str, fn):
+        """``fn(fd)`` on ``name`` opened for reading (a regular file); what it returns."""
+        return self.fs.read_with(self.path(name), fn)
+
     @property
     def capabilities(self) -> Capability:
         caps = Capability.READS_INTO | Capability.LOCAL_FILES | Capability.REPORTS_DURABILITY
+        if self.fs.reads_fd and self._reads_are_own():
+            caps |= Capability.READS_FD
         return caps | Capability.COPIES_ON_READ if self.fs.copies_on_read else caps
+
+    def _reads_are_own(self) -> bool:
+        """False for a subclass that overrides ``read_shard`` or ``read_shard_into``: its
+        reads go through its own methods, never around them by descriptor."""
+        cls = type(self)
+        return cls.read_shard is LocalRank.read_shard and cls.read_shard_into is LocalRank.read_shard_into
 
     def remove(self, name: str) -> bool:
         """Unlink ``name`` and its temporary (the entries themselves, whatever they are; a

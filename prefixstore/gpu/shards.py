@@ -291,36 +291,43 @@ def views(plan: ShardPlan, buf: torch.Tensor) -> dict[str, torch.Tensor]:
     return {e.name: buf[e.begin : e.end].view(e.dtype).view(e.shape) for e in plan.entries}
 
 
-def _header_of(buf: torch.Tensor) -> tuple[dict, int]:
+def _header_of(buf: torch.Tensor) -> tuple[bytes, int]:
     size = buf.numel()
     if size < 8:
         raise ShardError("shard shorter than its header length field")
-    (n,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
-    if n > size - 8 or n > MAX_HEADER:
+    n = header_length(buf[:8].numpy().tobytes(), size)
+    return buf[8 : 8 + n].numpy().tobytes(), 8 + n
+
+
+def header_length(first8: bytes, file_size: int) -> int:
+    """The JSON header's length from a shard's first 8 bytes (ShardError when it cannot
+    fit in a file of ``file_size`` bytes)."""
+    (n,) = struct.unpack("<Q", first8)
+    if n > file_size - 8 or n > MAX_HEADER:
         raise ShardError("shard header length exceeds the file")
-    try:
-        head = json.loads(buf[8 : 8 + n].numpy().tobytes())
-    except ValueError as exc:
-        raise ShardError(f"shard header is not JSON: {exc}") from exc
-    if not isinstance(head, dict):
-        raise ShardError("shard header is not a JSON object")
-    return head, 8 + n
+    return n
 
 
-def parse(
-    buf: torch.Tensor,
+def parse_entries(
+    text: bytes,
+    file_size: int,
     layout: Layout,
     tokens: int,
     with_snapshot: bool,
     expect_meta: Mapping[str, str],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Validate a whole shard file held in ``buf`` (1-D uint8) and return views of it.
-
-    Checks what the safetensors loader checks (known dtypes, each tensor's byte size,
-    offsets contiguous from the data start to the end of the file) plus the metadata
-    and the layout, as ``decode`` does. No tensor byte is copied.
-    """
-    head, start = _header_of(buf)
+) -> list[Entry]:
+    """Validate a shard's JSON header ``text`` (the bytes after its length field) for a
+    file of ``file_size`` bytes: what the safetensors loader checks (known dtypes, each
+    tensor's byte size, offsets contiguous from the data start to the end of the file,
+    each tensor aligned to its dtype) plus the metadata and the layout, as ``decode``
+    does. Returns the entries with absolute file offsets, in file order."""
+    try:
+        head = json.loads(text)
+    except ValueError as exc:
+        raise ShardError(f"shard header is not JSON: {exc}") from exc
+    if not isinstance(head, dict):
+        raise ShardError("shard header is not a JSON object")
+    start = 8 + len(text)
     meta = _metadata(head)
     for k, v in {"format": FORMAT, **expect_meta}.items():
         if meta.get(k) != v:
@@ -347,14 +354,36 @@ def parse(
         if b != pos:
             raise ShardError(f"shard entry {name!r} starts at {b}, expected {pos}")
         pos = e
-    if start + pos != buf.numel():
-        raise ShardError(f"shard data ends at {start + pos}, the file has {buf.numel()} bytes")
-    out: dict[str, torch.Tensor] = {}
+    if start + pos != file_size:
+        raise ShardError(f"shard data ends at {start + pos}, the file has {file_size} bytes")
+    entries = []
     for b, e, name, dtype, shape in spans:
+        if (start + b) % _ITEMSIZE[dtype]:  # not a file this engine writes
+            raise ShardError(f"shard entry {name!r} is not aligned to its dtype")
+        entries.append(Entry(name, dtype, shape, start + b, start + e))
+    # the layout's checks, on shape-only tensors
+    _split_checked({x.name: torch.empty(x.shape, dtype=x.dtype, device="meta") for x in entries},
+                   layout, tokens, with_snapshot)
+    return entries
+
+
+def parse(
+    buf: torch.Tensor,
+    layout: Layout,
+    tokens: int,
+    with_snapshot: bool,
+    expect_meta: Mapping[str, str],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Validate a whole shard file held in ``buf`` (1-D uint8) and return views of it
+    (``parse_entries``'s checks). No tensor byte is copied."""
+    text, _ = _header_of(buf)
+    entries = parse_entries(text, buf.numel(), layout, tokens, with_snapshot, expect_meta)
+    out: dict[str, torch.Tensor] = {}
+    for x in entries:
         try:
-            out[name] = buf[start + b : start + e].view(dtype).view(shape)
-        except RuntimeError as exc:  # an unaligned offset: not a file this engine writes
-            raise ShardError(f"shard entry {name!r} is not aligned to its dtype") from exc
+            out[x.name] = buf[x.begin : x.end].view(x.dtype).view(x.shape)
+        except RuntimeError as exc:  # an unaligned buffer
+            raise ShardError(f"shard entry {x.name!r} is not aligned to its dtype") from exc
     return _split_checked(out, layout, tokens, with_snapshot)
 
 

@@ -14,6 +14,9 @@ never looks for a method by name:
                     tier's durable copy (the tier retains it if it keeps it)
 ``READS_INTO``      ``read_shard_into(name, out) -> file size``: read in place
 ``COPIES_ON_READ``  ``read_shard_into`` copies through a bounce buffer (counted)
+``READS_FD``        ``read_shard_with(name, fn)``: ``fn(fd)`` on the shard opened for
+                    reading (a regular file), so a read can place its bytes where
+                    they go and hash them as they land (``gpu/verify.py``)
 ``VOLATILE``        the bytes die with the process: the catalog's rows for them are
                     dropped at the next open, and audits read them through the tier
 ``LOCAL_FILES``     ``directory`` is a local rank directory this process reads;
@@ -70,6 +73,7 @@ class Capability(enum.Flag):
     REPORTS_DURABILITY = enum.auto()
     RANK_DIRS = enum.auto()
     READ_ONLY_OPEN = enum.auto()
+    READS_FD = enum.auto()
 
 
 class RankIO(Protocol):

@@ -13,14 +13,17 @@ audit, recovery's re-attaching) reads and checks them here and gets a typed outc
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping
 
 import attrs
 import torch
+import xxhash
 
 from prefixstore.base.errors import NotRegularFileError, RankUnavailableError, ShardError
 from prefixstore.base.layout import Layout
-from prefixstore.gpu import shards
+from prefixstore.gpu import fileio, shards
 from prefixstore.gpu.executor import Buffer, CopyStats, StagingPool
 from prefixstore.gpu.tier import Capability, Tier, has
 
@@ -84,7 +87,11 @@ def read(
         return got if not isinstance(got, bytes) else check(got, size, checksum, header, name)
     buf = pool.acquire(size)
     try:
-        n = _read_into(tier, name, buf.mv(), stats)
+        if has(tier, Capability.READS_FD):  # hashed as it lands
+            got = _guarded(tier.read_shard_with, name, lambda fd: _read_whole(fd, size, buf.mv()))  # type: ignore[attr-defined]
+            n, digest = got if isinstance(got, tuple) else (got, None)
+        else:
+            n, digest = _read_into(tier, name, buf.mv(), stats), None
     except BaseException:
         buf.release()
         raise
@@ -93,8 +100,9 @@ def read(
         return n
     if stats is not None:
         stats.add(tier_read_bytes=min(n, size))
-    why = (_size_problem(n, size, name) or
-           (f"shard {name}: checksum mismatch" if shards.checksum(buf.mv()) != checksum else None))
+    why = _size_problem(n, size, name)
+    if why is None and (digest if digest is not None else shards.checksum(buf.mv())) != checksum:
+        why = f"shard {name}: checksum mismatch"
     if why is None and header is not None:
         parsed = parse_header(buf, header)
         if isinstance(parsed, Damage):
@@ -105,6 +113,120 @@ def read(
         buf.release()
         return Damage(why)
     return Shard(buffer=buf)
+
+
+Placement = Mapping[str, tuple[int, memoryview]]
+"""Where a placed read puts a shard's tensors: ``entry name -> (byte offset inside the
+entry, destination)``; the destination takes the entry's bytes from that offset on, as
+many as it holds. Every other byte is read and hashed, and kept nowhere."""
+
+
+def read_placed(tier: Tier, name: str, size: int, checksum: str, header: Header, place: Placement,
+                stats: CopyStats | None = None) -> Shard | Damage | Transient | None:
+    """Read ``name`` straight into the destinations of ``place`` (the caller's final
+    buffers: no staging, no second copy), hashing each piece as it lands, and check it
+    as ``read`` does: the size, the checksum over every byte of the file, the header
+    (against ``header``). On ``Damage`` or ``Transient`` the destinations hold whatever
+    was read: the caller must not use them. None when the tier cannot (no ``READS_FD``).
+    """
+    if not has(tier, Capability.READS_FD):
+        return None
+    got = _guarded(tier.read_shard_with, name,  # type: ignore[attr-defined]
+                   lambda fd: _read_placed(fd, name, size, checksum, header, place))
+    if isinstance(got, Transient | Damage):
+        return got
+    n, why = got
+    if stats is not None:
+        stats.add(tier_read_bytes=min(n, size))
+    return Damage(why) if why is not None else Shard()
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch() -> memoryview:
+    """This thread's buffer for bytes that are hashed and kept nowhere."""
+    mv = getattr(_SCRATCH, "mv", None)
+    if mv is None:
+        mv = _SCRATCH.mv = shards.buffer_view(torch.empty(fileio.READ_CHUNK, dtype=torch.uint8))
+    return mv
+
+
+def _read_whole(fd: int, size: int, out: memoryview) -> tuple[int, str] | int:
+    """The file at ``fd`` into ``out`` (its size when that is not ``size``)."""
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        return actual
+    fileio.advise_sequential(fd)
+    h = xxhash.xxh3_128()
+    return fileio.read_hashed(fd, 0, out[:size], h), h.hexdigest()
+
+
+def _read_placed(fd: int, name: str, size: int, checksum: str, header: Header,
+                 place: Placement) -> tuple[int, str | None]:
+    """(bytes read, why the shard is damaged or None) of a placed read. The checks
+    come in ``read``'s order: size, checksum, header."""
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        return actual, _size_problem(actual, size, name)
+    fileio.advise_sequential(fd)
+    h, scratch = xxhash.xxh3_128(), _scratch()
+    head_why, plan = None, []
+    first = scratch[: min(8, size)]
+    pos = fileio.read_hashed(fd, 0, first, h)
+    if pos < 8:
+        head_why = "shard shorter than its header length field"
+    else:
+        try:
+            n = shards.header_length(bytes(first), size)
+            text = bytearray(n)
+            pos += fileio.read_hashed(fd, 8, memoryview(text), h)
+            entries = shards.parse_entries(bytes(text), size, header.layout, header.tokens,
+                                           header.with_snapshot, header.meta)
+            plan = _plan(entries, place)
+        except shards.ShardError as exc:
+            head_why = str(exc)
+    for begin, dst in plan:  # in file order, contiguous
+        if begin > pos:
+            pos += fileio.skip_hashed(fd, pos, begin - pos, h, scratch)
+        if pos != begin:
+            break
+        pos += fileio.read_hashed(fd, pos, dst, h)
+    if pos < size:
+        pos += fileio.skip_hashed(fd, pos, size - pos, h, scratch)
+    if pos != size:  # the file shrank while it was read
+        return pos, _size_problem(pos, size, name)
+    if h.hexdigest() != checksum:
+        return pos, f"shard {name}: checksum mismatch"
+    return pos, head_why
+
+
+def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, memoryview]]:
+    """(file offset, destination) of each placed piece, in file order."""
+    out = []
+    for x in entries:
+        p = place.get(x.name)
+        if p is None:
+            continue
+        off, dst = p
+        if off < 0 or off + len(dst) > x.nbytes:
+            raise ValueError(f"placement of {x.name} ({off}+{len(dst)}) exceeds its {x.nbytes} bytes")
+        if len(dst):
+            out.append((x.begin + off, dst))
+    return out
+
+
+def _guarded(read_with, name: str, fn):
+    """``read_with(name, fn)`` with the tier's errors as outcomes: a missing or
+    irregular file is ``Damage``, an I/O error ``Transient``."""
+    try:
+        return read_with(name, fn)
+    except FileNotFoundError:
+        return Damage(f"shard {name} missing")
+    except NotRegularFileError as exc:
+        return Damage(f"shard {name} {exc.strerror}")
+    except OSError as exc:
+        return Transient(str(exc), isinstance(exc, RankUnavailableError))
 
 
 def check(data: bytes, size: int, checksum: str, header: Header | None = None, name: str = "") -> Shard | Damage:

@@ -1,0 +1,178 @@
+"""Restores read each shard once, into its final place: the caller's tensors
+(``restore(match, into=...)``) or the outputs the engine allocates, verified as the
+bytes land (every byte of the file hashed, the header checked); bad ``into`` tensors
+are refused with a typed error before anything is read or written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BT, make_layout, seg_tensors, snap_tensors, store_tokens, tokens_for
+
+from prefixstore.base.errors import DtypeError, InvalidInputError, ShapeError
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
+from prefixstore.fuzz.faultfs import flip_bit
+from prefixstore.gpu import shards, verify
+from prefixstore.gpu.ranks import LocalRank
+
+CAP = 16 << 20
+SENTINEL = -7.0
+
+
+def outputs(L, rows: int, fill: float = SENTINEL) -> list[dict[str, torch.Tensor]]:
+    return [{s.name: torch.full((rows, *s.shape), fill, dtype=s.torch_dtype) for s in L.segments}
+            for _ in range(L.ranks)]
+
+
+def shard_paths(root: str) -> list[str]:
+    return sorted(os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".st"))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_restore_into_fills_the_callers_tensors_and_returns_them(tmp_path, ranks, snapshot):
+    L = make_layout(ranks=ranks, snapshot=snapshot)
+    toks = tokens_for(1, 8)
+    with Engine.open(str(tmp_path / "c"), L, CAP) as eng:
+        assert store_tokens(eng, toks[: 3 * BT]).ok and store_tokens(eng, toks).ok  # two nodes
+        for gpu_blocks in (0, 2, 3, 5):  # rows the GPU holds are not restored
+            m = eng.lookup(Prefix.from_tokens(toks, BT), gpu_blocks=gpu_blocks)
+            into = outputs(L, m.tokens - m.gpu_tokens)
+            r = eng.restore(m, into=into)
+            assert r is not None
+            want = seg_tensors(L, toks)
+            for k in range(ranks):
+                for name, t in into[k].items():
+                    assert r.segments[k][name] is t
+                    assert torch.equal(t, want[k][name][m.gpu_tokens : m.tokens]), (gpu_blocks, k, name)
+            if snapshot:
+                ws = snap_tensors(L, toks)
+                assert all(torch.equal(r.snapshot[k]["state"], ws[k]["state"]) for k in range(ranks))
+
+
+def test_a_restore_reads_each_shard_once_into_its_output_without_staging(tmp_path):
+    """No staging buffer and no host copy: the file's bytes land in the output."""
+    L = make_layout(ranks=2)
+    toks = tokens_for(2, 6)
+    with Engine.open(str(tmp_path / "c"), L, CAP) as eng:
+        assert store_tokens(eng, toks[: 2 * BT]).ok and store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, BT))
+        pool0 = eng.stats()["transfers"]["staging_pool"]
+        c0 = eng.stats()["transfers"]["copies"]
+        for into in (None, outputs(L, m.tokens)):
+            r = eng.restore(m, into=into)
+            want = seg_tensors(L, toks)
+            assert all(torch.equal(r.segments[k][n], want[k][n]) for k in range(2) for n in ("k", "v"))
+        pool1 = eng.stats()["transfers"]["staging_pool"]
+        c1 = eng.stats()["transfers"]["copies"]
+        assert (pool1["allocs"], pool1["reuses"]) == (pool0["allocs"], pool0["reuses"])  # nothing staged
+        assert c1["host_copy_bytes"] == c0["host_copy_bytes"] == 0
+        files = sum(s for (s,) in eng.catalog.query("SELECT size FROM files WHERE status='live'"))
+        assert c1["tier_read_bytes"] - c0["tier_read_bytes"] == 2 * files  # each file read once a restore
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "rows", "ranks", "names", "strided", "overlap", "not tensors"])
+def test_bad_into_is_a_typed_error_and_nothing_is_written_or_read(tmp_path, bad):
+    L = make_layout(ranks=2, snapshot=False)
+    toks = tokens_for(3, 4)
+    with Engine.open(str(tmp_path / "c"), L, CAP) as eng:
+        assert store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, BT))
+        into = outputs(L, m.tokens)
+        expect: type[Exception] = ShapeError
+        if bad == "shape":
+            into[1]["v"] = torch.full((m.tokens, 3, 2), SENTINEL, dtype=torch.bfloat16)
+        elif bad == "dtype":
+            into[0]["k"] = torch.full((m.tokens, 2, 3), SENTINEL, dtype=torch.float32)
+            expect = DtypeError
+        elif bad == "rows":
+            into[0]["k"] = torch.full((m.tokens + BT, 2, 3), SENTINEL, dtype=torch.bfloat16)
+        elif bad == "ranks":
+            into = into[:1]
+            expect = InvalidInputError
+        elif bad == "names":
+            into[1]["w"] = into[1].pop("v")
+        elif bad == "strided":
+            into[0]["v"] = torch.full((m.tokens, 3, 2), SENTINEL, dtype=torch.bfloat16).transpose(1, 2)
+        elif bad == "overlap":
+            into[1]["k"] = into[0]["k"]
+            expect = InvalidInputError
+        else:
+            into = [["k", "v"], ["k", "v"]]
+            expect = InvalidInputError
+        c0 = eng.stats()["transfers"]["copies"]["tier_read_bytes"]
+        with pytest.raises(expect):
+            eng.restore(m, into=into)
+        assert eng.stats()["transfers"]["copies"]["tier_read_bytes"] == c0  # nothing read
+        for per in into:
+            for t in per.values() if isinstance(per, dict) else ():
+                assert bool((t.float() == SENTINEL).all())  # nothing written
+        assert eng.restore(m) is not None  # the engine is unharmed
+
+
+@pytest.mark.parametrize("where", ["header", "restored rows", "rows the GPU holds", "last byte"])
+def test_a_damaged_byte_anywhere_in_the_file_is_a_miss_even_where_nothing_is_kept(tmp_path, where):
+    """Bytes the restore does not keep (rows the GPU holds) are hashed too."""
+    L = make_layout(snapshot=False)
+    toks = tokens_for(4, 4)
+    root = str(tmp_path / "c")
+    with Engine.open(root, L, CAP) as eng:
+        assert store_tokens(eng, toks).ok
+    (path,) = shard_paths(root)
+    data = Path(path).read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    row = L.payload_bytes(1, False)  # bytes per token row
+    offset = {"header": 20, "restored rows": start + 3 * BT * (row // 2),
+              "rows the GPU holds": start + 1, "last byte": len(data) - 1}[where]
+    flip_bit(path, offset)
+    with Engine.open(root, L, CAP) as eng:
+        m = eng.lookup(Prefix.from_tokens(toks, BT), gpu_blocks=2)
+        assert m.hit
+        assert eng.restore(m, into=outputs(L, m.tokens - m.gpu_tokens)) is None
+        assert eng.counters.snapshot().get("lookups.damaged_on_restore") == 1
+
+
+def test_a_placed_read_judges_a_shard_as_the_staged_read_does(tmp_path):
+    """``verify.read_placed`` and ``verify.read`` (staged) give the same outcome and
+    the same reason for each kind of damage."""
+    L = make_layout(snapshot=False)
+    toks = tokens_for(5, 2)
+    root = str(tmp_path / "c")
+    with Engine.open(root, L, CAP) as eng:
+        assert store_tokens(eng, toks).ok
+        (name, size, ck), = eng.catalog.query("SELECT name, size, checksum FROM files")
+        node = eng.index.nodes[next(iter(eng.index.nodes))]
+        meta = {**shards.meta(node.key, node.generation, node.start, node.end, False), "rank": "0"}
+        pool = eng.executor.pool
+    path = os.path.join(root, "rank0", name)
+    good = Path(path).read_bytes()
+    head = verify.Header(L, 2 * BT, False, meta)
+    other = verify.Header(L, 2 * BT, False, {**meta, "generation": "9"})
+    rank = LocalRank(0, os.path.join(root, "rank0"))
+
+    def outcomes(header: verify.Header, checksum: str, size_: int = size) -> tuple:
+        out = torch.empty(2 * BT, 2, 3, dtype=torch.bfloat16)
+        place = {"seg.k": (0, memoryview(out.view(torch.uint8).reshape(-1).numpy()))}
+        placed = verify.read_placed(rank, name, size_, checksum, header, place)
+        staged = verify.read(rank, name, size_, checksum, pool=pool, header=header)
+        if isinstance(staged, verify.Shard):
+            staged.buffer.release()
+        return (type(placed).__name__, getattr(placed, "why", None)), (type(staged).__name__, getattr(staged, "why", None))
+
+    cases = {"good": (head, ck, size), "other header": (other, ck, size), "wrong size": (head, ck, size + 8),
+             "wrong checksum": (head, "0" * 32, size)}
+    for label, (h, c, s) in cases.items():
+        placed, staged = outcomes(h, c, s)
+        assert placed == staged, label
+        assert placed[0] == ("Shard" if label == "good" else "Damage"), (label, placed)
+    with open(path, "wb") as f:  # a header that is not JSON, its checksum made to agree
+        f.write(good[:8] + b"x" + good[9:])
+    bad_ck = shards.checksum(Path(path).read_bytes())
+    placed, staged = outcomes(head, bad_ck)
+    assert placed == staged and placed[0] == "Damage" and "not JSON" in placed[1]
+    os.unlink(path)
+    assert outcomes(head, ck) == (("Damage", f"shard {name} missing"),) * 2
