@@ -164,11 +164,11 @@ class NetnsHosts:
         finally:
             os.close(home)
 
-    def spawn(self, ns: str, argv: list[str], log_name: str) -> subprocess.Popen:
+    def spawn(self, ns: str, argv: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Run ``argv`` in namespace ``ns``, output to ``base/log_name``."""
         log = open(os.path.join(self.base, log_name), "ab")  # noqa: SIM115 - handed to the child
         try:
-            env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+            env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
             p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=log, stderr=subprocess.STDOUT,
                                  env=env, start_new_session=True)
         finally:
@@ -177,8 +177,11 @@ class NetnsHosts:
             self.procs.append(p)
         return p
 
-    def start_rank(self, r: int, init_method: str, *extra: str, connect_timeout: float = 30) -> subprocess.Popen:
-        """One rank server on host ``r`` serving ``rank_dir(r)``."""
+    def start_rank(self, r: int, init_method: str, *extra: str, connect_timeout: float = 30,
+                   token_file: str | None = None) -> subprocess.Popen:
+        """One rank server on host ``r`` serving ``rank_dir(r)`` (``token_file``: its token)."""
+        if token_file:
+            extra = ("--token-file", token_file, *extra)
         argv = [sys.executable, "-m", "prefixstore.gpu.distributed", "--rank", str(r), "--dir", self.rank_dir(r),
                 "--init-method", init_method, "--gloo-host", self.host_ip[r],
                 "--connect-timeout", str(connect_timeout), *extra]

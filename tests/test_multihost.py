@@ -5,18 +5,24 @@ own, each rank server a process on its host with its own directory.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
+import sys
+import time
 
 import pytest
 from conftest import assert_restores, make_layout, store_tokens, tokens_for
 from netns_hosts import NetnsHosts, netns_leftovers, require_netns
 
+from prefixstore.base.errors import InvalidArgumentError, RankAuthError
 from prefixstore.engine.api import Engine
 from prefixstore.gpu.distributed import RankGroup
+from prefixstore.gpu.rank_auth import TOKEN_ENV, load_token
 
 CAP = 16 << 20
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture
@@ -84,3 +90,108 @@ def test_four_hosts_store_and_restore(hosts):
                 assert rep.ok, rep.to_dict()
         finally:
             group.close()
+
+
+# ------------------------------------------------------------------------ the shared token
+
+TOKEN = b"a-token-shared-by-coordinator-and-ranks"
+
+
+def token_file(hosts: NetnsHosts, token: bytes = TOKEN, name: str = "token") -> str:
+    path = os.path.join(hosts.base, name)
+    with open(path, "wb") as f:
+        f.write(token + b"\n")
+    return path
+
+
+def stranger(hosts: NetnsHosts, mode: str, group: RankGroup, rank: int) -> tuple[subprocess.Popen, str]:
+    out = os.path.join(hosts.base, f"stranger-{mode}.jsonl")
+    argv = [sys.executable, os.path.join(HERE, "netns_stranger.py"), mode, hosts.coord_ip, str(group.port),
+            str(rank), out, hosts.stranger_ips[0]]
+    return hosts.spawn(hosts.stranger_ns, argv, f"stranger-{mode}.log"), out
+
+
+def records(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_stranger_posing_as_a_rank_is_sent_nothing(hosts):
+    """A process on another host registers as rank 1 without the token: the coordinator
+    refuses it after the challenge, sends it no request and no shard; a rank server
+    with a wrong token is refused too; the real one then serves the stores."""
+    with hosts.coordinator():
+        group = group_in(hosts, token=TOKEN)
+        try:
+            proc, out = stranger(hosts, "rank", group, 1)
+            wait_until(lambda: group.latest(1) >= 1, 30, hosts.logs())
+            with pytest.raises(RankAuthError, match="did not prove the shared token"):
+                group.connect([1], timeout=10)
+            assert proc.wait(30) == 0, hosts.logs()
+            got = records(out)
+            assert [r["got"]["op"] for r in got if "got" in r] == ["hello"], got
+            assert all(r.get("payload_bytes", 0) == 0 for r in got)
+            assert not group.remote(1).available
+            hosts.start_rank(1, group.init_method, token_file=token_file(hosts, b"another-token-of-16-bytes+", "bad"))
+            wait_until(lambda: group.latest(1) >= 2, 30, hosts.logs())
+            with pytest.raises(RankAuthError):
+                group.connect([1], timeout=10)
+            hosts.kill_host(1)
+            hosts.start_rank(0, group.init_method, token_file=token_file(hosts))
+            hosts.start_rank(1, group.init_method, token_file=token_file(hosts))
+            remotes = group.connect(range(2), timeout=60)
+            a = tokens_for(3, 4)
+            with Engine.open(os.path.join(hosts.base, "cache"), make_layout(ranks=2), CAP, ranks=remotes) as eng:
+                assert store_tokens(eng, a).status == "stored"
+                assert_restores(eng, a, blocks=4)
+        finally:
+            group.close()
+
+
+def test_stranger_posing_as_the_coordinator_changes_nothing(hosts):
+    """A process on another host accepts rank 0's registration and joins its pair in
+    the coordinator's place: the rank serves nothing (no file written or removed, no
+    listing, no directory name), registers again, and the coordinator connects it."""
+    victim = os.path.join(hosts.rank_dir(0), "victim.st")
+    with open(victim, "wb") as f:
+        f.write(b"v" * 64)
+    with hosts.coordinator():
+        group = group_in(hosts, token=TOKEN)
+        try:
+            hosts.start_rank(0, group.init_method, token_file=token_file(hosts))
+            proc, out = stranger(hosts, "coordinator", group, 0)
+            assert proc.wait(60) == 0, hosts.logs()
+            got = records(out)
+            assert hosts.rank_dir(0) not in json.dumps(got), got
+            assert not any(r.get("reply", {}).get("ok") for r in got), got
+            assert not any(r.get("body_bytes") for r in got), got
+            assert sorted(os.listdir(hosts.rank_dir(0))) == ["victim.st"]
+            (rr,) = group.connect([0], timeout=30)
+            assert rr.incarnation >= 2 and rr.listdir() == ["victim.st"]
+            assert rr.read_shard("victim.st") == b"v" * 64
+        finally:
+            group.close()
+
+
+def test_rank_token_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert load_token() is None
+    monkeypatch.setenv(TOKEN_ENV, "  from-the-default-variable  ")
+    assert load_token() == b"from-the-default-variable"
+    monkeypatch.setenv("MY_TOKEN", "x" * 16)
+    assert load_token(env="MY_TOKEN") == b"x" * 16
+    (tmp_path / "t").write_bytes(b"y" * 20 + b"\n")
+    assert load_token(file=str(tmp_path / "t")) == b"y" * 20
+    for kw in ({"env": "UNSET_TOKEN_VAR"}, {"file": str(tmp_path / "none")}):
+        with pytest.raises(InvalidArgumentError):
+            load_token(**kw)
+    monkeypatch.setenv("MY_TOKEN", "short")
+    with pytest.raises(InvalidArgumentError, match="at least 16 bytes"):
+        load_token(env="MY_TOKEN")

@@ -12,8 +12,11 @@ separator, ``.`` or ``..`` is refused (EINVAL), so a request never touches a fil
 outside it.
 
 Lifecycle: lock the directory (one server per directory), connect to the
-coordinator's TCPStore, register a new *incarnation* (a counter per rank), wait for
-the coordinator to accept it, form the pair group, serve. If the pair breaks (the
+coordinator's TCPStore, register a new *incarnation* (a counter per rank; the store
+holds only the rank and the incarnation), wait for the coordinator to accept it, form
+the pair group, run the token handshake (``prefixstore.gpu.rank_auth``: a peer that
+does not prove the shared token is sent nothing and served nothing; the server
+registers again), serve. If the pair breaks (the
 coordinator timed out on this rank and dropped it, or died) the server registers
 again while the coordinator's store answers, and exits (status 1) once it does not.
 ``shutdown`` ends it with status 0.
@@ -35,8 +38,14 @@ import sys
 import time
 from typing import Any
 
-from prefixstore.base.errors import LockedError, NotRegularFileError
+from prefixstore.base.errors import (
+    LockedError,
+    NotRegularFileError,
+    PrefixStoreError,
+    RankAuthError,
+)
 from prefixstore.gpu.fileio import FaultHook, FileSystem
+from prefixstore.gpu.rank_auth import TOKEN_ENV, load_token, rank_handshake
 from prefixstore.gpu.ranks import LocalRank
 from prefixstore.gpu.wire import IDLE_TIMEOUT, Link, LinkError, first_line, open_pair, store_client
 
@@ -146,7 +155,10 @@ class RankServer:
         hook: FaultHook | None = None,
         connect_timeout: float = 60.0,
         gloo_host: str | None = None,
+        token: bytes | None = None,
     ) -> None:
+        self.token = token
+        self.refused = 0
         self.rank = rank
         self.directory = os.path.abspath(directory)
         self.host, self.port = host, port
@@ -172,7 +184,7 @@ class RankServer:
                 if link is None:
                     return EXIT_LOST
                 try:
-                    if self._session(link, local):
+                    if self._admitted(link) and self._session(link, local):
                         return EXIT_SHUTDOWN
                 finally:
                     link.close()
@@ -187,9 +199,7 @@ class RankServer:
             try:
                 k = int(store.add(keys(self.rank)["counter"], 1))
                 kk = keys(self.rank, k)
-                info = {"rank": self.rank, "directory": self.directory, "pid": os.getpid(),
-                        "incarnation": k, "host": os.uname().nodename}
-                store.set(kk["info"], json.dumps(info))
+                store.set(kk["info"], json.dumps({"rank": self.rank, "incarnation": k}))
                 store.set(kk["latest"], str(k))
                 while not store.check([kk["accept"]]):
                     time.sleep(POLL_S)
@@ -202,6 +212,19 @@ class RankServer:
             except LinkError:
                 if not _answers(store):
                     return None  # else: the coordinator gave up on this incarnation; register again
+
+    def _admitted(self, link: Link) -> bool:
+        """The token handshake on a new pair: True when the peer proved it."""
+        account = {"rank": self.rank, "directory": self.directory, "pid": os.getpid(),
+                   "incarnation": self.incarnation, "host": os.uname().nodename}
+        try:
+            rank_handshake(link, self.token, self.rank, self.incarnation, self.connect_timeout, account)
+            return True
+        except (RankAuthError, LinkError) as exc:
+            self.refused += 1
+            print(f"rank-server: rank {self.rank}: refused a peer on incarnation {self.incarnation}: "
+                  f"{first_line(exc)}", flush=True)
+            return False
 
     def _session(self, link: Link, local: LocalRank) -> bool:
         """Serve requests on ``link``; True when told to shut down, False if it broke."""
@@ -258,9 +281,20 @@ def add_arguments(p) -> None:
                         "default: gloo's choice, see GLOO_SOCKET_IFNAME)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to wait for the coordinator (default 60)")
+    add_token_arguments(p)
     p.add_argument("--kill-at", metavar="WHEN:OP:N", help="fault testing: SIGKILL this process at "
                    "the Nth WHEN (before|after) point of OP (write, fsync, rename, fsync_dir, unlink, read)")
     p.add_argument("--stall-at", metavar="WHEN:OP:N", help="fault testing: hang there instead")
+
+
+def add_token_arguments(p) -> None:
+    """Where the token shared by the coordinator and its rank servers comes from."""
+    p.add_argument("--token-file", metavar="PATH",
+                   help="file holding the token shared with the coordinator (at least 16 bytes; "
+                        "default: the variable named by --token-env)")
+    p.add_argument("--token-env", metavar="VAR",
+                   help=f"environment variable holding the token (default {TOKEN_ENV}; without any "
+                        "token, only a coordinator without one is served)")
 
 
 def exit_now(code: int) -> None:
@@ -284,13 +318,21 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"rank-server: {exc}", flush=True)
         return 2
+    try:
+        token = load_token(args.token_file, args.token_env)
+    except PrefixStoreError as exc:
+        print(f"rank-server: {exc}", flush=True)
+        return 2
+    if token is None:
+        print(f"rank-server: warning: no token (--token-file, --token-env, ${TOKEN_ENV}): any process "
+              "that reaches the coordinator's port can act as the coordinator", flush=True)
     hook = None
     if args.kill_at:
         hook = EffectTrap(args.kill_at, "kill")
     elif args.stall_at:
         hook = EffectTrap(args.stall_at, "stall")
     server = RankServer(args.rank, args.dir, host, port, hook=hook,
-                        connect_timeout=args.connect_timeout, gloo_host=args.gloo_host)
+                        connect_timeout=args.connect_timeout, gloo_host=args.gloo_host, token=token)
     try:
         code = server.serve()
     except (LinkError, LockedError) as exc:
