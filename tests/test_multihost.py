@@ -13,12 +13,14 @@ import sys
 import time
 
 import pytest
-from conftest import assert_restores, make_layout, store_tokens, tokens_for
+from conftest import BT, assert_restores, make_layout, store_tokens, tokens_for
 from netns_hosts import NetnsHosts, netns_leftovers, require_netns
 
 from prefixstore.base.errors import InvalidArgumentError, RankAuthError
+from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
 from prefixstore.gpu.distributed import RankGroup
+from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.rank_auth import TOKEN_ENV, load_token
 
 CAP = 16 << 20
@@ -195,3 +197,119 @@ def test_rank_token_sources(tmp_path, monkeypatch):
     monkeypatch.setenv("MY_TOKEN", "short")
     with pytest.raises(InvalidArgumentError, match="at least 16 bytes"):
         load_token(env="MY_TOKEN")
+
+
+# ------------------------------------------------------------------------ faults on the network
+
+OP_TIMEOUT = 3.0
+
+
+class FaultAtCommit(FaultHook):
+    """Runs ``action`` once, at the catalog commit ``label`` (``when``: before or after)."""
+
+    def __init__(self, label: str, when: str) -> None:
+        self.label, self.when = label, when
+        self.action = None
+
+    def _point(self, when: str, op: str, target: str) -> None:
+        if self.action is not None and op == "commit" and target == self.label and when == self.when:
+            action, self.action = self.action, None
+            action()
+
+    def before(self, op: str, target: str, rank: int | None) -> None:
+        self._point("before", op, target)
+
+    def after(self, op: str, target: str, rank: int | None) -> None:
+        self._point("after", op, target)
+
+
+def inject(hosts: NetnsHosts, fault: str, bad: int, background: list) -> None:
+    if fault == "kill":
+        hosts.kill_host(bad)
+    elif fault == "link-down":
+        hosts.set_link(bad, False)
+    elif fault == "slow-lossy":
+        hosts.shape(bad)
+        background.append(hosts.flap(bad, 4.0, period=1.0, down_share=0.3))
+    elif fault == "partition":
+        background.append(hosts.partition(bad, 3.0))
+
+
+def heal(hosts: NetnsHosts, fault: str, bad: int, background: list, init_method: str) -> None:
+    for t in background:
+        t.join(30)
+    if fault == "kill":
+        hosts.start_rank(bad, init_method, token_file=token_file(hosts))
+    elif fault == "link-down":
+        hosts.set_link(bad, True)
+    elif fault == "slow-lossy":
+        hosts.unshape(bad)
+
+
+def assert_clean(eng: Engine) -> None:
+    rep = eng.audit()
+    assert rep.ok, rep.to_dict()
+    assert eng._charged == eng.catalog.charged()
+    assert not eng.catalog.journal()
+
+
+FAULTS = ["kill", "link-down", "slow-lossy", "partition"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize(("label", "when"), [("store.intent", "after"), ("store.publish", "before")],
+                         ids=["before-writes", "before-publish"])
+def test_host_fault_mid_store(hosts, fault, label, when):
+    """A 4-rank store with host 2 hit by ``fault`` once the store's intent is committed
+    (its shards not yet written) or just before its publish (every shard durable). Every
+    wait is bounded: the store ends within a few op timeouts, whatever the link does; a
+    rank that failed is treated as today (a failed store rolls back, its files charged
+    until reclaimed; a restore needing it misses). Once the host is back: reclaim, and
+    every store that returned success restores bit for bit; the audit is clean."""
+    bad = 2
+    hook = FaultAtCommit(label, when)
+    background: list = []
+    with hosts.coordinator():
+        group = group_in(hosts, token=TOKEN, op_timeout=OP_TIMEOUT, connect_timeout=15)
+        try:
+            for r in range(4):
+                hosts.start_rank(r, group.init_method, token_file=token_file(hosts))
+            remotes = group.connect(range(4), timeout=60)
+            eng = Engine.open(os.path.join(hosts.base, "cache"), make_layout(ranks=4), CAP, hook=hook, ranks=remotes)
+            a, b = tokens_for(11, 6), tokens_for(12, 3)
+            acked = []
+            for t in (a[:8], b):
+                assert store_tokens(eng, t).status == "stored"
+                acked.append(t)
+            hook.action = lambda: inject(hosts, fault, bad, background)
+            t0 = time.monotonic()
+            res = store_tokens(eng, a)
+            took = time.monotonic() - t0
+            assert hook.action is None  # the fault was injected
+            assert took < 4 * OP_TIMEOUT + 10, (took, res)
+            if res.status == "stored":
+                acked.append(a)
+            else:
+                assert res.status == "failed" and f"rank {bad}:" in res.reason, res
+            t0 = time.monotonic()
+            for t in acked:  # while the host may be away: a hit restores, anything else misses
+                m = eng.lookup(Prefix.from_tokens(t, BT))
+                got = eng.restore(m) if m.hit else None
+                if got is not None:
+                    assert_restores(eng, t, blocks=m.blocks)
+            assert time.monotonic() - t0 < 2 * OP_TIMEOUT + 10
+            heal(hosts, fault, bad, background, group.init_method)
+            remotes[bad].reconnect(timeout=60)
+            eng.reclaim()
+            assert eng.stats()["garbage_bytes"] == 0
+            for t in acked:
+                assert_restores(eng, t, blocks=len(t) // BT)
+            c = tokens_for(13, 4)  # the cache takes stores again
+            assert store_tokens(eng, c).status == "stored"
+            assert_restores(eng, c, blocks=4)
+            assert_clean(eng)
+            eng.close()
+        finally:
+            for t in background:
+                t.join(30)
+            group.close()
