@@ -145,17 +145,22 @@ class NetnsHosts:
     def stranger_ns(self) -> str:
         return self.stranger_nss[0]
 
+    @property
+    def hosts_dir(self) -> str:
+        """Where the hosts' own disks are (``blind`` processes do not see it)."""
+        return os.path.join(self.base, "hosts")
+
     def rank_dir(self, r: int) -> str:
-        return os.path.join(self.base, f"host{r}", f"rank{r}")
+        return os.path.join(self.hosts_dir, f"host{r}", f"rank{r}")
 
     # -- processes ------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def coordinator(self) -> Iterator[None]:
-        """Run the block with this thread in the coordinator's namespace."""
+    def coordinator(self, ns: str | None = None) -> Iterator[None]:
+        """Run the block with this thread in the coordinator's namespace (or ``ns``)."""
         home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         try:
-            _setns(f"/run/netns/{self.coord_ns}")
+            _setns(f"/run/netns/{ns or self.coord_ns}")
             try:
                 yield
             finally:
@@ -176,6 +181,12 @@ class NetnsHosts:
         with self._lock:
             self.procs.append(p)
         return p
+
+    def spawn_blind(self, ns: str, argv: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """``spawn`` with ``hosts_dir`` hidden (an empty tmpfs over it in a mount namespace
+        of its own): a coordinator that sees no rank's disk, as on separate hosts."""
+        return self.spawn(ns, ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                               'mount -t tmpfs blind "$0" && exec "$@"', self.hosts_dir, *argv], log_name, env)
 
     def start_rank(self, r: int, init_method: str, *extra: str, connect_timeout: float = 30,
                    token_file: str | None = None) -> subprocess.Popen:
@@ -218,7 +229,11 @@ class NetnsHosts:
 
     def set_link(self, r: int, up: bool) -> None:
         """Host ``r``'s switch port up or down (its cable plugged in or pulled)."""
-        _ip("-n", self.switch, "link", "set", f"h{r}", "up" if up else "down")
+        self.set_link_ns(self.switch, f"h{r}", up)
+
+    def set_link_ns(self, ns: str, dev: str, up: bool) -> None:
+        """Link ``dev`` of namespace ``ns`` up or down (the coordinator's port: ``c0``)."""
+        _ip("-n", ns, "link", "set", dev, "up" if up else "down")
 
     def shape(self, r: int, *, delay_ms: int = 200, loss_pct: int = 30, rate: str = "2mbit") -> str:
         """Slow (and, with netem, lossy) host ``r``'s link, both directions; what was applied."""

@@ -5,6 +5,7 @@ own, each rank server a process on its host with its own directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -313,3 +314,46 @@ def test_host_fault_mid_store(hosts, fault, label, when):
             for t in background:
                 t.join(30)
             group.close()
+
+
+def read_log(hosts: NetnsHosts, name: str) -> str:
+    with open(os.path.join(hosts.base, name), errors="replace") as f:
+        return f.read()
+
+
+def test_coordinator_host_lost_silently(hosts):
+    """The coordinator's host vanishes without closing a connection (its link pulled,
+    then every process on it killed: no FIN or RST ever reaches the ranks). Each rank
+    server notices within its bound (the coordinator's store stops answering) and
+    exits 1 instead of waiting forever; restarted against a new coordinator on another
+    host, the cache opens, recovers, restores every acknowledged store and audits clean."""
+    tok = token_file(hosts)
+    root = os.path.join(hosts.base, "cache")
+    coord = hosts.spawn(hosts.coord_ns, [sys.executable, os.path.join(HERE, "netns_coordinator.py"), root,
+                                         hosts.coord_ip, "2", tok], "coordinator.log")
+    wait_until(lambda: "PORT" in read_log(hosts, "coordinator.log"), 60, hosts.logs())
+    port = int(read_log(hosts, "coordinator.log").split("PORT ")[1].split()[0])
+    ranks = [hosts.start_rank(r, f"tcp://{hosts.coord_ip}:{port}", token_file=tok, connect_timeout=4)
+             for r in range(2)]
+    wait_until(lambda: "ACKED" in read_log(hosts, "coordinator.log"), 90, hosts.logs())
+    hosts.set_link_ns(hosts.switch, "c0", False)
+    hosts.kill_ns(hosts.coord_ns)
+    assert coord.wait(10) == -9
+    t0 = time.monotonic()
+    for p in ranks:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.1, 30 - (time.monotonic() - t0)))
+    assert [p.poll() for p in ranks] == [1, 1], hosts.logs()  # not left waiting for a dead peer
+    with hosts.coordinator(hosts.stranger_ns):  # a new coordinator, on another host
+        group = RankGroup(hosts.stranger_ips[0], 0, gloo_host=hosts.stranger_ips[0], op_timeout=5,
+                          connect_timeout=20, token=TOKEN)
+        try:
+            for r in range(2):
+                hosts.start_rank(r, group.init_method, token_file=tok)
+            with Engine.open(root, make_layout(ranks=2), CAP, ranks=group.connect(range(2), timeout=60)) as eng:
+                for seed, blocks in ((31, 4), (32, 3)):
+                    assert_restores(eng, tokens_for(seed, blocks), blocks=blocks)
+                assert_clean(eng)
+        finally:
+            group.close()
+

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from prefixstore.base.errors import NotRegularFileError, RankAuthError, RankUnavailableError
 from prefixstore.base.log import log
 from prefixstore.gpu import rank_server
-from prefixstore.gpu.rank_auth import coordinator_handshake
+from prefixstore.gpu.rank_auth import coordinator_handshake, directory_tag
 from prefixstore.gpu.rank_server import keys, parse_init_method
 from prefixstore.gpu.wire import Link, LinkError, first_line, open_pair
 
@@ -217,6 +217,11 @@ class RemoteRank:
                     self._request("shutdown", {}, b"")
             self._drop("shut down", failure=False)
 
+    @property
+    def location(self) -> str:
+        """``rank-server@HOST:DIRECTORY`` (what the audit names this rank's files by)."""
+        return f"rank-server@{self.node or '?'}:{self.directory}"
+
     def info(self) -> dict[str, Any]:
         """The rank process's own account: rank, directory, pid, incarnation."""
         return self._call("info")[0]
@@ -297,6 +302,11 @@ class RemoteRank:
         if not isinstance(reg, dict) or reg.get("rank") != self.rank:
             self._rejected = k
             self._why = f"incarnation {k} registered as rank {reg.get('rank') if isinstance(reg, dict) else reg!r}"
+            raise RankUnavailableError(errno.EHOSTDOWN, f"rank {self.rank}: {self._why}")
+        if self.directory and reg.get("directory_tag") != directory_tag(self.group.token, self.directory):
+            self._rejected = k
+            self._why = (f"incarnation {k} serves rank {self.rank} at another directory (or holds another "
+                         f"token), expected rank {self.rank} at {self.directory}")
             raise RankUnavailableError(errno.EHOSTDOWN, f"rank {self.rank}: {self._why}")
         link = None
         try:

@@ -64,6 +64,11 @@ def mac(token: bytes | None, role: str, *parts: Any) -> str:
     return hmac.new(token or b"", "|".join([role, *map(str, parts)]).encode(), hashlib.sha256).hexdigest()
 
 
+def directory_tag(token: bytes | None, directory: str) -> str:
+    """What a registration says of the rank's directory: its MAC, not its name."""
+    return mac(token, "directory", directory)
+
+
 def _expect(got: Any, want: str, who: str) -> None:
     if not isinstance(got, str) or not hmac.compare_digest(got, want):
         raise RankAuthError(f"{who} did not prove the shared token")
@@ -112,4 +117,4 @@ def rank_handshake(link: Link, token: bytes | None, rank: int, incarnation: int,
     link.send({"ok": True, **account}, b"", deadline)
 
 
-__all__ = ["TOKEN_ENV", "LinkError", "coordinator_handshake", "load_token", "mac", "rank_handshake"]
+__all__ = ["TOKEN_ENV", "LinkError", "coordinator_handshake", "directory_tag", "load_token", "mac", "rank_handshake"]

@@ -13,11 +13,11 @@ outside it.
 
 Lifecycle: lock the directory (one server per directory), connect to the
 coordinator's TCPStore, register a new *incarnation* (a counter per rank; the store
-holds only the rank and the incarnation), wait for the coordinator to accept it, form
-the pair group, run the token handshake (``prefixstore.gpu.rank_auth``: a peer that
-does not prove the shared token is sent nothing and served nothing; the server
-registers again), serve. If the pair breaks (the
-coordinator timed out on this rank and dropped it, or died) the server registers
+holds the rank, the incarnation and a MAC of the directory, not its name), wait for
+the coordinator to accept it, form the pair group, run the token handshake
+(``prefixstore.gpu.rank_auth``: a peer that does not prove the shared token is sent
+nothing and served nothing; the server registers again), serve. If the pair breaks
+(the coordinator timed out on this rank and dropped it, or died) the server registers
 again while the coordinator's store answers, and exits (status 1) once it does not.
 ``shutdown`` ends it with status 0.
 
@@ -35,6 +35,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -44,8 +45,9 @@ from prefixstore.base.errors import (
     PrefixStoreError,
     RankAuthError,
 )
+from prefixstore.base.log import log
 from prefixstore.gpu.fileio import FaultHook, FileSystem
-from prefixstore.gpu.rank_auth import TOKEN_ENV, load_token, rank_handshake
+from prefixstore.gpu.rank_auth import TOKEN_ENV, directory_tag, load_token, rank_handshake
 from prefixstore.gpu.ranks import LocalRank
 from prefixstore.gpu.wire import IDLE_TIMEOUT, Link, LinkError, first_line, open_pair, store_client
 
@@ -156,8 +158,10 @@ class RankServer:
         connect_timeout: float = 60.0,
         gloo_host: str | None = None,
         token: bytes | None = None,
+        on_lost=None,
     ) -> None:
         self.token = token
+        self.on_lost = on_lost
         self.refused = 0
         self.rank = rank
         self.directory = os.path.abspath(directory)
@@ -179,16 +183,20 @@ class RankServer:
                 raise LockedError(f"{self.directory} is served by another rank process") from None
             local = LocalRank(self.rank, self.directory, self.fs, self.hook)
             store = store_client(self.host, self.port, self.connect_timeout)
+            watch = CoordinatorWatch(store_client(self.host, self.port, self.connect_timeout),
+                                     self.connect_timeout, self.on_lost)
             while True:
                 link = self._register(store)
                 if link is None:
                     return EXIT_LOST
+                watch.guard(link)
                 try:
                     if self._admitted(link) and self._session(link, local):
                         return EXIT_SHUTDOWN
                 finally:
+                    watch.guard(None)
                     link.close()
-                if not _answers(store):
+                if watch.lost or not _answers(store):
                     return EXIT_LOST
         finally:
             os.close(lock)
@@ -199,7 +207,8 @@ class RankServer:
             try:
                 k = int(store.add(keys(self.rank)["counter"], 1))
                 kk = keys(self.rank, k)
-                store.set(kk["info"], json.dumps({"rank": self.rank, "incarnation": k}))
+                store.set(kk["info"], json.dumps({"rank": self.rank, "incarnation": k,
+                                                  "directory_tag": directory_tag(self.token, self.directory)}))
                 store.set(kk["latest"], str(k))
                 while not store.check([kk["accept"]]):
                     time.sleep(POLL_S)
@@ -255,6 +264,51 @@ class RankServer:
                 return True
 
 
+class CoordinatorWatch:
+    """Ends the service once the coordinator's store stops answering.
+
+    A coordinator whose host vanished closes no connection, and a TCPStore client's
+    requests to a silent peer never return (their timeout covers waiting for a key,
+    not a peer that stopped answering), so a rank server would wait forever, idle on
+    its pair or inside a store request. One thread asks the store (its own client)
+    every ``timeout / 2`` s; another, when no answer came for ``timeout`` s, marks the
+    coordinator ``lost``, closes the served pair and calls ``on_lost`` (a rank process
+    exits with ``EXIT_LOST``; its supervisor restarts it for the next coordinator).
+    """
+
+    def __init__(self, client, timeout: float, on_lost=None) -> None:
+        self.client = client
+        self.timeout = timeout
+        self.period = max(timeout / 2, 0.2)
+        self.on_lost = on_lost
+        self.lost = False
+        self.last = time.monotonic()
+        self._link: Link | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._probe, daemon=True, name="coordinator-probe").start()
+        threading.Thread(target=self._judge, daemon=True, name="coordinator-watch").start()
+
+    def guard(self, link: Link | None) -> None:
+        with self._lock:
+            self._link = link
+
+    def _probe(self) -> None:
+        while _answers(self.client):
+            self.last = time.monotonic()
+            time.sleep(self.period)
+
+    def _judge(self) -> None:
+        while time.monotonic() - self.last <= self.timeout:
+            time.sleep(self.period / 2)
+        with self._lock:
+            self.lost = True
+            if self._link is not None:
+                self._link.close()
+        log.warning("coordinator_lost", why=f"its store did not answer for {self.timeout:g} s")
+        if self.on_lost is not None:
+            self.on_lost()
+
+
 def _answers(store) -> bool:
     try:
         store.check([f"{NAMESPACE}/ping"])
@@ -280,7 +334,8 @@ def add_arguments(p) -> None:
                    help="address this process's gloo device listens on (env PREFIXSTORE_GLOO_HOST; "
                         "default: gloo's choice, see GLOO_SOCKET_IFNAME)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
-                   help="seconds to wait for the coordinator (default 60)")
+                   help="seconds to wait for the coordinator (default 60); also the bound on a "
+                        "coordinator that stops answering while connected (then the server exits 1)")
     add_token_arguments(p)
     p.add_argument("--kill-at", metavar="WHEN:OP:N", help="fault testing: SIGKILL this process at "
                    "the Nth WHEN (before|after) point of OP (write, fsync, rename, fsync_dir, unlink, read)")
@@ -303,6 +358,11 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _exit_lost(rank: int) -> None:
+    print(f"rank-server: rank {rank}: coordinator gone (its store stopped answering)", flush=True)
+    exit_now(EXIT_LOST)
 
 
 def run(args) -> int:
@@ -332,7 +392,8 @@ def run(args) -> int:
     elif args.stall_at:
         hook = EffectTrap(args.stall_at, "stall")
     server = RankServer(args.rank, args.dir, host, port, hook=hook,
-                        connect_timeout=args.connect_timeout, gloo_host=args.gloo_host, token=token)
+                        connect_timeout=args.connect_timeout, gloo_host=args.gloo_host, token=token,
+                        on_lost=lambda: _exit_lost(args.rank))
     try:
         code = server.serve()
     except (LinkError, LockedError) as exc:
