@@ -20,6 +20,7 @@ from netns_hosts import NetnsHosts, netns_leftovers, require_netns
 from prefixstore.base.errors import InvalidArgumentError, RankAuthError
 from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
+from prefixstore.engine.audit import audit_dir
 from prefixstore.gpu.distributed import RankGroup
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.rank_auth import TOKEN_ENV, load_token
@@ -299,6 +300,11 @@ def test_host_fault_mid_store(hosts, fault, label, when):
                 if got is not None:
                     assert_restores(eng, t, blocks=m.blocks)
             assert time.monotonic() - t0 < 2 * OP_TIMEOUT + 10
+            rep = eng.audit()  # what can be checked holds; the audit says which rank it could not read
+            assert rep.ok, rep.to_dict()
+            down = [i["rank"] for i in rep.ranks if "unavailable" in i]
+            if fault in ("kill", "link-down"):
+                assert down == [bad] and "unavailable, not checked" in rep.checked[1], rep.to_dict()
             heal(hosts, fault, bad, background, group.init_method)
             remotes[bad].reconnect(timeout=60)
             eng.reclaim()
@@ -357,3 +363,72 @@ def test_coordinator_host_lost_silently(hosts):
         finally:
             group.close()
 
+
+# ------------------------------------------------------------------------ audit from the coordinator
+
+
+def free_port_in(hosts: NetnsHosts) -> int:
+    with hosts.coordinator(), socket.socket() as s:
+        s.bind((hosts.coord_ip, 0))
+        return s.getsockname()[1]
+
+
+def json_line(text: str, prefix: str = "") -> dict:
+    for line in text.splitlines():
+        if line.startswith(prefix + "{"):
+            return json.loads(line[len(prefix):])
+    raise AssertionError(text)
+
+
+def without_dirs(rep: dict) -> dict:
+    return {**rep, "ranks": [{k: v for k, v in r.items() if k != "dir"} for r in rep["ranks"]]}
+
+
+def test_audit_from_a_coordinator_that_sees_no_rank_disk(hosts):
+    """Four ranks on four hosts, one shard damaged on host 2. ``prefixstore audit DIR
+    --ranks tcp://...`` run where no rank directory is visible (its own mount namespace
+    hides them) reads every rank through its rank server and prints the same JSON as
+    the audit that reads the directories; so does a blind coordinator's ``Engine.audit``."""
+    tok = token_file(hosts)
+    root = os.path.join(hosts.base, "cache")
+    with hosts.coordinator():
+        group = group_in(hosts, token=TOKEN)
+        try:
+            for r in range(4):
+                hosts.start_rank(r, group.init_method, token_file=tok)
+            with Engine.open(root, make_layout(ranks=4), CAP, ranks=group.connect(range(4), timeout=60)) as eng:
+                for seed, blocks in ((41, 4), (42, 3), (43, 2)):
+                    assert store_tokens(eng, tokens_for(seed, blocks)).status == "stored"
+        finally:
+            group.close()
+    victim = sorted(e for e in os.listdir(hosts.rank_dir(2)) if e.endswith(".st"))[0]
+    with open(os.path.join(hosts.rank_dir(2), victim), "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd")
+    want = audit_dir(root, rank_dirs=[hosts.rank_dir(r) for r in range(4)]).to_dict()
+    assert not want["ok"] and [v["invariant"] for v in want["violations"]] == [1], want
+    assert "rank 2" in want["violations"][0]["detail"], want
+
+    blind = hosts.spawn_blind(hosts.coord_ns, ["ls", "-A", hosts.hosts_dir], "blind-ls.log")
+    assert blind.wait(30) == 0 and read_log(hosts, "blind-ls.log") == ""
+    port = free_port_in(hosts)
+    init = f"tcp://{hosts.coord_ip}:{port}"
+    for r in range(4):
+        hosts.start_rank(r, init, token_file=tok)
+    cli = hosts.spawn_blind(hosts.coord_ns, [sys.executable, "-m", "prefixstore.cli", "audit", root, "--json",
+                                             "--ranks", init, "--token-file", tok, "--rank-timeout", "30"],
+                            "audit-cli.log")
+    assert cli.wait(120) == 1, hosts.logs()  # 1: a violation found
+    got = json_line(read_log(hosts, "audit-cli.log"))
+    assert without_dirs(got) == without_dirs(want)
+    assert [r["dir"] for r in got["ranks"]] == [f"rank-server@vm:{hosts.rank_dir(r)}" for r in range(4)]
+
+    coord = hosts.spawn_blind(hosts.coord_ns, [sys.executable, os.path.join(HERE, "netns_coordinator.py"), root,
+                                               hosts.coord_ip, "4", tok, "audit"], "coordinator.log")
+    wait_until(lambda: "PORT" in read_log(hosts, "coordinator.log"), 60, hosts.logs())
+    port = int(read_log(hosts, "coordinator.log").split("PORT ")[1].split()[0])
+    for r in range(4):
+        hosts.start_rank(r, f"tcp://{hosts.coord_ip}:{port}", token_file=tok)
+    assert coord.wait(120) == 0, hosts.logs()
+    got = json_line(read_log(hosts, "coordinator.log"), "AUDIT ")
+    assert [v["detail"] for v in got["violations"]] == [v["detail"] for v in want["violations"]], got
