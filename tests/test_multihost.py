@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -137,7 +138,7 @@ def test_stranger_posing_as_a_rank_is_sent_nothing(hosts):
             proc, out = stranger(hosts, "rank", group, 1)
             wait_until(lambda: group.latest(1) >= 1, 30, hosts.logs())
             with pytest.raises(RankAuthError, match="did not prove the shared token"):
-                group.connect([1], timeout=10)
+                group.connect([1], timeout=3)
             assert proc.wait(30) == 0, hosts.logs()
             got = records(out)
             assert [r["got"]["op"] for r in got if "got" in r] == ["hello"], got
@@ -146,7 +147,7 @@ def test_stranger_posing_as_a_rank_is_sent_nothing(hosts):
             hosts.start_rank(1, group.init_method, token_file=token_file(hosts, b"another-token-of-16-bytes+", "bad"))
             wait_until(lambda: group.latest(1) >= 2, 30, hosts.logs())
             with pytest.raises(RankAuthError):
-                group.connect([1], timeout=10)
+                group.connect([1], timeout=3)
             hosts.kill_host(1)
             hosts.start_rank(0, group.init_method, token_file=token_file(hosts))
             hosts.start_rank(1, group.init_method, token_file=token_file(hosts))
@@ -155,6 +156,25 @@ def test_stranger_posing_as_a_rank_is_sent_nothing(hosts):
             with Engine.open(os.path.join(hosts.base, "cache"), make_layout(ranks=2), CAP, ranks=remotes) as eng:
                 assert store_tokens(eng, a).status == "stored"
                 assert_restores(eng, a, blocks=4)
+        finally:
+            group.close()
+
+
+def test_a_stale_registration_is_passed_over(hosts):
+    """A rank server registers, then its host is killed before the coordinator accepts
+    it; a new one registers while the coordinator is trying the dead incarnation. The
+    coordinator's connect passes over the dead one and connects the new one."""
+    with hosts.coordinator():
+        group = group_in(hosts, token=TOKEN, connect_timeout=3)
+        try:
+            hosts.start_rank(0, group.init_method, token_file=token_file(hosts))
+            wait_until(lambda: group.latest(0) >= 1, 30, hosts.logs())
+            hosts.kill_host(0)
+            later = threading.Timer(1.0, lambda: hosts.start_rank(0, group.init_method, token_file=token_file(hosts)))
+            later.start()
+            (rr,) = group.connect([0], timeout=60)
+            later.join()
+            assert rr.incarnation == 2 and rr.listdir() == []
         finally:
             group.close()
 

@@ -188,18 +188,26 @@ class RemoteRank:
             return False
 
     def reconnect(self, *, timeout: float) -> None:
-        """Wait up to ``timeout`` s for a new incarnation of the rank process; connect it."""
+        """Wait up to ``timeout`` s for a new incarnation of the rank process; connect it.
+
+        An incarnation that fails to connect (a process that died after registering,
+        one refused for its token or directory) is passed over: a newer one may still
+        register before the deadline; past it the last failure is raised."""
         deadline = time.monotonic() + timeout
+        failed: RankUnavailableError | None = None
         while True:
             with self._lock:
                 if self._link is not None:
                     return
                 k = self.group.latest(self.rank)
                 if k > max(self.incarnation, self._rejected):
-                    self._connect(k)
-                    return
+                    try:
+                        self._connect(k)
+                        return
+                    except RankUnavailableError as exc:
+                        failed = exc
             if time.monotonic() >= deadline:
-                raise RankUnavailableError(
+                raise failed or RankUnavailableError(
                     errno.ETIMEDOUT, f"rank {self.rank}: no rank process registered within {timeout} s"
                 )
             time.sleep(rank_server.POLL_S)
