@@ -163,7 +163,8 @@ def test_stranger_posing_as_a_rank_is_sent_nothing(hosts):
 def test_a_stale_registration_is_passed_over(hosts):
     """A rank server registers, then its host is killed before the coordinator accepts
     it; a new one registers while the coordinator is trying the dead incarnation. The
-    coordinator's connect passes over the dead one and connects the new one."""
+    coordinator's connect gives up on the dead one after ``connect_timeout`` (not the
+    longer op timeout), passes over it and connects the new one."""
     with hosts.coordinator():
         group = group_in(hosts, token=TOKEN, connect_timeout=3)
         try:
@@ -172,9 +173,12 @@ def test_a_stale_registration_is_passed_over(hosts):
             hosts.kill_host(0)
             later = threading.Timer(1.0, lambda: hosts.start_rank(0, group.init_method, token_file=token_file(hosts)))
             later.start()
+            t0 = time.monotonic()
             (rr,) = group.connect([0], timeout=60)
+            took = time.monotonic() - t0
             later.join()
             assert rr.incarnation == 2 and rr.listdir() == []
+            assert took < 8, took  # the dead incarnation's pair was given up after connect_timeout (3 s)
         finally:
             group.close()
 

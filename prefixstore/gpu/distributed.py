@@ -321,7 +321,9 @@ class RemoteRank:
             self.group.store_op(self.group.store.set, kk["accept"], "1")
             link = open_pair(
                 self.group.host, self.group.port, kk["pair"], 0, timeout=self.group.connect_timeout,
-                gloo_host=self.group.gloo_host, op_timeout=datetime.timedelta(seconds=self.group.op_timeout),
+                # the group's default timeout bounds forming the pair; every request
+                # after it passes its own deadline
+                gloo_host=self.group.gloo_host, op_timeout=datetime.timedelta(seconds=self.group.connect_timeout),
             )
             info = coordinator_handshake(link, self.group.token, self.rank, k, self.group.connect_timeout)
         except RankAuthError as exc:

@@ -183,6 +183,10 @@ class RankServer:
                 raise LockedError(f"{self.directory} is served by another rank process") from None
             local = LocalRank(self.rank, self.directory, self.fs, self.hook)
             store = store_client(self.host, self.port, self.connect_timeout)
+            if self.token is None:
+                print(f"rank-server: rank {self.rank}: warning: no token (--token-file, --token-env, "
+                      f"${TOKEN_ENV}): any process that reaches the coordinator's port can act as the "
+                      "coordinator", flush=True)
             watch = CoordinatorWatch(store_client(self.host, self.port, self.connect_timeout),
                                      self.connect_timeout, self.on_lost)
             while True:
@@ -383,9 +387,6 @@ def run(args) -> int:
     except PrefixStoreError as exc:
         print(f"rank-server: {exc}", flush=True)
         return 2
-    if token is None:
-        print(f"rank-server: warning: no token (--token-file, --token-env, ${TOKEN_ENV}): any process "
-              "that reaches the coordinator's port can act as the coordinator", flush=True)
     hook = None
     if args.kill_at:
         hook = EffectTrap(args.kill_at, "kill")
