@@ -35,6 +35,15 @@ LEASE_MS = 1000
 """The master's read lease in these tests (Mooncake's default is 10 s)."""
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until process ``pid`` is stopped (``T`` in ``/proc/PID/stat``)."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not stop")
+        time.sleep(0.001)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,8 +159,11 @@ class MooncakeMaster(_Process):
         return self
 
     def pause(self) -> None:
-        """SIGSTOP: connections are still accepted, nothing answers."""
+        """SIGSTOP: connections are still accepted, nothing answers (once this returns:
+        a signal is delivered asynchronously, and a master thread running on another
+        core would otherwise answer one more request)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
 
     def resume(self) -> None:
         """SIGCONT (nothing if it is not running)."""

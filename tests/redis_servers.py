@@ -26,6 +26,15 @@ REDIS_CLI = shutil.which("redis-cli")
 START_TIMEOUT = 10.0
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until process ``pid`` is stopped (``T`` in ``/proc/PID/stat``)."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not stop")
+        time.sleep(0.001)
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -133,8 +142,10 @@ class RedisServer:
         return self.start(tries=1)
 
     def pause(self) -> None:
-        """SIGSTOP: the server hangs (connections are accepted, nothing answers)."""
+        """SIGSTOP: the server hangs (connections are accepted, nothing answers), once
+        this returns (the signal is delivered asynchronously)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
@@ -173,7 +184,7 @@ class RedisClusterNodes:
             s.stop()
 
 
-def _need_redis() -> None:
+def need_redis() -> None:
     if REDIS_SERVER is None or REDIS_CLI is None:
         pytest.fail("redis-server and redis-cli must be installed (apt-get install redis-server)")
 
@@ -181,7 +192,7 @@ def _need_redis() -> None:
 @pytest.fixture(name="redis_server")
 def redis_server_fixture(tmp_path):
     """A fresh, empty redis-server, killed after the test."""
-    _need_redis()
+    need_redis()
     server = RedisServer(tmp_path / "redis")
     try:
         yield server.start()
@@ -192,7 +203,7 @@ def redis_server_fixture(tmp_path):
 @pytest.fixture(name="redis_cluster")
 def redis_cluster_fixture(tmp_path):
     """A fresh 3-master Redis Cluster, killed after the test."""
-    _need_redis()
+    need_redis()
     cluster = RedisClusterNodes(tmp_path / "cluster")
     try:
         yield cluster.start()

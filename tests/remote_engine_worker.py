@@ -1,6 +1,6 @@
 """One engine process of the shared-remote tests (``test_remote_engine.py``).
 
-    python remote_engine_worker.py BARRIER CACHE URL INDEX WORKERS REQUESTS
+    python remote_engine_worker.py BARRIER CACHE URL INDEX WORKERS REQUESTS [NAMESPACE]
 
 Store the requests ``i`` with ``i % WORKERS == INDEX``, flush the remote's queue, mark
 ``BARRIER/INDEX`` and wait until every worker has; then look up and restore every
@@ -54,9 +54,10 @@ def barrier(directory: str, index: int, workers: int, timeout: float = 60.0) -> 
         time.sleep(0.02)
 
 
-def main(directory: str, cache: str, url: str, index: int, workers: int, requests: int) -> None:
+def main(directory: str, cache: str, url: str, index: int, workers: int, requests: int,
+         namespace: str = "default") -> None:
     counts = {"local": 0, "remote": 0, "miss": 0}
-    with Engine.open(cache, LAYOUT, 1 << 30, remote=url, remote_options=OPTIONS) as eng:
+    with Engine.open(cache, LAYOUT, 1 << 30, remote=url, remote_options={**OPTIONS, "namespace": namespace}) as eng:
         for i in range(index, requests, workers):
             assert store_tokens(eng, request(i)).ok
         assert eng.remote.flush(30.0)
@@ -75,4 +76,4 @@ def main(directory: str, cache: str, url: str, index: int, workers: int, request
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7]), *sys.argv[7:8])

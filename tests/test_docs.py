@@ -27,7 +27,7 @@ FIRST_COMMANDS = [
     "../shared/traces/mooncake_conversation_trace.jsonl",
     "bash .ci/run",
 ]
-LANDING = {"docs/remote-mooncake.md"}
+LANDING: set[str] = set()
 """Pages the README links that another branch is writing. Once one exists, take it out of
 here and put it in ``nav`` in mkdocs.yml (the tests below fail until both are done)."""
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -18,7 +18,8 @@ from remote_helpers import blobs_for, chain, store, tier, wait_until
 
 from prefixstore import cli
 from prefixstore.base.errors import InvalidArgumentError
-from prefixstore.gpu.remote import parse, redis_tier
+from prefixstore.gpu.remote import parse
+from prefixstore.gpu.remote import tier as shared_tier
 
 SECRET = "s3cr3t-Pa55word"
 
@@ -127,7 +128,7 @@ def test_the_cli_never_prints_the_userinfo(tmp_path, capfd):
 
 def test_password_is_never_shown(tmp_path, monkeypatch):
     text = io.StringIO()
-    monkeypatch.setattr(redis_tier, "log", structlog.wrap_logger(
+    monkeypatch.setattr(shared_tier, "log", structlog.wrap_logger(
         structlog.PrintLogger(file=text), processors=[structlog.processors.KeyValueRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG)))
     server = RedisServer(tmp_path / "redis", password=SECRET).start()

@@ -23,16 +23,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import structlog
-
 from prefixstore.base.errors import InvalidArgumentError
-from prefixstore.engine import health, lifecycle, replace, retry, store
+from prefixstore.base.log import stderr_logger, using
 from prefixstore.engine.workdir import ensure_dir
 from prefixstore.fuzz import plants
 from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
@@ -187,14 +186,5 @@ def _engine_logs(verbose: bool) -> Iterator[None]:
     if verbose:
         yield
         return
-    quiet = structlog.wrap_logger(structlog.PrintLogger(file=sys.stderr),
-                                  wrapper_class=structlog.make_filtering_bound_logger(50))
-    mods = (health, lifecycle, retry, store, replace)
-    saved = [m.log for m in mods]
-    for m in mods:
-        m.log = quiet
-    try:
+    with using(stderr_logger(logging.CRITICAL)):
         yield
-    finally:
-        for m, old in zip(mods, saved, strict=True):
-            m.log = old

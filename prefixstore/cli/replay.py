@@ -160,7 +160,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                         "default 1)")
     g.add_argument("--remote", default=None, metavar="URL",
                    help="a shared remote tier every instance uses: redis://host:port/db, rediss://..., "
-                        "redis+cluster://host:port,...")
+                        "redis+cluster://host:port,..., mooncake://host:port?metadata=...")
     g.add_argument("--remote-namespace", default="replay", metavar="NAME",
                    help="the remote tier's key namespace (default 'replay')")
 

@@ -97,7 +97,8 @@ class Engine:
         ``gpu/calibrate.py``), ``read_only_fallback`` (True default: on a full disk
         where nothing can be freed without a commit, open read-only, with the reason in
         ``read_only``, instead of raising DiskFullError; see ``engine/readonly.py``),
-        ``remote`` (a ``redis://``, ``rediss://`` or ``redis+cluster://`` URL: the shared
+        ``remote`` (the URL of a registered remote tier, ``gpu.remote.SCHEMES``: e.g.
+        ``redis://host:port/0`` or ``mooncake://host:port?metadata=...``; the shared
         remote tier below the local ones; see ``engine/remote.py``) with
         ``remote_options`` (a ``gpu.remote.RemoteConfig`` or a dict of its fields),
         ``identity`` (a mapping of str to str naming the model the cache belongs to:

@@ -21,7 +21,7 @@ from prefixstore.base.layout import Layout
 from prefixstore.engine import identity
 from prefixstore.engine.checks import callable_or_none, choice, flag, instance, integer, real
 from prefixstore.gpu.backings import BACKINGS
-from prefixstore.gpu.remote import RemoteConfig, parse
+from prefixstore.gpu.remote import RemoteConfig, registry
 from prefixstore.statemachine.compaction import CompactionPolicy
 from prefixstore.statemachine.cost import CostModel
 from prefixstore.statemachine.policy import DEFAULT as DEFAULT_POLICY
@@ -70,9 +70,19 @@ def check_compaction(argument: str, value: Any) -> None:
 
 
 def check_remote(argument: str, value: Any) -> None:
-    """``remote``: None or a ``redis://`` / ``rediss://`` / ``redis+cluster://`` URL."""
+    """``remote``: None or the URL of a registered remote tier (``gpu.remote.SCHEMES``)."""
     if value is not None:
-        parse(value)  # InvalidArgumentError("remote", ...) naming what is wrong, never the password
+        registry.parse(value)  # InvalidArgumentError("remote", ...) naming what is wrong, never a secret
+
+
+def check_remote_options(inst: Any, _attribute: attrs.Attribute, value: RemoteConfig | None) -> None:
+    """``remote_options`` that ``remote``'s backend can honour (it refuses, naming the option, one it cannot)."""
+    if inst.remote is None:
+        return
+    try:
+        registry.check(inst.remote, value)
+    except InvalidArgumentError as exc:  # named as the option it came in: remote_options
+        raise InvalidArgumentError("remote_options", str(exc)) from exc
 
 
 def remote_options(value: Any) -> RemoteConfig | None:
@@ -126,7 +136,8 @@ class EngineConfig:
     bandwidth: float | str | None = attrs.field(default=None, validator=_checked(check_bandwidth))
     read_only_fallback: bool = attrs.field(default=True, validator=_checked(flag))
     remote: str | None = attrs.field(default=None, validator=_checked(check_remote), repr=False)
-    remote_options: RemoteConfig | None = attrs.field(default=None, converter=remote_options)
+    remote_options: RemoteConfig | None = attrs.field(default=None, converter=remote_options,
+                                                      validator=check_remote_options)
     identity: Mapping[str, str] | None = attrs.field(
         default=None, validator=_checked(identity.check_option), converter=identity.frozen)
 

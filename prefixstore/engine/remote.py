@@ -1,4 +1,4 @@
-"""The shared remote tier (``gpu/remote``, Redis) seen from the engine.
+"""The shared remote tier (``gpu/remote``: any registered backend) seen from the engine.
 
 Below the local tiers: a store's checkpoint goes to the remote after its local publish
 (``prepare`` under the lock, ``send`` after it; write-behind by default); a lookup the
@@ -84,7 +84,7 @@ def open_tier(eng: Engine, o: EngineConfig) -> None:
     the engine's registry."""
     if o.remote is None:
         return
-    tier = RemoteTier.for_layout(o.remote, eng.layout, o.remote_options)
+    tier = RemoteTier.for_layout(o.remote, eng.layout, o.remote_options)  # the backend of o.remote's scheme
     eng.counters.registry.register(RemoteCollector(tier.stats))
     eng.remote_backfill = Backfill()
     eng.remote = tier
@@ -200,7 +200,7 @@ def extend(eng: Engine, prefix: Prefix, local: Match, gpu_blocks: int, total_tok
     if hit is None:
         return local
     if hit.blocks <= held:
-        tier.touch(hit.path)  # in use here: keep its blobs as fresh as its manifests in Redis
+        tier.touch(hit.path)  # in use here: keep its blobs as fresh as its manifests in the store
         return local
     tier.touch(hit.below)  # the remote's copy of the local part, read but not fetched
     bt = eng.layout.block_tokens

@@ -120,7 +120,7 @@ class ReplayConfig:
     """Engine instances the requests go to round-robin (a load balancer without prefix-aware
     routing), each with ``capacity`` of its own, in ``DIR/iK`` when more than one."""
     remote: str | None = None
-    """A shared remote tier's URL (``redis://...``) every instance uses, if any."""
+    """A shared remote tier's URL (``redis://...``, ``mooncake://...``) every instance uses, if any."""
     remote_namespace: str = "replay"
 
     def __attrs_post_init__(self) -> None:

@@ -2,9 +2,9 @@
 
 With a key, a manifest carries the MAC of its canonical body (in place of the unkeyed
 checksum) and of each blob (over the blob's key name and bytes): an engine that can write
-to Redis but does not hold the key cannot make a checkpoint the others accept. The key
-comes from an environment variable or a file that ``RemoteConfig`` names, never from the
-URL, and is never shown.
+to the remote store but does not hold the key cannot make a checkpoint the others
+accept. The key comes from an environment variable or a file that ``RemoteConfig``
+names, never from the URL, and is never shown.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""redis-py clients for one remote URL, each bounded by a timeout and never retrying
-on its own (the tier decides what a failure means).
+"""redis-py clients for one Redis URL (beneath the Redis backend, ``redis_store``), each
+bounded by a timeout and never retrying on its own (the tier decides what a failure means).
 
 Reads are bounded twice. The server is asked never to send a value longer than the
 call can use (a manifest's documented maximum, a blob's size from its manifest): one
@@ -19,11 +19,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
 from prefixstore.base.errors import MissingExtraError
 from prefixstore.gpu.remote import guard
 from prefixstore.gpu.remote.config import RemoteConfig
+from prefixstore.gpu.remote.protocol import Refused
 from prefixstore.gpu.remote.urls import RemoteURL
 
 try:  # the `remote` extra; without it no client is ever built, so OSError is all a call meets
@@ -108,13 +107,6 @@ return 0
 """
 """Delete ``KEYS[1]`` only while it still holds ``ARGV[1]`` (1: deleted, 0: absent, -1:
 it holds other bytes)."""
-
-
-@attrs.frozen
-class Refused:
-    """A stored value the call did not read: longer than it can use, or not a string."""
-
-    why: str
 
 
 def require() -> None:

@@ -56,9 +56,11 @@ class RemoteConfig:
     per checkpoint, ``retry_backoff`` seconds doubling between them. ``reconnect_interval``:
     seconds between background reconnect attempts while the server is unreachable.
     ``call_threads``: threads that run calls so that a caller can stop waiting at its budget.
-    ``ttl``: seconds a stored key lives (None: until Redis evicts it). ``username`` /
-    ``password`` override the URL's. ``tls``: redis-py ``ssl_*`` options
-    (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``...).
+    ``ttl``: seconds a stored key lives (None: until the store evicts it). Redis only:
+    ``username`` / ``password`` override the URL's; ``tls``: redis-py ``ssl_*`` options
+    (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``...). A backend
+    refuses, naming it, an option it cannot honour (Mooncake Store: ``ttl``, ``username``,
+    ``password``, ``tls``).
 
     ``auth_key_env`` / ``auth_key_file``: the name of an environment variable, or the path
     of a file, holding a key (16-4096 bytes; a trailing newline is not part of it) that

@@ -1,4 +1,4 @@
-"""Redis key names of the remote tier.
+"""Key names of the remote tier (the same in every backend).
 
 Every key starts with ``ps:<namespace>:<layout id>:`` so that two caches (namespaces) or
 two layouts never read each other's keys. A checkpoint's keys share one Redis Cluster

@@ -38,8 +38,9 @@ What Mooncake does differently from Redis, and what the operations mean here:
   first client of a process sets ``MC_RPC_TIMEOUT_MS``, ``MC_RPC_CONNECT_TIMEOUT_MS`` and
   ``MC_TCP_BIND_ADDRESS`` (the address this process advertises: the URL's
   ``local_hostname``) unless they are set already, and they hold for every client of the
-  process; importing this module sets ``MC_LOG_LEVEL`` to ``WARNING`` if it is not set
-  (Mooncake reads it when its library loads). Mooncake's transfer engine still listens on
+  process; loading Mooncake's library (when the first client is built, not when this
+  module is imported) sets ``MC_LOG_LEVEL`` to ``WARNING`` if it is not set (Mooncake
+  reads it then). Mooncake's transfer engine still listens on
   every interface; peers reach it at the advertised address only.
 - **Where the bytes live.** In the memory that clients lend (the URL's ``segment``) or
   that ``mooncake_client`` storage processes serve; a client that closes takes the
@@ -52,6 +53,7 @@ import concurrent.futures
 import ctypes
 import functools
 import math
+import mmap
 import os
 import queue
 import socket
@@ -90,18 +92,9 @@ __all__ = [
     "MooncakeUnreachable", "Removal", "probe", "process_settings", "require",
 ]
 
-# Mooncake reads its log level once, when its library loads (INFO logs every setup).
-_LOG_LEVEL_GIVEN = "MC_LOG_LEVEL" in os.environ
-os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-try:  # the `mooncake` extra (and the system's libibverbs1, which its library links)
-    from mooncake.store import MooncakeDistributedStore
-except ImportError as exc:
-    if not _LOG_LEVEL_GIVEN:
-        del os.environ["MC_LOG_LEVEL"]
-    MooncakeDistributedStore = None
-    IMPORT_PROBLEM = f"{type(exc).__name__}: {exc}"
-else:
-    IMPORT_PROBLEM = ""
+_LIBRARY: list[Any] = []
+"""Once loaded: Mooncake's store class (None if it cannot be imported) and why not."""
+_LIBRARY_LOCK = threading.Lock()
 
 MISSING = ("the Mooncake Store remote tier needs Mooncake's client: pip install 'prefixstore[mooncake]' "
            "and pip install --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1 "
@@ -112,15 +105,35 @@ T = TypeVar("T")
 PROBE_KEY = "prefixstore:probe"
 """The key ``ping`` asks about (it is never written)."""
 MAX_KEY_CHARS = 4096
+MAPPED_ROOM = 1 << 20
+"""Reply buffers larger than this are anonymous mappings (``_room``)."""
 CORO_RPC_MAGIC = 21
 CORO_RPC_REQUEST = struct.Struct("<BBBBIIII")
 CORO_RPC_REPLY = struct.Struct("<BBBBIII")
 
 
+def _library() -> Any:
+    """Mooncake's ``MooncakeDistributedStore``, imported on first use (a process that
+    never builds a client never loads Mooncake's native library); None if it cannot be."""
+    with _LIBRARY_LOCK:
+        if not _LIBRARY:
+            given = "MC_LOG_LEVEL" in os.environ  # read once, when the library loads (INFO logs every setup)
+            os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+            try:  # the `mooncake` extra (and the system's libibverbs1, which its library links)
+                from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415 - loaded on first use
+            except ImportError as exc:
+                if not given:
+                    del os.environ["MC_LOG_LEVEL"]
+                _LIBRARY.extend([None, f"{type(exc).__name__}: {exc}"])
+            else:
+                _LIBRARY.extend([MooncakeDistributedStore, ""])
+        return _LIBRARY[0]
+
+
 def require() -> None:
     """Raise MissingExtraError when Mooncake's client cannot be imported."""
-    if MooncakeDistributedStore is None:
-        raise MissingExtraError(f"{MISSING} ({IMPORT_PROBLEM})")
+    if _library() is None:
+        raise MissingExtraError(f"{MISSING} ({_LIBRARY[1]})")
 
 
 def _seconds(inst: Any, attr: Any, value: Any) -> None:
@@ -225,7 +238,14 @@ class _Workers:
                 fut.set_exception(exc)
 
 
-def _buffer_address(buf: bytearray) -> int:
+def _room(n: int) -> bytearray | mmap.mmap:
+    """A writable buffer of ``n`` zero bytes; past ``MAPPED_ROOM`` an anonymous mapping,
+    whose pages take memory only once written: room asked for a value (a size from a
+    manifest) costs what the value holds, not what was asked."""
+    return bytearray(n) if n <= MAPPED_ROOM else mmap.mmap(-1, n)
+
+
+def _buffer_address(buf: bytearray | mmap.mmap) -> int:
     return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
 
 
@@ -320,7 +340,7 @@ class MooncakeClient:
         fut.result()
 
     def _setup(self) -> None:
-        store = MooncakeDistributedStore()
+        store = _library()()
         try:
             rc = store.setup({
                 "local_hostname": self.url.local_hostname,
@@ -393,7 +413,7 @@ class MooncakeClient:
         unique = list(room)
 
         def run(store: Any) -> list[Any]:
-            bufs = [bytearray(room[k]) for k in unique]
+            bufs = [_room(room[k]) for k in unique]
             codes = store.batch_get_into(unique, [_buffer_address(b) for b in bufs], [len(b) for b in bufs])
             return [read_value(b, c) for b, c in zip(bufs, _per_key(codes, unique), strict=True)]
 

@@ -9,6 +9,7 @@ existence), the negative code otherwise.
 from __future__ import annotations
 
 import enum
+import mmap
 from typing import Any
 
 from prefixstore.base.errors import PrefixStoreError
@@ -88,7 +89,7 @@ class Removal(enum.Enum):
     """A write of the key is under way (left alone)."""
 
 
-def read_value(buf: bytearray, code: int) -> bytes | None | MooncakeError:
+def read_value(buf: bytearray | mmap.mmap, code: int) -> bytes | None | MooncakeError:
     """One key's outcome of ``batch_get_into`` into ``buf``."""
     if code >= 0:
         if code > len(buf):

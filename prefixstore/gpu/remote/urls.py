@@ -1,4 +1,4 @@
-"""Remote tier URLs: ``redis://``, ``rediss://`` (TLS) and ``redis+cluster://``.
+"""Redis URLs (the Redis backend): ``redis://``, ``rediss://`` (TLS) and ``redis+cluster://``.
 
     redis://[user:password@]host:port[/db]
     rediss://[user:password@]host:port[/db]
@@ -29,7 +29,7 @@ DEFAULT_PORT = 6379
 
 @attrs.frozen
 class RemoteURL:
-    """Where the remote tier lives and how to log in (``password`` is never shown)."""
+    """Where the Redis server (or cluster) is and how to log in (``password`` is never shown)."""
 
     cluster: bool
     tls: bool

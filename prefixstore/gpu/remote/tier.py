@@ -1,4 +1,5 @@
-"""A remote tier many engines share: checkpoints in Redis (a server or a Redis Cluster).
+"""A remote tier many engines share: checkpoints in a remote store, any registered
+backend (``registry``, ``protocol.RemoteStore``) beneath the logic here.
 
 Blobs are immutable and self-verifying (see ``keys``, ``manifest``): a checkpoint is
 usable only when its manifest and every rank's blob are present and verify; anything
@@ -6,9 +7,9 @@ else is a miss, counted, never wrong bytes. No call waits on the network past it
 budget: ``deepest`` within ``lookup_timeout``, ``fetch`` / ``fetch_path`` within
 ``restore_timeout``. A failed or timed-out call marks the server down: later calls are
 misses at once while a background thread reconnects. No call raises for a network fault.
-No call reads more than it can use (``clients``, ``guard``): a value longer than that, or
-not a string, is that key's miss (counted as ``oversized``), and a call past its budget
-has its connection shut so that its thread stops reading too.
+No call reads more than it can use (``guard``, and the backend's bounded reads): a value
+longer than that, or not a string, is that key's miss (counted as ``oversized``), and a
+call past its budget has its connection shut so that its thread stops reading too.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import attrs
 
 from prefixstore.base.errors import InvalidArgumentError
 from prefixstore.base.log import log
-from prefixstore.gpu.remote import auth, clients, guard, manifest
+from prefixstore.gpu.remote import auth, guard, manifest, registry
 from prefixstore.gpu.remote.config import RemoteConfig
 from prefixstore.gpu.remote.keys import KeySpace, layout_id
 from prefixstore.gpu.remote.manifest import Manifest, ManifestError
+from prefixstore.gpu.remote.protocol import Refused, RemoteStore
 from prefixstore.gpu.remote.stats import RemoteStats
-from prefixstore.gpu.remote.urls import RemoteURL, parse
 from prefixstore.gpu.remote.writeback import WriteBehind
 
 T = TypeVar("T")
@@ -67,17 +68,15 @@ class RemoteHit:
 
 
 class RemoteTier:
-    """Checkpoints of one layout in one namespace on the Redis at ``url``.
+    """Checkpoints of one layout in one namespace in the store at ``url`` (a URL of any
+    registered backend, as text or parsed by it).
 
     ``layout_json``: the layout's canonical JSON (``Layout.to_json()``); ``ranks``: its
     number of ranks. Thread-safe.
     """
 
-    def __init__(
-        self, url: str | RemoteURL, layout_json: str, ranks: int, config: RemoteConfig | None = None
-    ) -> None:
-        self.url = url if isinstance(url, RemoteURL) else parse(url)
-        clients.require()
+    def __init__(self, url: Any, layout_json: str, ranks: int, config: RemoteConfig | None = None) -> None:
+        self.url = registry.parse(url)
         if config is not None and not isinstance(config, RemoteConfig):
             raise InvalidArgumentError("config", f"must be a RemoteConfig, got {type(config).__name__}")
         self.config = config or RemoteConfig()
@@ -87,9 +86,10 @@ class RemoteTier:
         self.keys = KeySpace(self.config.namespace, layout_id(layout_json))
         self._key = auth.load(self.config.auth_key_env, self.config.auth_key_file)
         self._manifest_limit = manifest.max_bytes(ranks)
-        self._ttl_ms = None if self.config.ttl is None else max(1, int(self.config.ttl * 1000))
+        self.url, self.store = registry.open_store(self.url, self.config)
+        self._faults = self.store.faults
+        self._allowance = self.store.reply_bytes([])
         self._lock = threading.Lock()
-        self._clients: dict[str, Any] = {}
         self._up = True
         self._back = threading.Event()  # set while up: the writer waits on it
         self._back.set()
@@ -116,7 +116,7 @@ class RemoteTier:
         return f"RemoteTier({self.url.redacted()!r}, space={self.keys.base!r}, up={self._up})"
 
     @classmethod
-    def for_layout(cls, url: str, layout: Any, config: RemoteConfig | None = None) -> RemoteTier:
+    def for_layout(cls, url: Any, layout: Any, config: RemoteConfig | None = None) -> RemoteTier:
         """The tier for a ``Layout`` (anything with ``to_json()`` and ``ranks``)."""
         return cls(url, layout.to_json(), layout.ranks, config)
 
@@ -230,16 +230,13 @@ class RemoteTier:
     def close(self, timeout: float = 5.0) -> bool:
         """Flush queued writes within ``timeout`` seconds, then stop the threads and
         disconnect. True if every queued write finished in time."""
+        deadline = time.monotonic() + timeout
         done = True if self._queue is None else self._queue.stop(timeout)
         self._closed = True
         self._wake.set()
         self._back.set()
         self._calls.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            for c in self._clients.values():
-                with contextlib.suppress(*clients.NETWORK_ERRORS):
-                    c.close()
-            self._clients.clear()
+        self.store.close(max(0.001, deadline - time.monotonic()))
         return done
 
     def __enter__(self) -> RemoteTier:
@@ -255,40 +252,32 @@ class RemoteTier:
         return {"queue_depth": q.depth if q else 0, "queue_bytes": q.nbytes if q else 0,
                 "up": int(self._up)}
 
-    def _client(self, purpose: str) -> Any:
-        with self._lock:
-            c = self._clients.get(purpose)
-        if c is None:
-            c = clients.connect(self.url, self.config, self._timeout(purpose))
-            with self._lock:
-                c = self._clients.setdefault(purpose, c)
-        return c
-
     def _timeout(self, purpose: str) -> float:
         return {"lookup": self.config.lookup_timeout, "restore": self.config.restore_timeout,
                 "write": self.config.write_timeout}[purpose]
 
     def _background(self, purpose: str) -> guard.CallBudget:
-        return guard.CallBudget(BACKGROUND_BUDGETS * self._timeout(purpose), clients.CALL_ALLOWANCE)
+        return guard.CallBudget(BACKGROUND_BUDGETS * self._timeout(purpose), self._allowance)
 
     def _warm(self, purpose: str) -> None:
         try:
             with guard.running(self._background(purpose)):
-                clients.prepare(self._client(purpose))
+                self.store.prepare(purpose)
         except Exception as exc:  # a fault or an unreadable reply: reconnect later
             self._failed("errors", purpose, type(exc).__name__)
 
-    def _call(self, fn: Callable[[Any, T], Any], arg: T, purpose: str, seconds: float,
-              nbytes: int = clients.CALL_ALLOWANCE) -> Any:
-        """``fn(client, arg)`` within ``seconds``, reading at most ``nbytes``; None
-        (counted) on any network fault, a timeout, or while the server is down. A call
-        past its budget has its sockets shut: its thread stops reading too."""
+    def _call(self, fn: Callable[[RemoteStore, T], Any], arg: T, purpose: str, seconds: float,
+              nbytes: int | None = None) -> Any:
+        """``fn(store, arg)`` within ``seconds``, reading at most ``nbytes`` (default: the
+        store's allowance for a call); None (counted) on any network fault, a timeout, or
+        while the server is down. A call past its budget has its sockets shut: its thread
+        stops reading too."""
         if not self._up or self._closed:
             self.counts.add("skipped")
             return None
-        budget = guard.CallBudget(seconds, nbytes)
+        budget = guard.CallBudget(seconds, self._allowance if nbytes is None else nbytes)
         try:
-            fut = self._calls.submit(self._run, fn, arg, purpose, budget)
+            fut = self._calls.submit(self._run, fn, arg, budget)
         except RuntimeError:  # closed meanwhile
             return None
         try:
@@ -296,47 +285,49 @@ class RemoteTier:
         except concurrent.futures.TimeoutError:
             budget.abort()
             self._failed("timeouts", purpose, "no answer within the budget")
-        except clients.CLUSTER_ERRORS as exc:
+        except self._faults.lost as exc:
             self._failed("errors", purpose, type(exc).__name__)
-        except clients.ANSWERED_ERRORS as exc:  # the server answered: it is up
+        except self._faults.answered as exc:  # the server answered: it is up
             self.counts.add("errors")
             log.warning("remote_refused", remote=self.url.redacted(), call=purpose,
                         reason=type(exc).__name__)
-        except clients.NETWORK_ERRORS as exc:
+        except self._faults.network as exc:
             if budget.overran:  # the server sent more than anything asked for can be
                 self.counts.add("oversized")
-                self._failed("errors", purpose, f"a reply of more than {nbytes} bytes")
+                self._failed("errors", purpose, f"a reply of more than {budget.nbytes} bytes")
             else:
-                kind = "timeouts" if isinstance(exc, clients.TIMEOUT_ERRORS) else "errors"
+                kind = "timeouts" if isinstance(exc, self._faults.timeout) else "errors"
                 self._failed(kind, purpose, type(exc).__name__)
-        except Exception as exc:  # a reply redis-py could not make sense of (or close() shut it)
+        except Exception as exc:  # a reply the client could not make sense of (or close() shut it)
             if not self._closed:
                 self._failed("errors", purpose, f"unreadable reply ({type(exc).__name__})")
         return None
 
-    def _run(self, fn: Callable[[Any, T], Any], arg: T, purpose: str, budget: guard.CallBudget) -> Any:
+    def _run(self, fn: Callable[[RemoteStore, T], Any], arg: T, budget: guard.CallBudget) -> Any:
         with guard.running(budget):
-            return fn(self._client(purpose), arg)
+            return fn(self.store, arg)
 
     def _get(self, counter: str, keys: list[str], limits: list[int], purpose: str,
              seconds: float) -> list[Any] | None:
-        """``clients.get_many`` of ``keys`` (each value at most its ``limits`` entry) within
-        ``seconds`` (a cluster node that has not answered by nine tenths of it fails alone,
-        its keys absent), its time added to ``counter`` when the server answered."""
-        fn = functools.partial(clients.get_many, limits=limits, wait=seconds * 0.9)
+        """The store's ``get_many`` of ``keys`` (each value at most its ``limits`` entry)
+        within ``seconds`` (a part of the store that does not answer in time fails alone,
+        its keys' values the exception), its time added to ``counter`` when the server
+        answered."""
+        fn = functools.partial(_get_many, purpose=purpose, limits=limits, seconds=seconds)
         t0 = time.perf_counter()
-        out = self._call(fn, keys, purpose, seconds, clients.reply_bytes(limits))
+        out = self._call(fn, keys, purpose, seconds, self.store.reply_bytes(limits))
         if out is not None:
             self.counts.add(counter, time.perf_counter() - t0)
         return out
 
     def _failed(self, kind: str, purpose: str, why: str) -> None:
         """Count a failed call and mark the tier down (calls are misses until the
-        background reconnect answers). On a cluster a failed write names one node's
-        slots only: it is counted, and the lookups find for themselves whether the
-        cluster still answers (they fail only when every node they need failed)."""
+        background reconnect answers). Where a failed write may concern one part of the
+        store only (a cluster node's slots), it is counted, and the lookups find for
+        themselves whether the store still answers (they fail only when every part they
+        need failed)."""
         self.counts.add(kind)
-        if self._closed or (purpose == "write" and self.url.cluster):
+        if self._closed or (purpose == "write" and self.store.partial_writes):
             return
         with self._lock:
             was_up, self._up = self._up, False
@@ -358,7 +349,7 @@ class RemoteTier:
                     return
                 try:
                     with guard.running(self._background("lookup")):
-                        if clients.prepare(self._client("lookup")):
+                        if self.store.prepare("lookup"):
                             break
                 except Exception:  # a fault, an unreadable reply, or closed under it: try again
                     continue
@@ -397,10 +388,11 @@ class RemoteTier:
         return RemoteHit(best, own.get(best[0].start, ()) if best[0].start > have else ())
 
     def _count_node_failures(self, values: list[Any]) -> None:
-        """Count the cluster nodes that failed (their keys' values are the exception):
-        as timeouts when they did not answer in time, else as errors."""
+        """Count the parts of the store (cluster nodes, storage processes) that failed
+        (their keys' values are the exception): as timeouts when they did not answer in
+        time, else as errors."""
         failed = {id(v): v for v in values if isinstance(v, Exception)}.values()
-        hung = sum(isinstance(v, clients.TIMEOUT_ERRORS) for v in failed)
+        hung = sum(isinstance(v, self._faults.timeout) for v in failed)
         if hung:
             self.counts.add("timeouts", hung)
         if len(failed) > hung:
@@ -408,7 +400,7 @@ class RemoteTier:
 
     def _manifest_at(self, chain_keys: Sequence[bytes], i: int, value: Any) -> Manifest | None:
         """The manifest stored for chain block ``i`` when it decodes and ends there."""
-        if isinstance(value, clients.Refused):
+        if isinstance(value, Refused):
             self._oversized(self.keys.manifest(chain_keys[i]), value)
             return None
         if not isinstance(value, bytes):
@@ -422,7 +414,7 @@ class RemoteTier:
         return m if m.end == i + 1 else None
 
     def _verified(self, ref: manifest.BlobRef, value: Any) -> bytes | None:
-        if isinstance(value, clients.Refused):
+        if isinstance(value, Refused):
             self._oversized(ref.key, value)
             return None
         if value is None or not isinstance(value, bytes):
@@ -435,30 +427,31 @@ class RemoteTier:
         self.counts.add("bytes_in", len(value))
         return value
 
-    def _oversized(self, key: str, value: clients.Refused) -> None:
+    def _oversized(self, key: str, value: Refused) -> None:
         """Count a value refused unread (that key's miss; the server is fine)."""
         self.counts.add("oversized")
         log.warning("remote_refused_value", key=key, reason=value.why)
 
     def touch(self, path: Sequence[Manifest]) -> None:
         """Mark, in the background, the blobs of checkpoints found but not fetched (the
-        caller holds them already) as used: Redis's LRU then ages a checkpoint's blobs
-        with its manifest (which every lookup reads) instead of evicting blobs still in use."""
+        caller holds them already) as used: the store's eviction (its LRU, or leases)
+        then ages a checkpoint's blobs with its manifest (which every lookup
+        reads) instead of evicting blobs still in use."""
         if not self._up or self._closed or not path:
             return
         keys = [ref.key for m in path for ref in m.blobs]
         with contextlib.suppress(RuntimeError):  # closed meanwhile
-            self._calls.submit(self._quietly, clients.touch, keys)
+            self._calls.submit(self._quietly, _touch, keys)
 
-    def _quietly(self, fn: Callable[[Any, Any], Any], arg: Any) -> Any:
-        """``fn(client, arg)`` in a call no caller waits for (``BACKGROUND_BUDGETS``); None on a fault."""
+    def _quietly(self, fn: Callable[[RemoteStore, Any], Any], arg: Any) -> Any:
+        """``fn(store, arg)`` in a call no caller waits for (``BACKGROUND_BUDGETS``); None on a fault."""
         with guard.running(self._background("write")), contextlib.suppress(Exception):
-            return fn(self._client("write"), arg)
+            return fn(self.store, arg)
         return None
 
     def _forget(self, m: Manifest) -> None:
-        """Delete, in the background, the manifest of a checkpoint a blob of which Redis
-        evicted, if it still holds the bytes it was read from: later lookups stop finding
+        """Delete, in the background, the manifest of a checkpoint a blob of which the
+        store evicted, if it still holds the bytes it was read from: later lookups stop finding
         a checkpoint that cannot be read, and a manifest another engine has written there
         since stays (an altered blob is a miss each time, counted, and left for its
         writer to put again)."""
@@ -468,17 +461,17 @@ class RemoteTier:
             self._calls.submit(self._delete, self.keys.manifest(m.prefix_key), m.stored)
 
     def _delete(self, key: str, stored: bytes) -> None:
-        got = self._quietly(lambda client, arg: clients.delete_if(client, *arg), (key, stored))
+        got = self._quietly(_delete_if, (key, stored))
         if got:  # None (a fault): a miss stays a miss, the next failed fetch tries again
             self.counts.add("forgotten" if got > 0 else "superseded")
 
-    def _write(self, client: Any, item: tuple[bytes, Manifest, tuple[bytes, ...]]) -> bool:
+    def _write(self, store: RemoteStore, item: tuple[bytes, Manifest, tuple[bytes, ...]]) -> bool:
         prefix_key, m, blobs = item
-        clients.set_many(client, [(r.key, b) for r, b in zip(m.blobs, blobs, strict=True)], self._ttl_ms)
+        store.set_many([(r.key, b) for r, b in zip(m.blobs, blobs, strict=True)], replace=False)
         if self._key is not None:
             m = manifest.sign(self._key, m, blobs)
         body = manifest.encode(self.keys, m, self._key)
-        clients.set_many(client, [(self.keys.manifest(prefix_key), body)], self._ttl_ms)
+        store.set_many([(self.keys.manifest(prefix_key), body)], replace=True)
         self.counts.add("bytes_out", m.nbytes + len(body))
         return True
 
@@ -488,3 +481,15 @@ class RemoteTier:
         self._back.wait(self.config.write_timeout)
         if self._call(self._write, item, "write", self.config.write_timeout) is None:
             raise ConnectionError("remote write failed")
+
+
+def _get_many(store: RemoteStore, keys: list[str], *, purpose: str, limits: list[int], seconds: float) -> list[Any]:
+    return store.get_many(purpose, keys, limits, seconds)
+
+
+def _touch(store: RemoteStore, keys: list[str]) -> None:
+    store.touch(keys)
+
+
+def _delete_if(store: RemoteStore, arg: tuple[str, bytes]) -> int:
+    return store.delete_if(*arg)
