@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class PrefixStoreError(Exception):
     """Base class of every error prefixstore raises on purpose."""
@@ -99,6 +101,14 @@ class LockedError(PrefixStoreError):
 class RankUnavailableError(PrefixStoreError, OSError):
     """A rank process died, timed out or is not connected: the effect asked of it did
     not happen, or its outcome is unknown (an OSError, so stores roll back)."""
+
+
+class RankAuthError(RankUnavailableError):
+    """The peer of a rank connection did not prove the shared token (errno EACCES):
+    nothing was sent to it and nothing it asked for was done."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(errno.EACCES, why)
 
 
 class SimulatedCrash(BaseException):  # noqa: N818 - a crash, not an error

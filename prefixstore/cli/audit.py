@@ -47,8 +47,12 @@ import json
 import sys
 
 from prefixstore.base.errors import PrefixStoreError
-from prefixstore.engine.audit import TITLES, AuditReport, audit_dir
+from prefixstore.base.layout import Layout
+from prefixstore.engine.audit import TITLES, AuditReport, audit_dir, read_catalog
 from prefixstore.engine.repair import repair
+from prefixstore.gpu.distributed import RankGroup, RemoteRank
+from prefixstore.gpu.rank_auth import load_token
+from prefixstore.gpu.rank_server import add_token_arguments, parse_init_method
 
 NAME = "audit"
 HELP = "check a cache directory's invariants (read-only), or --repair it"
@@ -62,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="skip reading shards for checksums and headers")
     p.add_argument("--rank-dir", action="append", default=None, metavar="PATH",
                    help="rank directory (repeat once per rank, in order); default DIR/rankN")
+    p.add_argument("--ranks", metavar="tcp://HOST:PORT",
+                   help="read every rank through its rank server: host the rank servers' TCPStore at "
+                        "HOST:PORT (their --init-method), wait for each rank of the layout, and read its "
+                        "listing, sizes and shards over the network (no rank directory is read locally; "
+                        "the cache at rest: no engine may be serving these rank servers)")
+    p.add_argument("--rank-timeout", type=float, default=60.0, metavar="S",
+                   help="with --ranks: seconds to wait for each rank server, and for each request (default 60)")
+    add_token_arguments(p)
     p.add_argument("--repair", action="store_true",
                    help="drop foreign schema objects, recover, invalidate damaged nodes, reclaim garbage and "
                         "orphans, print the changes; a missing, empty or uninitialized catalog beside shards "
@@ -82,8 +94,13 @@ def run(args: argparse.Namespace) -> int:
     if args.capacity is not None and args.capacity <= 0:
         print(f"--capacity must be a positive number of bytes, got {args.capacity}", file=sys.stderr)
         return 2
+    if args.ranks and (args.repair or args.rank_dir):
+        print("--ranks reads the ranks through their rank servers: not with --repair or --rank-dir", file=sys.stderr)
+        return 2
     try:
-        if args.repair:
+        if args.ranks:
+            fixed, rep = None, audit_remote(args)
+        elif args.repair:
             fixed, rep = repair(args.dir, rank_dirs=args.rank_dir, rebuild_catalog=args.rebuild,
                                 capacity=args.capacity)
         else:
@@ -107,6 +124,22 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  - {line}")
         print_report(rep, args.dir)
     return 0 if rep.ok else 1
+
+
+def audit_remote(args: argparse.Namespace) -> AuditReport:
+    """The audit with every rank read through its rank server (``--ranks``)."""
+    host, port = parse_init_method(args.ranks)
+    ranks = Layout.from_json(read_catalog(args.dir).meta.get("layout", "")).ranks
+    group = RankGroup(host, port, token=load_token(args.token_file, args.token_env),
+                      op_timeout=args.rank_timeout, connect_timeout=args.rank_timeout,
+                      gloo_host=None if host in ("0.0.0.0", "::") else host)
+    remotes: list[RemoteRank] = []
+    try:
+        remotes = group.connect(range(ranks))
+        return audit_dir(args.dir, rank_dirs=remotes, checksums=not args.quick)
+    finally:
+        for rr in remotes:
+            rr.close()  # the rank servers stay up for the engine (they exit 1 once this store is gone)
 
 
 def print_report(rep: AuditReport, where: str) -> None:

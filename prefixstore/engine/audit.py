@@ -63,6 +63,7 @@ from prefixstore.base.errors import (
     LayoutError,
     NotACacheError,
     NotRegularFileError,
+    RankUnavailableError,
     SchemaVersionError,
 )
 from prefixstore.base.layout import Layout
@@ -87,6 +88,7 @@ from prefixstore.gpu import shards, tiers, verify
 from prefixstore.gpu.diskroom import RESERVE_NAME
 from prefixstore.gpu.fileio import open_regular, read_fd
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
+from prefixstore.gpu.tier import Capability
 from prefixstore.statemachine.transactions import MACHINES
 
 LOCK_NAME = "LOCK"
@@ -595,6 +597,8 @@ class _Disk:
     on_disk: int = 0
     rowless: dict[tuple[int, str], tuple[int, int]] = attrs.field(factory=dict)
     """Regular files no row names that are a node's current shard: (rank, name) -> (size, node)."""
+    down: set[int] = attrs.field(factory=set)
+    """Ranks read through a tier that cannot serve now (a rank server unreachable): not checked."""
 
 
 def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, files, nodes) -> _Disk:
@@ -605,28 +609,14 @@ def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, fil
     # left a short temporary of a failed write; reclaiming removes both).
     in_flight = {(f[0], f[1]) for f in files if f[6] in ("writing", "garbage")}
     for r, d in enumerate(dirs):
-        # A rank "directory" may be a volatile tier itself (a running engine's, see
-        # ``tiering.audit_dirs``): an object with listdir(), size(name) and read_shard(name).
+        # A rank "directory" may be a view: a volatile tier itself (a running engine's, see
+        # ``tiering.audit_dirs``) or a rank served by a rank server on another host, an
+        # object with listdir(), size(name) and read_shard(name); one that is unavailable
+        # is reported, not checked.
         view = None if isinstance(d, str) else d
-        info: dict[str, Any] = {"rank": r, "dir": d if view is None else f"ram:rank{r}",
+        info: dict[str, Any] = {"rank": r, "dir": d if view is None else getattr(view, "location", f"ram:rank{r}"),
                                 "files": 0, "bytes": 0, "unknown": []}
-        try:
-            if view is None and os.path.islink(d):
-                raise FileNotFoundError(d)  # a cache's own directory that is a symlink: never read
-            entries = sorted(os.listdir(d) if view is None else view.listdir())
-        except FileNotFoundError:
-            entries = []
-            info["missing"] = True
-            live = sum(1 for f in files if f[0] == r and f[6] == "live")
-            if live and not os.path.islink(d):
-                rep.notes.append(
-                    f"rank directory {d} is missing, yet the catalog records {live} shards on rank {r}: "
-                    "if the ranks are kept elsewhere, name them with --rank-dir (once per rank); "
-                    "--repair refuses until then")
-            elif any(f[0] == r for f in files):
-                rep.notes.append(f"rank directory {d} is missing")
-        except OSError as exc:
-            raise NotACacheError(f"cannot list rank directory {d}: {exc}") from exc
+        entries = _rank_entries(rep, r, d, view, files, info, disk)
         for e in entries:
             if view is not None:
                 size, regular = view.size(e) or 0, True
@@ -667,6 +657,31 @@ def _scan_dirs(rep: AuditReport, root: str, dirs: list[str], layout: Layout, fil
             rep.notes.append(f"top-level entries that are not the cache's: {', '.join(extra[:10])}")
     return disk
 
+
+def _rank_entries(rep: AuditReport, r: int, d: Any, view: Any, files, info: dict[str, Any], disk: _Disk) -> list[str]:
+    """The entries of rank ``r``'s directory ``d`` (or of its tier, ``view``); a missing
+    directory or an unavailable rank is noted in ``info`` and lists nothing."""
+    try:
+        if view is None and os.path.islink(d):
+            raise FileNotFoundError(d)  # a cache's own directory that is a symlink: never read
+        return sorted(os.listdir(d) if view is None else view.listdir())
+    except RankUnavailableError as exc:
+        info["unavailable"] = str(exc)
+        disk.down.add(r)
+        rep.notes.append(f"rank {r} is unavailable, its files were not checked: {exc}")
+    except FileNotFoundError:
+        info["missing"] = True
+        live = sum(1 for f in files if f[0] == r and f[6] == "live")
+        if live and not os.path.islink(d):
+            rep.notes.append(
+                f"rank directory {d} is missing, yet the catalog records {live} shards on rank {r}: "
+                "if the ranks are kept elsewhere, name them with --rank-dir (once per rank); "
+                "--repair refuses until then")
+        elif any(f[0] == r for f in files):
+            rep.notes.append(f"rank directory {d} is missing")
+    except OSError as exc:
+        raise NotACacheError(f"cannot list rank directory {d}: {exc}") from exc
+    return []
 
 def _accounting(rep: AuditReport, files, nodes, disk: _Disk, capacity: int) -> None:
     acct = {"live": 0, "damaged": 0, "garbage": 0, "writing": 0}
@@ -786,6 +801,8 @@ def _ready_nodes(
                     ("missing", nid, row[S.GEN], None, None))
             continue
         for r, (name, _gen, size, ck) in sorted(live.items()):
+            if r in disk.down:
+                continue
             rep.files_checked += 1
             on = disk.entries.get((r, name))
             missing = ("missing", nid, row[S.GEN], r, name)
@@ -800,13 +817,14 @@ def _ready_nodes(
                 break
             if checksums:
                 why = (verify_shard(layout, os.path.join(dirs[r], name), r, row, ck) if isinstance(dirs[r], str)
-                       else _tier_problem(dirs[r], name, size, ck, _header(layout, r, row)))
+                       else _view_problem(layout, dirs[r], name, size, r, row, ck))
                 if why is not None:
                     rep.add(1, f"node {nid} rank {r}: {why}", ("unreadable", nid, row[S.GEN], r, name))
                     break
     ready = sum(1 for r in nodes.values() if r[S.STATE] == "ready")
     how = "size, checksum and header" if checksums else "presence and size only (--quick)"
-    rep.checked[1] = f"{ready} ready nodes, {rep.files_checked} shards checked ({how})"
+    rep.checked[1] = f"{ready} ready nodes, {rep.files_checked} shards checked ({how})" + (
+        f"; ranks {sorted(disk.down)} unavailable, not checked" if disk.down else "")
     rep.checked[5] = ("each verified shard decoded against the layout with its own key, generation, span "
                       "and rank" if checksums else "not checked (--quick reads no shard)")
 
@@ -919,6 +937,20 @@ def _header(layout: Layout, rank: int, row: Sequence) -> verify.Header:
     meta = {"key": bytes(row[S.KEY]).hex(), "generation": str(row[S.GEN]), "start": str(start),
             "end": str(end), "snapshot": "1" if has_snap else "0", "rank": str(rank)}
     return verify.Header(layout, (end - start) * layout.block_tokens, has_snap, meta)
+
+
+def _view_problem(layout: Layout, view: Any, name: str, size: int, rank: int, row: Sequence,
+                  ck: str | None) -> str | None:
+    """Why a shard read through its tier fails: a durable tier (a rank server's
+    directory on another host) is checked as a local file is, a volatile one by the
+    tier read path."""
+    if Capability.VOLATILE in getattr(view, "capabilities", Capability.NONE):
+        return _tier_problem(view, name, size, ck, _header(layout, rank, row))
+    try:
+        data = view.read_shard(name)
+    except OSError as exc:
+        return f"cannot read {name}: {exc}"
+    return verify_bytes(layout, data, rank, row, ck)
 
 
 def _tier_problem(tier: Any, name: str, size: int, ck: str, header: verify.Header) -> str | None:

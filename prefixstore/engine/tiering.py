@@ -91,8 +91,11 @@ def local_dirs(ranks: list[Tier]) -> list[str | None]:
 
 
 def audit_dirs(ranks: list[Tier]) -> list[Any]:
-    """What the audit reads per rank: its directory, or the tier itself when volatile."""
-    return [r if has(r, Capability.VOLATILE) else r.directory for r in ranks]
+    """What the audit reads per rank: its directory when the tier's files are local to
+    this process (``LOCAL_FILES``, not volatile), else the tier itself (a RAM tier, a
+    rank served by a rank server on another host)."""
+    return [r.directory if has(r, Capability.LOCAL_FILES) and not has(r, Capability.VOLATILE) else r
+            for r in ranks]
 
 
 def ranks_down(ranks: list[Tier]) -> list[int]:

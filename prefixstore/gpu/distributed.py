@@ -34,6 +34,10 @@ A remote effect that failed comes back with its errno and is raised as the same
 not a regular file ``NotRegularFileError``), so the engine's rules (missing or not
 regular = damaged, other errors = transient) apply unchanged.
 
+Each new pair passes a mutual token handshake before any request
+(``prefixstore.gpu.rank_auth``; ``RankGroup(token=...)``): a process that registered
+as a rank without the token is refused with ``RankAuthError`` and sent nothing.
+
 ``python -m prefixstore.gpu.distributed`` (or ``prefixstore rank-server``) runs a rank
 process; see ``prefixstore.gpu.rank_server``.
 """
@@ -52,9 +56,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from prefixstore.base.errors import NotRegularFileError, RankUnavailableError
+from prefixstore.base.errors import NotRegularFileError, RankAuthError, RankUnavailableError
 from prefixstore.base.log import log
 from prefixstore.gpu import rank_server
+from prefixstore.gpu.rank_auth import coordinator_handshake, directory_tag
 from prefixstore.gpu.rank_server import keys, parse_init_method
 from prefixstore.gpu.wire import Link, LinkError, first_line, open_pair
 
@@ -65,7 +70,9 @@ class RankGroup:
     ``host``/``port``: where rank processes reach the store (``port=0`` picks a free
     one; read ``init_method``). ``op_timeout`` + bytes / ``min_bandwidth`` bounds
     every request; ``connect_timeout`` bounds forming a pair. ``gloo_host``: the
-    address the coordinator's gloo devices listen on (None: gloo's default).
+    address the coordinator's gloo devices listen on (None: gloo's default). ``token``:
+    the secret shared with the rank servers (``rank_auth.load_token``); a rank process
+    that does not prove it is refused (``RankAuthError``) and sent nothing.
     """
 
     def __init__(
@@ -77,7 +84,9 @@ class RankGroup:
         connect_timeout: float = 60.0,
         min_bandwidth: float = 50e6,
         gloo_host: str | None = None,
+        token: bytes | None = None,
     ) -> None:
+        self.token = token
         self.store = dist.TCPStore(
             host, port, None, True, datetime.timedelta(seconds=connect_timeout), wait_for_workers=False
         )
@@ -179,18 +188,26 @@ class RemoteRank:
             return False
 
     def reconnect(self, *, timeout: float) -> None:
-        """Wait up to ``timeout`` s for a new incarnation of the rank process; connect it."""
+        """Wait up to ``timeout`` s for a new incarnation of the rank process; connect it.
+
+        An incarnation that fails to connect (a process that died after registering,
+        one refused for its token or directory) is passed over: a newer one may still
+        register before the deadline; past it the last failure is raised."""
         deadline = time.monotonic() + timeout
+        failed: RankUnavailableError | None = None
         while True:
             with self._lock:
                 if self._link is not None:
                     return
                 k = self.group.latest(self.rank)
                 if k > max(self.incarnation, self._rejected):
-                    self._connect(k)
-                    return
+                    try:
+                        self._connect(k)
+                        return
+                    except RankUnavailableError as exc:
+                        failed = exc
             if time.monotonic() >= deadline:
-                raise RankUnavailableError(
+                raise failed or RankUnavailableError(
                     errno.ETIMEDOUT, f"rank {self.rank}: no rank process registered within {timeout} s"
                 )
             time.sleep(rank_server.POLL_S)
@@ -207,6 +224,11 @@ class RemoteRank:
                 with contextlib.suppress(OSError):
                     self._request("shutdown", {}, b"")
             self._drop("shut down", failure=False)
+
+    @property
+    def location(self) -> str:
+        """``rank-server@HOST:DIRECTORY`` (what the audit names this rank's files by)."""
+        return f"rank-server@{self.node or '?'}:{self.directory}"
 
     def info(self) -> dict[str, Any]:
         """The rank process's own account: rank, directory, pid, incarnation."""
@@ -274,28 +296,54 @@ class RemoteRank:
         return reply, body
 
     def _connect(self, k: int) -> None:
-        """Connect incarnation ``k`` (caller holds the lock); raises RankUnavailableError."""
+        """Connect incarnation ``k`` (caller holds the lock); raises RankUnavailableError.
+
+        The pair must pass the token handshake (``prefixstore.gpu.rank_auth``) before
+        anything else is sent; the rank's directory comes from its authenticated answer.
+        """
         kk = keys(self.rank, k)
         try:
-            info = json.loads(self.group.store_op(self.group.store.get, kk["info"]))
+            reg = json.loads(self.group.store_op(self.group.store.get, kk["info"]))
         except (RuntimeError, ValueError) as exc:
             self._rejected = k
             raise RankUnavailableError(errno.EHOSTDOWN, f"rank {self.rank}: bad registration: {exc}") from None
-        if info.get("rank") != self.rank or (self.directory and info.get("directory") != self.directory):
+        if not isinstance(reg, dict) or reg.get("rank") != self.rank:
             self._rejected = k
-            self._why = (f"incarnation {k} serves rank {info.get('rank')} at {info.get('directory')}, "
-                         f"expected rank {self.rank} at {self.directory or 'any directory'}")
+            self._why = f"incarnation {k} registered as rank {reg.get('rank') if isinstance(reg, dict) else reg!r}"
             raise RankUnavailableError(errno.EHOSTDOWN, f"rank {self.rank}: {self._why}")
+        if self.directory and reg.get("directory_tag") != directory_tag(self.group.token, self.directory):
+            self._rejected = k
+            self._why = (f"incarnation {k} serves rank {self.rank} at another directory (or holds another "
+                         f"token), expected rank {self.rank} at {self.directory}")
+            raise RankUnavailableError(errno.EHOSTDOWN, f"rank {self.rank}: {self._why}")
+        link = None
         try:
             self.group.store_op(self.group.store.set, kk["accept"], "1")
             link = open_pair(
                 self.group.host, self.group.port, kk["pair"], 0, timeout=self.group.connect_timeout,
-                gloo_host=self.group.gloo_host, op_timeout=datetime.timedelta(seconds=self.group.op_timeout),
+                # the group's default timeout bounds forming the pair; every request
+                # after it passes its own deadline
+                gloo_host=self.group.gloo_host, op_timeout=datetime.timedelta(seconds=self.group.connect_timeout),
             )
+            info = coordinator_handshake(link, self.group.token, self.rank, k, self.group.connect_timeout)
+        except RankAuthError as exc:
+            link.close()
+            self._rejected = k
+            self._why = f"incarnation {k}: {exc.strerror}"
+            log.warning("rank_refused", rank=self.rank, incarnation=k, why=self._why)
+            raise RankAuthError(f"rank {self.rank}: {self._why}") from None
         except (LinkError, RuntimeError) as exc:
+            if link is not None:
+                link.close()
             self._rejected = k
             self._why = f"incarnation {k} did not connect: {first_line(exc)}"
             raise RankUnavailableError(errno.EHOSTDOWN, f"rank {self.rank}: {self._why}") from None
+        if self.directory and info.get("directory") != self.directory:
+            link.close()
+            self._rejected = k
+            self._why = (f"incarnation {k} serves rank {self.rank} at {info.get('directory')}, "
+                         f"expected rank {self.rank} at {self.directory}")
+            raise RankUnavailableError(errno.EHOSTDOWN, f"rank {self.rank}: {self._why}")
         self._link = link
         self.incarnation = k
         self.directory, self.pid, self.node = str(info["directory"]), info.get("pid"), info.get("host")

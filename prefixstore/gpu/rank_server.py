@@ -12,9 +12,12 @@ separator, ``.`` or ``..`` is refused (EINVAL), so a request never touches a fil
 outside it.
 
 Lifecycle: lock the directory (one server per directory), connect to the
-coordinator's TCPStore, register a new *incarnation* (a counter per rank), wait for
-the coordinator to accept it, form the pair group, serve. If the pair breaks (the
-coordinator timed out on this rank and dropped it, or died) the server registers
+coordinator's TCPStore, register a new *incarnation* (a counter per rank; the store
+holds the rank, the incarnation and a MAC of the directory, not its name), wait for
+the coordinator to accept it, form the pair group, run the token handshake
+(``prefixstore.gpu.rank_auth``: a peer that does not prove the shared token is sent
+nothing and served nothing; the server registers again), serve. If the pair breaks
+(the coordinator timed out on this rank and dropped it, or died) the server registers
 again while the coordinator's store answers, and exits (status 1) once it does not.
 ``shutdown`` ends it with status 0.
 
@@ -32,11 +35,19 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
-from prefixstore.base.errors import LockedError, NotRegularFileError
+from prefixstore.base.errors import (
+    LockedError,
+    NotRegularFileError,
+    PrefixStoreError,
+    RankAuthError,
+)
+from prefixstore.base.log import log
 from prefixstore.gpu.fileio import FaultHook, FileSystem
+from prefixstore.gpu.rank_auth import TOKEN_ENV, directory_tag, load_token, rank_handshake
 from prefixstore.gpu.ranks import LocalRank
 from prefixstore.gpu.wire import IDLE_TIMEOUT, Link, LinkError, first_line, open_pair, store_client
 
@@ -146,7 +157,12 @@ class RankServer:
         hook: FaultHook | None = None,
         connect_timeout: float = 60.0,
         gloo_host: str | None = None,
+        token: bytes | None = None,
+        on_lost=None,
     ) -> None:
+        self.token = token
+        self.on_lost = on_lost
+        self.refused = 0
         self.rank = rank
         self.directory = os.path.abspath(directory)
         self.host, self.port = host, port
@@ -167,16 +183,24 @@ class RankServer:
                 raise LockedError(f"{self.directory} is served by another rank process") from None
             local = LocalRank(self.rank, self.directory, self.fs, self.hook)
             store = store_client(self.host, self.port, self.connect_timeout)
+            if self.token is None:
+                print(f"rank-server: rank {self.rank}: warning: no token (--token-file, --token-env, "
+                      f"${TOKEN_ENV}): any process that reaches the coordinator's port can act as the "
+                      "coordinator", flush=True)
+            watch = CoordinatorWatch(store_client(self.host, self.port, self.connect_timeout),
+                                     self.connect_timeout, self.on_lost)
             while True:
                 link = self._register(store)
                 if link is None:
                     return EXIT_LOST
+                watch.guard(link)
                 try:
-                    if self._session(link, local):
+                    if self._admitted(link) and self._session(link, local):
                         return EXIT_SHUTDOWN
                 finally:
+                    watch.guard(None)
                     link.close()
-                if not _answers(store):
+                if watch.lost or not _answers(store):
                     return EXIT_LOST
         finally:
             os.close(lock)
@@ -187,9 +211,8 @@ class RankServer:
             try:
                 k = int(store.add(keys(self.rank)["counter"], 1))
                 kk = keys(self.rank, k)
-                info = {"rank": self.rank, "directory": self.directory, "pid": os.getpid(),
-                        "incarnation": k, "host": os.uname().nodename}
-                store.set(kk["info"], json.dumps(info))
+                store.set(kk["info"], json.dumps({"rank": self.rank, "incarnation": k,
+                                                  "directory_tag": directory_tag(self.token, self.directory)}))
                 store.set(kk["latest"], str(k))
                 while not store.check([kk["accept"]]):
                     time.sleep(POLL_S)
@@ -202,6 +225,19 @@ class RankServer:
             except LinkError:
                 if not _answers(store):
                     return None  # else: the coordinator gave up on this incarnation; register again
+
+    def _admitted(self, link: Link) -> bool:
+        """The token handshake on a new pair: True when the peer proved it."""
+        account = {"rank": self.rank, "directory": self.directory, "pid": os.getpid(),
+                   "incarnation": self.incarnation, "host": os.uname().nodename}
+        try:
+            rank_handshake(link, self.token, self.rank, self.incarnation, self.connect_timeout, account)
+            return True
+        except (RankAuthError, LinkError) as exc:
+            self.refused += 1
+            print(f"rank-server: rank {self.rank}: refused a peer on incarnation {self.incarnation}: "
+                  f"{first_line(exc)}", flush=True)
+            return False
 
     def _session(self, link: Link, local: LocalRank) -> bool:
         """Serve requests on ``link``; True when told to shut down, False if it broke."""
@@ -232,6 +268,51 @@ class RankServer:
                 return True
 
 
+class CoordinatorWatch:
+    """Ends the service once the coordinator's store stops answering.
+
+    A coordinator whose host vanished closes no connection, and a TCPStore client's
+    requests to a silent peer never return (their timeout covers waiting for a key,
+    not a peer that stopped answering), so a rank server would wait forever, idle on
+    its pair or inside a store request. One thread asks the store (its own client)
+    every ``timeout / 2`` s; another, when no answer came for ``timeout`` s, marks the
+    coordinator ``lost``, closes the served pair and calls ``on_lost`` (a rank process
+    exits with ``EXIT_LOST``; its supervisor restarts it for the next coordinator).
+    """
+
+    def __init__(self, client, timeout: float, on_lost=None) -> None:
+        self.client = client
+        self.timeout = timeout
+        self.period = max(timeout / 2, 0.2)
+        self.on_lost = on_lost
+        self.lost = False
+        self.last = time.monotonic()
+        self._link: Link | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._probe, daemon=True, name="coordinator-probe").start()
+        threading.Thread(target=self._judge, daemon=True, name="coordinator-watch").start()
+
+    def guard(self, link: Link | None) -> None:
+        with self._lock:
+            self._link = link
+
+    def _probe(self) -> None:
+        while _answers(self.client):
+            self.last = time.monotonic()
+            time.sleep(self.period)
+
+    def _judge(self) -> None:
+        while time.monotonic() - self.last <= self.timeout:
+            time.sleep(self.period / 2)
+        with self._lock:
+            self.lost = True
+            if self._link is not None:
+                self._link.close()
+        log.warning("coordinator_lost", why=f"its store did not answer for {self.timeout:g} s")
+        if self.on_lost is not None:
+            self.on_lost()
+
+
 def _answers(store) -> bool:
     try:
         store.check([f"{NAMESPACE}/ping"])
@@ -257,10 +338,22 @@ def add_arguments(p) -> None:
                    help="address this process's gloo device listens on (env PREFIXSTORE_GLOO_HOST; "
                         "default: gloo's choice, see GLOO_SOCKET_IFNAME)")
     p.add_argument("--connect-timeout", type=float, default=60.0,
-                   help="seconds to wait for the coordinator (default 60)")
+                   help="seconds to wait for the coordinator (default 60); also the bound on a "
+                        "coordinator that stops answering while connected (then the server exits 1)")
+    add_token_arguments(p)
     p.add_argument("--kill-at", metavar="WHEN:OP:N", help="fault testing: SIGKILL this process at "
                    "the Nth WHEN (before|after) point of OP (write, fsync, rename, fsync_dir, unlink, read)")
     p.add_argument("--stall-at", metavar="WHEN:OP:N", help="fault testing: hang there instead")
+
+
+def add_token_arguments(p) -> None:
+    """Where the token shared by the coordinator and its rank servers comes from."""
+    p.add_argument("--token-file", metavar="PATH",
+                   help="file holding the token shared with the coordinator (at least 16 bytes; "
+                        "default: the variable named by --token-env)")
+    p.add_argument("--token-env", metavar="VAR",
+                   help=f"environment variable holding the token (default {TOKEN_ENV}; without any "
+                        "token, only a coordinator without one is served)")
 
 
 def exit_now(code: int) -> None:
@@ -269,6 +362,11 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _exit_lost(rank: int) -> None:
+    print(f"rank-server: rank {rank}: coordinator gone (its store stopped answering)", flush=True)
+    exit_now(EXIT_LOST)
 
 
 def run(args) -> int:
@@ -284,13 +382,19 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"rank-server: {exc}", flush=True)
         return 2
+    try:
+        token = load_token(args.token_file, args.token_env)
+    except PrefixStoreError as exc:
+        print(f"rank-server: {exc}", flush=True)
+        return 2
     hook = None
     if args.kill_at:
         hook = EffectTrap(args.kill_at, "kill")
     elif args.stall_at:
         hook = EffectTrap(args.stall_at, "stall")
     server = RankServer(args.rank, args.dir, host, port, hook=hook,
-                        connect_timeout=args.connect_timeout, gloo_host=args.gloo_host)
+                        connect_timeout=args.connect_timeout, gloo_host=args.gloo_host, token=token,
+                        on_lost=lambda: _exit_lost(args.rank))
     try:
         code = server.serve()
     except (LinkError, LockedError) as exc:

@@ -29,6 +29,11 @@ class DeclaredRank:
     def available(self) -> bool:
         return self.inner.available if isinstance(self.inner, RemoteRank) else True
 
+    @property
+    def location(self) -> str:
+        """Where the rank's files are, as the audit names them."""
+        return getattr(self.inner, "location", self.directory)
+
     def write_shard(self, name: str, data: bytes | memoryview) -> None:
         self.inner.write_shard(name, data)  # type: ignore[arg-type]
 
