@@ -275,7 +275,7 @@ def heal(hosts: NetnsHosts, fault: str, bad: int, background: list, init_method:
 def assert_clean(eng: Engine) -> None:
     rep = eng.audit()
     assert rep.ok, rep.to_dict()
-    assert eng._charged == eng.catalog.charged()
+    assert eng.account.charged == eng.catalog.charged()
     assert not eng.catalog.journal()
 
 
