@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from conftest import node_at, store_tokens, tokens_for
 from redis_servers import RedisServer, redis_cluster_fixture, redis_server_fixture  # noqa: F401
+from remote_backends import local_unaffected, prefix, restore_or_miss
 from remote_engine_worker import LAYOUT, request, restored_exactly
 from remote_helpers import timed, wait_until, within
 
 from prefixstore.base import errors as E
-from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
 from prefixstore.engine.config import EngineConfig
 from prefixstore.gpu.remote import RemoteConfig
@@ -35,26 +35,6 @@ WORKER = Path(__file__).with_name("remote_engine_worker.py")
 def open_engine(path, url: str, **options) -> Engine:
     return Engine.open(path, LAYOUT, 1 << 30, remote=url,
                        remote_options={**BUDGET, "write_behind": False, **options})
-
-
-def prefix(tokens) -> Prefix:
-    return Prefix.from_tokens(tokens, LAYOUT.block_tokens)
-
-
-def restore_or_miss(eng: Engine, tokens):
-    """Look up and restore ``tokens``, each call within its own budget (``lookup_timeout``,
-    ``restore_timeout``, plus SLACK); the restored tensors (checked bit for bit against
-    what was stored) or None."""
-    options = eng.remote.config
-    m, took = timed(eng.lookup, prefix(tokens))
-    within(took, options.lookup_timeout)
-    if not m.hit:
-        return None
-    r, took = timed(eng.restore, m)
-    within(took, options.restore_timeout)
-    if r is not None:
-        restored_exactly(eng, tokens, r)
-    return r
 
 
 def assert_clean(eng: Engine) -> None:
@@ -213,13 +193,6 @@ def two_engines(server_url: str, tmp_path):
     own = tokens_for(99, 4)
     assert store_tokens(b, own).ok
     return a, b, own
-
-
-def local_unaffected(b: Engine, own) -> None:
-    m, took = timed(b.lookup, prefix(own))
-    assert m.source == "local"
-    within(took, 0.0)  # no network wait
-    restored_exactly(b, own, b.restore(m))
 
 
 def test_server_killed_then_restarted_empty(redis_server, tmp_path):
