@@ -132,3 +132,16 @@ def test_a_blob_naming_another_checkpoint_is_a_counted_verify_failure(redis_serv
         assert m.source == "remote" and b.restore(m) is None
         assert t.stats()["verify_failures"] == failures + 1
         assert b.stats()["counters"]["remote.missed"] == 1 and node_at(b, p_tokens) is None
+
+
+def test_an_unreadable_key_refuses_the_open_before_the_cache_directory_is_made(tmp_path):
+    """The key is checked with the other options: a missing key file or an unset variable
+    refuses ``Engine.open`` before it creates the cache directory or reaches the server
+    (no server listens on this URL)."""
+    for options, argument in [({"auth_key_file": str(tmp_path / "absent")}, "auth_key_file"),
+                              ({"auth_key_env": "PS_TEST_UNSET_KEY"}, "auth_key_env")]:
+        path = tmp_path / f"cache-{argument}"
+        with pytest.raises(InvalidArgumentError) as e:
+            Engine.open(path, LAYOUT, 1 << 20, remote="redis://127.0.0.1:9", remote_options=options)
+        assert e.value.argument == argument
+        assert not path.exists()

@@ -22,7 +22,7 @@ from prefixstore.engine import identity
 from prefixstore.engine.checks import callable_or_none, choice, flag, instance, integer, real
 from prefixstore.gpu import tiers
 from prefixstore.gpu.backings import BACKINGS
-from prefixstore.gpu.remote import RemoteConfig, registry
+from prefixstore.gpu.remote import RemoteConfig, auth, registry
 from prefixstore.statemachine.compaction import CompactionPolicy
 from prefixstore.statemachine.cost import CostModel
 from prefixstore.statemachine.policy import DEFAULT as DEFAULT_POLICY
@@ -84,6 +84,8 @@ def check_remote_options(inst: Any, _attribute: attrs.Attribute, value: RemoteCo
         registry.check(inst.remote, value)
     except InvalidArgumentError as exc:  # named as the option it came in: remote_options
         raise InvalidArgumentError("remote_options", str(exc)) from exc
+    if value is not None:  # an unreadable or malformed key refuses the open before it creates anything
+        auth.load(value.auth_key_env, value.auth_key_file)
 
 
 def remote_options(value: Any) -> RemoteConfig | None:
