@@ -23,7 +23,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import mounted_tmpfs
+from conftest import make_layout, mounted_tmpfs, store_tokens, tokens_for
 from test_full_disk import (
     CAP,
     LAYOUT,
@@ -469,6 +469,51 @@ def fill_cache_small(eng: Engine, first: int, count: int, stored: dict) -> None:
             res = store(eng, seed, blocks)
             assert res.status == "stored", (seed, blocks, res)
             stored[(seed, blocks)] = True
+
+
+class _InodesAtWrites(FaultHook):
+    """Records the free inodes of ``mnt`` before every shard write."""
+
+    def __init__(self, mnt: str) -> None:
+        self.mnt, self.free = mnt, []
+
+    def before(self, op, target, rank):
+        if op == "write" and rank is not None:
+            self.free.append(free_inodes(self.mnt))
+
+
+def test_a_split_counts_the_inodes_of_every_new_row(tmp_path):
+    """On 4 ranks a store landing inside a row splits it into two rows: 8 new shard files
+    while the old row's 4 remain until the swap. With inodes left for one row's files
+    plus the margin, the split evicts for the second row's (the engine that counted one
+    row's files wrote into the catalog's margin, down to 1 free inode, and had to give
+    up the disk reserve); every write leaves the margin, the reserve stays held."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    with mounted_tmpfs(mnt, "16m,nr_inodes=96") as path:
+        root = os.path.join(path, "cache")
+        hook = _InodesAtWrites(path)
+        layout = make_layout(ranks=4, bt=BT)
+        conv = tokens_for(40, 12, bt=BT)
+        with Engine.open(root, layout, CAP, hook=hook) as eng:
+            for b in (3, 6, 9, 12):
+                assert store_tokens(eng, conv[: b * BT]).ok
+            others = [tokens_for(100 + s, 2, bt=BT) for s in range(3)]
+            for t in others:
+                assert store_tokens(eng, t).ok
+            d = os.path.join(path, "inodes")
+            os.mkdir(d)
+            while free_inodes(path) > INODE_MARGIN + layout.ranks + 1:  # another writer's files
+                os.close(os.open(os.path.join(d, str(len(os.listdir(d)))), os.O_WRONLY | os.O_CREAT, 0o644))
+            hook.free.clear()
+            res = store_tokens(eng, conv[: 5 * BT])
+            assert res.status == "stored", res
+            assert eng.counters.snapshot().get("replaces.split") == 1
+            assert hook.free and min(hook.free) > INODE_MARGIN, hook.free
+            assert eng.disk.held, "the split gave up the disk reserve for inodes eviction could free"
+            assert evictions(eng)
+            rep = eng.audit()
+            assert rep.ok, rep.violations
 
 
 @pytest.mark.parametrize("reserve", ["held", "spent"])

@@ -63,9 +63,9 @@ if TYPE_CHECKING:
     from collections import Counter
 
 KIND = "compact"
-MakeRoom = Callable[[int, set[int]], bool]
-"""``make_room(needed, protect)``: evict by policy to fit ``needed`` more bytes
-(``space.make_space``); False when they cannot fit."""
+MakeRoom = Callable[[int, set[int], int], bool]
+"""``make_room(needed, protect, files)``: evict by policy to fit ``needed`` more bytes
+in ``files`` new shard files (``space.make_space``); False when they cannot fit."""
 
 
 @attrs.frozen(slots=True, eq=False)
@@ -295,7 +295,7 @@ def _write_and_swap(
     _encode(rp, job, job.assemble(got))
     needed = sum(len(b) for r in job.new for b in r.blobs)
     with rp.guard.lock:
-        if not room(needed, protect | job.old_ids):
+        if not room(needed, protect | job.old_ids, len(job.new) * rp.layout.ranks):
             return _abort(rp, job, "no_space", "refused")
         attempt.txn = txn = _intent(rp, job)
         rp.account.charged += needed
@@ -433,8 +433,8 @@ def _room(rp: Replacing, space: str, make_room: MakeRoom | None) -> MakeRoom:
         return make_room
     acct = rp.account
     if space == "capacity":
-        return lambda needed, protect: acct.fits(needed, acct.capacity)
-    return lambda needed, protect: acct.fits(needed, acct.capacity * acct.high_watermark)
+        return lambda needed, protect, files: acct.fits(needed, acct.capacity)
+    return lambda needed, protect, files: acct.fits(needed, acct.capacity * acct.high_watermark)
 
 
 def _intent(rp: Replacing, job: Job) -> Txn:

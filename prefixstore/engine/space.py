@@ -37,9 +37,9 @@ class Room:
     evicting: Evicting
     replacing: Replacing
 
-    def make(self, needed: int, protect: set[int]) -> bool:
+    def make(self, needed: int, protect: set[int], files: int) -> bool:
         """``make_space`` (a compact-replace's ``make_room``)."""
-        return make_space(self, needed, protect)
+        return make_space(self, needed, protect, files)
 
 
 DISK_ROUNDS = 2
@@ -47,9 +47,10 @@ DISK_ROUNDS = 2
 first (the catalog's log grew with the evictions' commits); each is checked first."""
 
 
-def make_space(rm: Room, needed: int, protect: set[int]) -> bool:
-    """Make room for ``needed`` more charged bytes; False when it cannot fit (see ``room_for``)."""
-    return room_for(rm, needed, protect) is None
+def make_space(rm: Room, needed: int, protect: set[int], files: int) -> bool:
+    """Make room for ``needed`` more charged bytes in ``files`` new shard files; False
+    when they cannot fit (see ``room_for``)."""
+    return room_for(rm, needed, protect, files) is None
 
 
 def room_for(rm: Room, needed: int, protect: set[int], files: int | None = None) -> str | None:
