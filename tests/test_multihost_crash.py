@@ -4,9 +4,10 @@ faults in the middle of a compaction (hosts: ``tests/netns_hosts.py``).
 Rank servers and coordinators start as forks of a zygote on their host
 (``tests/netns_zygote.py``), so a point costs a fork, not an import of torch.
 
-CI runs two crash points and two compaction faults; ``PREFIXSTORE_MULTIHOST_FULL=1``
-runs every crash point of the store (each point before its effect and after it) and
-every compaction fault.
+CI runs two crash points of a store and two compaction faults;
+``PREFIXSTORE_MULTIHOST_FULL=1`` runs every crash point of the store (each point
+before its effect and after it) and of a merge, and every compaction fault (about 6
+minutes).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from conftest import (
     store_tokens,
 )
 from netns_crash_coordinator import ACKED, RANK_EFFECTS, TARGET
+from netns_crash_coordinator import CONV as MERGE_CONV
+from netns_crash_coordinator import OTHER as MERGE_OTHER
 from netns_hosts import NetnsHosts, netns_leftovers, require_netns
 from netns_zygote import Forked, Zygote
 from test_crash_compaction import CONV, OTHER, rows
@@ -113,11 +116,11 @@ class Run:
         return "\n".join(out)
 
 
-def run_coordinator(fleet: Fleet, run: Run, kill: list | None) -> str:
-    """The coordinator (killing itself at point ``kill``) against four rank servers;
-    its output once it ended."""
+def run_coordinator(fleet: Fleet, run: Run, kill: list | None, scenario: str = "store") -> str:
+    """The coordinator of ``scenario`` (killing itself at point ``kill``) against four
+    rank servers; its output once it ended."""
     h = fleet.hosts
-    argv = [COORDINATOR, run.root, h.coord_ip, "4", fleet.tok] + ([json.dumps(kill)] if kill else [])
+    argv = [COORDINATOR, run.root, h.coord_ip, "4", fleet.tok, scenario] + ([json.dumps(kill)] if kill else [])
     run.coord = fleet.coordinator(argv, run.log("coordinator.log"))
     wait_until(lambda: "PORT " in run.coord.output() or run.coord.poll() is not None, 60, run.logs())
     port = int(run.coord.output().split("PORT ")[1].split()[0])
@@ -137,12 +140,48 @@ def rank_files(eng: Engine, r: int) -> list[str]:
     return sorted(n for (n,) in eng.catalog.query("SELECT name FROM files WHERE rank=?", (r,)))
 
 
-def recover(fleet: Fleet, run: Run, out: str) -> str:
+def store_case(eng: Engine, out: str) -> str:
+    """Every store acknowledged before the kill restores bit for bit, TARGET's store
+    is wholly there or wholly absent: acknowledged, published or absent."""
+    for t, blocks in ACKED:
+        assert_restores(eng, t, blocks=blocks)
+    m = eng.lookup(Prefix.from_tokens(TARGET, BT))
+    if "RESULT stored" in out:
+        case = "acknowledged"
+        assert_restores(eng, TARGET, blocks=6)
+    elif m.blocks == 6:
+        case = "published"  # its publish committed, the kill came before the result
+        assert_restores(eng, TARGET, blocks=6)
+    else:
+        case = "absent"
+        assert m.blocks == 2, m  # the acknowledged parent, nothing of the lost store
+    if "FOLLOW_UP stored" in out:
+        assert_restores(eng, FOLLOW_UP, blocks=1)
+    return case
+
+
+OLD_SPANS = [(0, 3), (0, 4), (3, 6), (6, 9), (9, 12)]
+MERGED_SPANS = [(0, 4), (0, 12)]
+
+
+def merge_case(eng: Engine, out: str) -> str:
+    """The catalog holds exactly the old rows or exactly the merged one (never a mix),
+    and both checkpoints restore bit for bit: acknowledged, published or absent."""
+    spans = sorted(tuple(r) for r in eng.catalog.query("SELECT start_block, end_block FROM nodes"))
+    assert spans in (OLD_SPANS, MERGED_SPANS), spans
+    for t in (MERGE_CONV, MERGE_OTHER):
+        assert_restores(eng, t, blocks=len(t) // BT)
+    if "RESULT merges=1" in out:
+        assert spans == MERGED_SPANS
+        return "acknowledged"
+    return "published" if spans == MERGED_SPANS else "absent"
+
+
+def recover(fleet: Fleet, run: Run, out: str, check=store_case) -> str:
     """A new coordinator (this process, on the coordinator's host) opens the cache
-    through four restarted rank servers: the audit through them is clean, every store
-    acknowledged before the kill restores bit for bit, TARGET's store is wholly there
-    or wholly absent, and once garbage is reclaimed every rank directory holds exactly
-    the files the catalog names. Returns TARGET's case: acknowledged, published, absent."""
+    through four restarted rank servers: the audit through them is clean, ``check``
+    holds (it names the interrupted operation's case), and once garbage is reclaimed
+    every rank directory holds exactly the files the catalog names."""
     h = fleet.hosts
     with h.coordinator():
         group = group_in(h, token=TOKEN, op_timeout=10, connect_timeout=20)
@@ -154,20 +193,7 @@ def recover(fleet: Fleet, run: Run, out: str) -> str:
                 rep = eng.audit()
                 assert rep.ok and not [i for i in rep.ranks if "unavailable" in i], rep.to_dict()
                 assert not eng.catalog.journal()
-                for t, blocks in ACKED:
-                    assert_restores(eng, t, blocks=blocks)
-                m = eng.lookup(Prefix.from_tokens(TARGET, BT))
-                if "RESULT stored" in out:
-                    case = "acknowledged"
-                    assert_restores(eng, TARGET, blocks=6)
-                elif m.blocks == 6:
-                    case = "published"  # its publish committed, the kill came before the result
-                    assert_restores(eng, TARGET, blocks=6)
-                else:
-                    case = "absent"
-                    assert m.blocks == 2, m  # the acknowledged parent, nothing of the lost store
-                if "FOLLOW_UP stored" in out:
-                    assert_restores(eng, FOLLOW_UP, blocks=1)
+                case = check(eng, out)
                 eng.reclaim()
                 assert eng.stats()["garbage_bytes"] == 0
                 assert eng.account.charged == eng.catalog.charged()
@@ -179,12 +205,12 @@ def recover(fleet: Fleet, run: Run, out: str) -> str:
     return case
 
 
-def counted(fleet: Fleet) -> tuple[list[list], int]:
-    """The store's effect points as the coordinator sees them, from a run to the end:
-    each named [when, op, target, rank, k] (its k-th occurrence), and how many come
-    before TARGET's result."""
-    run = Run(fleet.hosts, "count")
-    out = run_coordinator(fleet, run, None)
+def counted(fleet: Fleet, scenario: str = "store") -> tuple[list[list], int]:
+    """The effect points of ``scenario`` as the coordinator sees them, from a run to
+    the end: each named [when, op, target, rank, k] (its k-th occurrence), and how many
+    come before the operation's result."""
+    run = Run(fleet.hosts, f"count-{scenario}")
+    out = run_coordinator(fleet, run, None, scenario)
     points = json.loads(out.split("POINTS ")[1].splitlines()[0])
     acked_at = int(out.split("ACKED_AT ")[1].split()[0])
     named = []
@@ -229,6 +255,26 @@ def test_coordinator_killed_at_effects_of_a_multihost_store(fleet):
         assert cases == ["absent", "published"], cases
 
 
+@pytest.mark.skipif(not FULL, reason="PREFIXSTORE_MULTIHOST_FULL=1 runs the merge's enumeration (about 2 min)")
+def test_coordinator_killed_at_every_effect_of_a_multihost_merge(fleet):
+    """The same for a compaction pass on four hosts (one compact-replace merging a
+    four-row chain: its intent, each rank's new shard, the swap, the old generation's
+    removes on every rank): after each kill, recovery through the restarted rank
+    servers leaves exactly the old rows or exactly the merged one, both checkpoints
+    restoring bit for bit, a clean audit and nothing leaked on the hosts."""
+    points, acked_at = counted(fleet, "merge")
+    assert acked_at == len(points)
+    ops = {p[1] for p in points}
+    assert {"write_shard", "remove", "commit"} <= ops <= {*RANK_EFFECTS, "commit"}, ops
+    cases = []
+    for i, kill in enumerate(points):
+        run = Run(fleet.hosts, f"merge-kill{i}")
+        out = run_coordinator(fleet, run, kill, "merge")
+        assert "RESULT " not in out, (kill, out)
+        cases.append(recover(fleet, run, out, merge_case))
+    assert {"published", "absent"} <= set(cases), cases
+
+
 def test_a_planted_leak_on_a_rank_host_is_caught(fleet, monkeypatch):
     """The check after a kill catches a new coordinator whose removes on the rank
     servers do nothing: the rolled-back store's shards stay on the hosts."""
@@ -243,7 +289,7 @@ def test_a_planted_leak_on_a_rank_host_is_caught(fleet, monkeypatch):
 
 OP_TIMEOUT = 3.0
 COMPACTION_POINTS = {"before-writes": ("compact.intent", "after"), "before-publish": ("compact.publish", "before")}
-COMPACTION_FAULTS = ["kill", "link-down", "partition"]
+COMPACTION_FAULTS = ["kill", "link-down", "partition", "slow-lossy"]
 CI_COMPACTION = {("before-writes", "kill"), ("before-publish", "partition")}
 COMPACTION_CASES = [
     pytest.param(point, fault, id=f"{point}-{fault}",
@@ -267,6 +313,8 @@ def heal_host(fleet: Fleet, run: Run, fault: str, bad: int, background: list, in
         run.ranks.append(fleet.rank(bad, init_method, run.dirs[bad], run.log(f"rank{bad}-again.log")))
     elif fault == "link-down":
         fleet.hosts.set_link(bad, True)
+    elif fault == "slow-lossy":
+        fleet.hosts.unshape(bad)
 
 
 def restores_or_misses(eng: Engine, acked) -> None:
@@ -318,7 +366,7 @@ def test_host_fault_mid_compaction(fleet, point, fault):
             else:
                 assert rep.merges == 1 and rows(eng) != old, rep
             assert eng.account.charged == eng.catalog.charged()
-            if fault != "partition":  # rank 2 could not remove what it was asked to: charged until reclaim
+            if fault in ("kill", "link-down"):  # rank 2 could not remove what it was asked to: charged until reclaim
                 assert eng.stats()["garbage_bytes"] > 0, rep
             assert not eng.catalog.journal()
             t0 = time.monotonic()
@@ -326,7 +374,7 @@ def test_host_fault_mid_compaction(fleet, point, fault):
             assert time.monotonic() - t0 < 2 * OP_TIMEOUT + 10
             audit = eng.audit()
             assert audit.ok, audit.to_dict()
-            if fault != "partition":
+            if fault in ("kill", "link-down"):
                 assert [i["rank"] for i in audit.ranks if "unavailable" in i] == [bad], audit.to_dict()
             heal_host(fleet, run, fault, bad, background, group.init_method)
             remotes[bad].reconnect(timeout=60)
