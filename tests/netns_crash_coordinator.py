@@ -1,7 +1,7 @@
 """A coordinator that SIGKILLs itself at one effect of a multi-host store, for
 tests/test_multihost_crash.py (not a test module).
 
-    python tests/netns_crash_coordinator.py ROOT HOST RANKS TOKEN_FILE store|merge [KILL_AT]
+    python tests/netns_crash_coordinator.py ROOT HOST RANKS TOKEN_FILE store|merge|recover [KILL_AT]
 
 Hosts a RankGroup at HOST (printed as ``PORT n``), waits for RANKS rank servers, opens
 the engine at ROOT with them and acknowledges ``ACKED`` (two stores). Then, with its
@@ -9,7 +9,9 @@ effect points armed, it stores ``TARGET`` (a child of the first acknowledged sto
 ``RESULT status`` once it returns) and ``FOLLOW_UP`` (``FOLLOW_UP status``). With
 ``merge`` it acknowledges ``CONV``'s checkpoints at blocks 3, 6, 9, 12 and ``OTHER``
 instead, retires the snapshots at 3, 6 and 9, and runs a compaction pass armed: one
-compact-replace merging the chain into one row (``RESULT merges=n``). The coordinator's effects are its
+compact-replace merging the chain into one row (``RESULT merges=n``). With ``recover``
+the points are armed before the open: the recovery of what ROOT holds (``RESULT
+recovered`` once the open returned). The coordinator's effects are its
 catalog commits and the requests that change a rank (``write_shard``, ``remove``,
 ``remove_temp``, ``quarantine``, ``sync_dir``), each a point before it is sent and one
 after its answer came back. KILL_AT names one point as JSON ``[when, op, target, rank,
@@ -110,14 +112,20 @@ def merge(eng: Engine, hook: KillAt) -> int:
     return hook.count
 
 
+def recovered(eng: Engine, hook: KillAt) -> int:
+    print("RESULT recovered", flush=True)
+    return hook.count
+
+
 def main() -> None:
     root, host, ranks, token_file, scenario = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     hook = KillAt(json.loads(sys.argv[6]) if sys.argv[6:] else None)
     hook_rank_requests(hook)
     group = RankGroup(host, 0, gloo_host=host, op_timeout=10, connect_timeout=20, token=load_token(token_file))
     print(f"PORT {group.port}", flush=True)
+    hook.armed = scenario == "recover"
     eng = Engine.open(root, make_layout(ranks=ranks), CAP, hook=hook, ranks=group.connect(range(ranks), timeout=60))
-    acked_at = {"store": store, "merge": merge}[scenario](eng, hook)
+    acked_at = {"store": store, "merge": merge, "recover": recovered}[scenario](eng, hook)
     hook.armed = False
     print("POINTS " + json.dumps(hook.points), flush=True)
     print(f"ACKED_AT {acked_at}", flush=True)

@@ -121,10 +121,11 @@ def run_coordinator(fleet: Fleet, run: Run, kill: list | None, scenario: str = "
     rank servers; its output once it ended."""
     h = fleet.hosts
     argv = [COORDINATOR, run.root, h.coord_ip, "4", fleet.tok, scenario] + ([json.dumps(kill)] if kill else [])
-    run.coord = fleet.coordinator(argv, run.log("coordinator.log"))
+    run.coord = fleet.coordinator(argv, run.log(f"coordinator-{scenario}.log"))
     wait_until(lambda: "PORT " in run.coord.output() or run.coord.poll() is not None, 60, run.logs())
     port = int(run.coord.output().split("PORT ")[1].split()[0])
-    run.ranks = [fleet.rank(r, f"tcp://{h.coord_ip}:{port}", run.dirs[r], run.log(f"rank{r}.log")) for r in range(4)]
+    run.ranks = [fleet.rank(r, f"tcp://{h.coord_ip}:{port}", run.dirs[r], run.log(f"rank{r}-{scenario}.log"))
+                 for r in range(4)]
     code = run.coord.wait(180)
     out = run.coord.output()
     if kill is None:
@@ -209,14 +210,14 @@ def counted(fleet: Fleet, scenario: str = "store") -> tuple[list[list], int]:
     """The effect points of ``scenario`` as the coordinator sees them, from a run to
     the end: each named [when, op, target, rank, k] (its k-th occurrence), and how many
     come before the operation's result."""
-    run = Run(fleet.hosts, f"count-{scenario}")
-    out = run_coordinator(fleet, run, None, scenario)
+    out = run_coordinator(fleet, Run(fleet.hosts, f"count-{scenario}"), None, scenario)
+    return named(out), int(out.split("ACKED_AT ")[1].split()[0])
+
+
+def named(out: str) -> list[list]:
+    """The points a coordinator printed, each named with its occurrence."""
     points = json.loads(out.split("POINTS ")[1].splitlines()[0])
-    acked_at = int(out.split("ACKED_AT ")[1].split()[0])
-    named = []
-    for i, p in enumerate(points):
-        named.append([*p, points[:i].count(p)])
-    return named, acked_at
+    return [[*p, points[:i].count(p)] for i, p in enumerate(points)]
 
 
 RANK_2_WRITTEN = ["after", "write_shard", shard_name(key_at(TARGET), 1), 2, 0]
@@ -273,6 +274,28 @@ def test_coordinator_killed_at_every_effect_of_a_multihost_merge(fleet):
         assert "RESULT " not in out, (kill, out)
         cases.append(recover(fleet, run, out, merge_case))
     assert {"published", "absent"} <= set(cases), cases
+
+
+BEFORE_PUBLISH = ["before", "commit", "store.publish", None, 0]
+"""Every rank's shard of TARGET durable, nothing published: recovery removes four files."""
+
+
+@pytest.mark.skipif(not FULL, reason="PREFIXSTORE_MULTIHOST_FULL=1 runs the recovery's enumeration")
+def test_coordinator_killed_during_recovery_through_rank_servers(fleet):
+    """The coordinator killed before TARGET's publish, then the coordinator that
+    recovers killed in turn at each effect of its recovery (the removes of the
+    unpublished shards on four hosts, its commits); a third coordinator's recovery
+    still leaves TARGET absent, the acknowledged stores bit for bit, a clean audit and
+    nothing on any host."""
+    run = Run(fleet.hosts, "count-recovery")
+    run_coordinator(fleet, run, BEFORE_PUBLISH)
+    points = named(run_coordinator(fleet, run, None, "recover"))
+    assert sum(p[:2] == ["after", "remove"] for p in points) == 4, points
+    for i, kill in enumerate(points):
+        run = Run(fleet.hosts, f"recovery-kill{i}")
+        out = run_coordinator(fleet, run, BEFORE_PUBLISH)
+        assert "RESULT recovered" not in run_coordinator(fleet, run, kill, "recover")
+        assert recover(fleet, run, out) == "absent"
 
 
 def test_a_planted_leak_on_a_rank_host_is_caught(fleet, monkeypatch):
