@@ -256,7 +256,7 @@ def test_coordinator_killed_at_effects_of_a_multihost_store(fleet):
         assert cases == ["absent", "published"], cases
 
 
-@pytest.mark.skipif(not FULL, reason="PREFIXSTORE_MULTIHOST_FULL=1 runs the merge's enumeration (about 2 min)")
+@pytest.mark.skipif(not FULL, reason="PREFIXSTORE_MULTIHOST_FULL=1 runs the merge's enumeration (about 4 min)")
 def test_coordinator_killed_at_every_effect_of_a_multihost_merge(fleet):
     """The same for a compaction pass on four hosts (one compact-replace merging a
     four-row chain: its intent, each rank's new shard, the swap, the old generation's
