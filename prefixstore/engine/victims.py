@@ -67,6 +67,8 @@ class Batch:
     chosen: dict[int, Node] = attrs.field(factory=dict)
     leafed: dict[int, AsLeaf] = attrs.field(factory=dict)
     """Nodes not chosen whose children all are."""
+    unchosen: dict[int, int] = attrs.field(factory=dict)
+    """How many children of a chosen node's parent are not chosen."""
     nbytes: int = 0
     """What the chosen nodes charge (all ranks)."""
 
@@ -96,10 +98,13 @@ class Batch:
             self.leafed.pop(n.id, None)
             self.nbytes += n.nbytes
         out = []
-        for pid in dict.fromkeys(n.parent for n in nodes if n.parent is not None):
-            parent = self.index.get(pid)
-            if parent is not None and pid not in self.chosen and pid not in self.leafed \
-                    and all(c in self.chosen for c in parent.children):
+        for n in nodes:
+            pid = n.parent
+            if pid is None or pid in self.chosen or (parent := self.index.get(pid)) is None:
+                continue
+            left = self.unchosen.get(pid, len(parent.children)) - 1
+            self.unchosen[pid] = left
+            if not left:
                 self.leafed[pid] = leaf = AsLeaf(parent)
                 out.append(leaf)
         return out
@@ -107,5 +112,5 @@ class Batch:
     def take(self) -> tuple[list[tuple[str, list[Node]]], set[int]]:
         """The victims and the parents offered as leaves meanwhile; the batch is empty after."""
         victims, leafed = self.victims, set(self.leafed)
-        self.victims, self.chosen, self.leafed, self.nbytes = [], {}, {}, 0
+        self.victims, self.chosen, self.leafed, self.unchosen, self.nbytes = [], {}, {}, {}, 0
         return victims, leafed
