@@ -100,20 +100,21 @@ class SelectionRun:
         self.build_s = time.perf_counter() - t0
         self._saved = evict.evict_nodes, replace.retire_snapshot  # restored by close()
         ev, rp = eng.flows.evicting, eng.flows.replacing
-        evict.evict_nodes = lambda e, nodes: self._evict_nodes(nodes) if e is ev else self._saved[0](e, nodes)
+        evict.evict_nodes = lambda e, nodes, *a: self._evict_nodes(nodes, *a) if e is ev else self._saved[0](e, nodes, *a)
         replace.retire_snapshot = lambda e, node: self._retire(node) if e is rp else self._saved[1](e, node)
         eng.account.garbage_hint = False
         self.samples: list[float] = []
         self.scan_baseline_us = self.scan_us(3 if n >= 1_000_000 else 10)
 
-    def _evict_nodes(self, nodes: list[Node]) -> None:  # the in-memory part of _evict_nodes
+    def _evict_nodes(self, nodes: list[Node], offered=frozenset()) -> None:  # the in-memory part of evict_nodes
         eng = self.eng
         for x in nodes:
             eng.index.remove(x.id)
             eng.account.charged -= x.nbytes
-        parent = eng.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
-        if parent is not None:
-            eng.recency.heap.offer(parent)
+        for pid in dict.fromkeys(x.parent for x in nodes if x.parent is not None and x.parent not in offered):
+            parent = eng.index.get(pid)
+            if parent is not None and parent.is_leaf:
+                eng.recency.heap.offer(parent)
 
     def _retire(self, node: Node) -> bool:  # the in-memory part of a snapshot retirement
         node.has_snapshot = False

@@ -1,8 +1,11 @@
 """Crash at every effect of an eviction, enumerated (not sampled), on 1 and 2 ranks.
 
 Kinds: a leaf evict, a subtree evict (plain LRU), a snapshot retirement (a compactable
-ancestor keeps its segment), and a store under pressure whose space check retires a
-snapshot and evicts a leaf before the store itself runs. The setup pins the oldest
+ancestor keeps its segment), a store under pressure whose space check retires a
+snapshot and evicts a leaf before the store itself runs, and a batch: one pass whose
+victims (a leaf, the parent it leaves a leaf, another leaf) go in one evict
+transaction, crashed before its removal commit, after it before any unlink, and
+between the unlinks of one victim's files and the next's. The setup pins the oldest
 checkpoint, so every policy would take it first if pins were not honoured; in the
 store kind the store's parent is fenced. After each crash the directory is reopened:
 recovery must leave the audit clean and the journal empty, the pinned and fenced
@@ -27,6 +30,7 @@ PINNED = tokens_for(40, 2)
 A = tokens_for(41, 8)  # a[:8] (2 blocks) is the interior node, a (8 blocks) its child
 B = tokens_for(42, 3)
 C = A + tokens_for(43, 3)  # the store under pressure: a child of a (fenced while it runs)
+D = tokens_for(44, 3)  # the batch kind's survivor: younger than its victims
 
 
 def _setup(eng: Engine):
@@ -49,13 +53,18 @@ def _store_cap(ranks: int, root: str) -> int:
 def _scenario(root: str, ranks: int, hook, kind: str, cap: int):
     L = make_layout(ranks=ranks)
     gate = Gate()
-    policy = "lru" if kind == "subtree" else "prefixstore"
+    policy = {"subtree": "lru", "batch": "leaf-lru"}.get(kind, "prefixstore")
     eng = Engine.open(root, L, cap, hook=gate, policy=policy)
     _setup(eng)
+    if kind == "batch":
+        assert store_tokens(eng, D).ok
+        victims = sum(node_at(eng, t).nbytes for t in (A, A[:8], B))
     gate.arm(hook)
     try:
         if kind == "leaf":
             eng.evict(prefix=Prefix.from_tokens(B, 4))
+        elif kind == "batch":
+            assert eng.evict(victims) == victims  # a, then a[:8] (a leaf now), then b
         elif kind in ("subtree", "retire"):
             eng.evict(1)  # the oldest unpinned candidate: a[:8] (its subtree, or its snapshot)
         else:
@@ -80,6 +89,10 @@ def _check(root: str, L, policy: str, kind: str, cap: int) -> None:
         if kind == "leaf":
             assert present["mid"] and present["a"]
             assert_restores(eng, A, blocks=8)
+        elif kind == "batch":
+            assert present["mid"] == present["a"] == present["b"], present  # one transaction: all or none
+            assert key_at(D) in eng.index.by_key
+            assert_restores(eng, D, blocks=3)
         elif kind == "subtree":
             assert present["mid"] == present["a"], present  # one transaction: both or neither
             assert present["b"]
@@ -103,7 +116,8 @@ def _check(root: str, L, policy: str, kind: str, cap: int) -> None:
     ("kind", "ranks"),
     # the store kind on one rank only: its store part is crashed on 1, 2, 4 ranks in
     # test_crash_store, its retirement and evict parts here on 2
-    [(k, r) for k in ("leaf", "subtree", "retire") for r in (1, 2)] + [("store", 1)],
+    # the batch kind on one rank: its victims' files on 2 ranks are the leaf kind's
+    [(k, r) for k in ("leaf", "subtree", "retire") for r in (1, 2)] + [("store", 1), ("batch", 1)],
 )
 def test_crash_at_every_effect_of_an_eviction(tmp_path, kind, ranks):
     cap = _store_cap(ranks, str(tmp_path / "probe")) if kind == "store" else CAP
@@ -111,6 +125,10 @@ def test_crash_at_every_effect_of_an_eviction(tmp_path, kind, ranks):
     _scenario(str(tmp_path / "count"), ranks, counter, kind, cap)
     ops = {op for _, op, _, _ in counter.points}
     assert {"unlink", "fsync_dir", "commit"} <= ops, ops
+    if kind == "batch":  # one removal commit, then every victim's files unlinked
+        labels = [t for _, op, t, _ in counter.points if op == "commit"]
+        assert labels.count("evict.remove") == 2, labels  # its before and after points
+        assert [op for _, op, _, _ in counter.points].count("unlink") == 2 * 3 * ranks
     if kind in ("retire", "store"):
         assert {"read", "write", "fsync", "rename"} <= ops, ops
     for i in range(counter.count):
@@ -133,12 +151,13 @@ def test_uninterrupted_store_under_pressure_retires_then_evicts(tmp_path):
         assert eng.audit().ok
 
 
-@pytest.mark.parametrize("kind", ["subtree", "retire"])
+@pytest.mark.parametrize("kind", ["subtree", "retire", "batch"])
 def test_crash_during_recovery_of_an_eviction_is_recovered(tmp_path, kind):
-    """Crash an eviction after its first commit, then crash recovery at each point."""
+    """Crash an eviction after its first commit (a batch: after its removal commit,
+    before any victim's unlink), then crash recovery at each point."""
     L = make_layout()
-    policy = "lru" if kind == "subtree" else "prefixstore"
-    first = 1 if kind == "subtree" else 7  # after evict.remove / inside the retirement's writes
+    policy = {"subtree": "lru", "batch": "leaf-lru"}.get(kind, "prefixstore")
+    first = 7 if kind == "retire" else 1  # inside the retirement's writes / after evict.remove
     n = 0
     while True:
         root = str(tmp_path / f"r{n}")

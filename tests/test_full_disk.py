@@ -283,6 +283,63 @@ def test_crash_between_the_early_unlink_and_the_evict_commit(small_fs):
         assert assert_every_node_restores_or_damaged(eng, stored) > 0
 
 
+class _CrashInBatch(FaultHook):
+    """Crashes before unlink number ``unlinks`` (0-based) or, with None, before the
+    commit ``label``; counts only while ``armed``."""
+
+    def __init__(self, unlinks: int | None, label: str = "evict.remove") -> None:
+        self.unlinks, self.label, self.armed, self.seen = unlinks, label, False, 0
+
+    def before(self, op, target, rank):
+        if not self.armed:
+            return
+        if op == "unlink":
+            if self.seen == self.unlinks:
+                raise SimulatedCrash(f"crash before unlink {self.seen} ({target})")
+            self.seen += 1
+        elif op == "commit" and self.unlinks is None and target == self.label:
+            raise SimulatedCrash(f"crash before commit {target}")
+
+
+@pytest.mark.parametrize("unlinks", [1, 2, None], ids=["inside-a-victim", "between-victims", "before-commit"])
+def test_crash_inside_a_batched_early_unlink_loses_no_survivor(small_fs, unlinks):
+    """A full disk, no reserve: one pass batches three victims (a leaf, the parent it
+    leaves a leaf, the next leaf; two ranks) and unlinks their files before its one
+    commit. Process death between those unlinks (half a victim's files gone, or one
+    victim's) or before the commit: the next open finds the victims ready (files
+    intact) or damaged (never served), every other checkpoint ready and bit-exact, no
+    file unknown to the catalog, the journal empty; the damaged go at the next eviction."""
+    root = os.path.join(small_fs, "cache")
+    stored: dict[tuple[int, int], bool] = {}
+    hook = _CrashInBatch(unlinks)
+    eng = Engine.open(root, LAYOUT, CAP, hook=hook, policy="leaf-lru")
+    fill_cache(eng, 0, 4, stored)
+    victims = [(0, 8), (0, 4), (1, 8)]  # victim at a time: a leaf, its parent, the next leaf
+    keys = {v: Prefix.from_tokens(conversation(*v)[0], BT).keys[-1] for v in stored}
+    want = sum(eng.index.nodes[eng.index.by_key[keys[v]]].nbytes for v in victims)
+    filler = spent_and_full(small_fs, root)
+    hook.armed = True
+    with pytest.raises(SimulatedCrash):
+        eng.evict(want)
+    assert eng.guard.closed
+    os.unlink(filler)
+    with Engine.open(root, LAYOUT, CAP, policy="leaf-lru") as eng:
+        rep = eng.audit()
+        assert rep.ok and not rep.unknown_files, rep.to_dict()
+        assert not eng.catalog.journal()
+        for v in stored:
+            node = eng.index.get(eng.index.by_key.get(keys[v], -1))
+            if v not in victims:
+                assert node is not None and node.ready, v  # no survivor lost
+        damaged = [v for v in victims if not eng.index.nodes[eng.index.by_key[keys[v]]].ready]
+        assert len(damaged) == (3 if unlinks is None else 1), damaged
+        assert assert_every_node_restores(eng, {v: True for v in stored if v not in victims}) == len(stored) - 3
+        assert_every_node_restores_or_damaged(eng, stored)  # the victims still ready are intact
+        assert eng.evict(want) >= want  # the damaged go first
+        assert all(eng.index.nodes[eng.index.by_key[keys[v]]].ready for v in stored if keys[v] in eng.index.by_key)
+        assert eng.audit().ok
+
+
 def assert_every_node_restores_or_damaged(eng: Engine, stored) -> int:
     """As ``assert_every_node_restores``, leaving out checkpoints on a damaged node's path."""
     damaged = {n.key for n in eng.index if not n.ready}

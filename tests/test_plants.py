@@ -32,6 +32,7 @@ CAUGHT_BY = {
     "skip-dir-fsync": {"invariant", "damaged", "miss", "audit:1"},
     "double-count-retire": {"audit:3", "capacity"},
     "evict-pinned": {"pin", "audit:6"},
+    "batch-drops-unlink": {"audit:3"},  # a shard file the catalog does not know
     "rename-over-live": {"audit:1", "audit:2", "damaged", "miss"},  # 2: a cached row no longer the catalog's
     "skip-orphan-cleanup": {"audit:3"},
     "skip-restore-checksum": {"bytes"},

@@ -479,6 +479,9 @@ def test_bench_quick(tmp_path) -> None:
     assert res["io"]["store_ratio"] > 0 and res["io"]["restore_ratio"] > 0
     assert res["catalog"]["FULL"]["ratio"] > 0 and res["lookup"][0]["nodes"] == 1000
     assert res["replay"]["audit_ok"] and res["replay"]["requests"] > 0
+    ev = res["evict"]  # one pass's 64 victims in one evict transaction; the baseline one each
+    assert ev["victims_per_transaction"] >= 64 and ev["one_at_a_time"]["victims_per_transaction"] == 1, ev
+    assert ev["ms_per_victim"] > 0
     assert "| store" in (out / "run_quick.md").read_text()
 
 

@@ -126,7 +126,7 @@ def test_evicting_a_node_whose_row_is_not_live_is_refused_and_changes_nothing(ca
         tid = c.execute("INSERT INTO journal(kind, state, payload) VALUES('evict', 'REMOVED', '{}')").lastrowid
     with pytest.raises(IllegalTransitionError, match=rf"file row rank1/{name}: .*'retired' in state 'writing'"), \
             cat.txn("test.evict") as c:
-        cat.evict_node(c, tid, nid)
+        cat.evict_nodes(c, tid, [nid])
     assert (_rows(cat), _nodes(cat)) == (before, nodes)
 
 

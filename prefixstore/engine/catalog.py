@@ -437,10 +437,15 @@ class Catalog:
         event, e.g. a rollback's ``abandoned``: writing -> garbage)."""
         self.file_event(c, event, "txn=?", (tid,))
 
-    def evict_node(self, c: sqlite3.Connection, tid: int, node_id: int) -> list[tuple]:
-        """Delete node ``node_id``, handing its files to ``tid`` as garbage; their (rank, name, size)."""
-        rows = self.file_event(c, "retired", "node=?", (node_id,), sets="node=NULL, txn=?", values=(tid,))
-        self.node_event(c, "removed", [node_id])
+    def evict_nodes(self, c: sqlite3.Connection, tid: int, node_ids: Sequence[int]) -> list[tuple]:
+        """Delete nodes ``node_ids`` (each after its children), handing their files to
+        ``tid`` as garbage; their (rank, name, size)."""
+        rows: list[tuple] = []
+        for i in range(0, len(node_ids), _CHUNK):
+            part = tuple(node_ids[i:i + _CHUNK])
+            rows += self.file_event(c, "retired", f"node IN ({','.join('?' * len(part))})", part,
+                                    sets="node=NULL, txn=?", values=(tid,))
+        self.node_event(c, "removed", node_ids)
         return rows
 
     def settle_files(self, c: sqlite3.Connection, rows: Sequence[tuple], left: set[tuple[int, str]]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 import attrs
 
 from prefixstore.engine import abort, journal
@@ -24,8 +26,11 @@ class Evicting:
     abort: Abort
 
 
-def evict_nodes(ev: Evicting, nodes: list[Node]) -> None:
-    """One evict transaction removing ``nodes`` (leaves first).
+def evict_nodes(ev: Evicting, nodes: list[Node], offered: Set[int] = frozenset()) -> None:
+    """One evict transaction removing ``nodes`` (each after its descendants: leaves
+    first), in one commit of their removal and one of their reclaim; each parent it
+    leaves without a child is offered to the victim heap, unless in ``offered``
+    (offered as a leaf already).
 
     On a full disk with no reserve left, the nodes' files are unlinked before the
     commit, so the commit has room: the lock is held and the nodes are neither
@@ -36,19 +41,17 @@ def evict_nodes(ev: Evicting, nodes: list[Node]) -> None:
     cat = ev.ledger.catalog
     if ev.account.disk.tight():
         journal.unlink_rows(ev.ledger, cat.files_of(ids))
-    def remove(tid: int) -> None:
-        for n in nodes:
-            cat.evict_node(c, tid, n.id)
 
     with cat.txn("evict.remove") as c:
-        txn = journal.begin(ev.ledger, c, "evict", {"nodes": ids}, rows=remove)
+        txn = journal.begin(ev.ledger, c, "evict", {"nodes": ids}, rows=lambda tid: cat.evict_nodes(c, tid, ids))
     try:  # the removal is published: an unexpected error must not strand the txn
         for n in nodes:
             ev.index.remove(n.id)
             ev.recency.forget(n.id)
-        parent = ev.index.get(nodes[-1].parent) if nodes[-1].parent is not None else None
-        if parent is not None:
-            ev.recency.heap.offer(parent)
+        for pid in dict.fromkeys(n.parent for n in nodes if n.parent is not None and n.parent not in offered):
+            parent = ev.index.get(pid)
+            if parent is not None and parent.is_leaf:
+                ev.recency.heap.offer(parent)
         journal.run(ev.ledger, txn, txn.outputs)
     except BaseException as exc:
         abort.fail_txn(ev.abort, txn, exc)

@@ -15,6 +15,7 @@ from prefixstore.engine.index import Index, Node
 from prefixstore.engine.journal import Ledger
 from prefixstore.engine.recency import Recency
 from prefixstore.engine.replace import Replacing
+from prefixstore.engine.victims import Batch
 from prefixstore.gpu.diskroom import Shortfall
 from prefixstore.statemachine import policy as pol
 from prefixstore.statemachine import room
@@ -152,81 +153,155 @@ def held_room(rm: Room, protect: set[int]) -> tuple[int, int]:
     return held, len(seen)
 
 
+EVICT_BATCH = 256
+"""The most nodes one evict transaction of a space-making pass removes."""
+
+
+@attrs.define(slots=True, eq=False)
+class Pass:
+    """One call of ``free``: the candidates it set aside (pinned, fenced, protected),
+    the retirements waiting for room (oldest first), the nodes it skips (a retirement
+    that failed, a victim found held when its batch was evicted: offered again at the
+    end), the victims batched for one evict transaction, and the shard files freed."""
+
+    protect: set[int]
+    batch: Batch
+    held: list[pol.Entry] = attrs.field(factory=list)
+    waiting: list[pol.Entry] = attrs.field(factory=list)
+    skipped: list[Node] = attrs.field(factory=list)
+    gone: int = 0
+
+
 def free(rm: Room, amount: float, protect: set[int] = frozenset(), files: int = 0) -> int:
     """Free at least ``amount`` charged bytes and ``files`` shard files (best effort);
     returns bytes freed.
 
     Loose garbage goes first (it frees bytes and loses nothing), then victims in
-    policy order, one transaction each, until the actual charged bytes reach the
-    goal; each victim is credited with what it really freed (a retirement: its
-    old generation once, minus the new one; no file). Candidates that are pinned,
-    fenced or protected are set aside for this call; a retirement lacking room for
-    its rewrite waits until later victims made the room.
+    policy order until the actual charged bytes reach the goal. Evictions are
+    batched (``victims.Batch``): the leaves chosen, and the parents they leave as
+    leaves, go in one evict transaction of up to ``EVICT_BATCH`` nodes, run when the
+    batch would reach the goal, is full, or a retirement comes next (its own
+    transaction, whose room counts what the batch frees). Each victim is credited
+    with what it really freed (a retirement: its old generation once, minus the new
+    one; no file); the goal is checked again on the actual charged bytes after each
+    batch. Candidates that are pinned, fenced or protected are set aside for this
+    call; a retirement lacking room for its rewrite waits until later victims made
+    the room.
     """
     start = rm.account.charged
     goal = start - amount
-    gone = 0  # files freed
+    p = Pass(set(protect), Batch(rm.index, EVICT_BATCH))
     if (rm.account.charged > goal or files) and rm.account.garbage_hint:
-        gone += reclaim_loose(rm)
-    held: list[pol.Entry] = []
-    waiting: list[pol.Entry] = []  # retirements lacking room, oldest first
-    failed: list[Node] = []
+        p.gone += reclaim_loose(rm)
     try:
-        while rm.account.charged > goal or gone < files:
-            entry = next_victim(rm, waiting)
-            if entry is None:
-                break
-            if entry is False:
+        while True:
+            short = rm.account.charged - p.batch.nbytes > goal or p.gone + len(p.batch) * rm.layout.ranks < files
+            if short and step(rm, p):
                 continue
-            node, action = rm.index.nodes[entry[2]], entry[3]
-            if node in failed:
-                continue  # its retirement failed in this call (it is offered again below)
-            if untouchable(rm, node, action, protect):
-                held.append(entry)
-            elif action == pol.RETIRE and not retire_fits(rm, node):
-                waiting.append(entry)
-            elif (taken := take_victim(rm, node, action)) is None:
-                failed.append(node)
-            else:
-                gone += taken
+            if not p.batch:
+                break
+            evict_batch(rm, p)
     finally:
-        for entry in held + waiting:
-            rm.recency.heap.push(entry)
-        for node in failed:
-            if node.id in rm.index.nodes:
-                rm.recency.heap.offer(node)
-        rm.recency.heap.compact_if_stale(len(rm.index), lambda: rm.index)
+        put_back(rm, p)
     return start - rm.account.charged
 
 
-def next_victim(rm: Room, waiting: list[pol.Entry]) -> pol.Entry | None | bool:
+def step(rm: Room, p: Pass) -> bool:
+    """Take the next candidate: batch it, set it aside, or run its retirement; False
+    when there is none."""
+    entry = next_victim(rm, p)
+    if entry is None:
+        return False
+    if entry is False:
+        return True
+    node, action = rm.index.nodes[entry[2]], entry[3]
+    if node in p.skipped:
+        return True  # its retirement failed in this call (it is offered again at the end)
+    if untouchable(rm, node, action, p.protect, p.batch):
+        p.held.append(entry)
+    elif action == pol.RETIRE:
+        if retire_fits(rm, node, p.batch):
+            evict_batch(rm, p)  # a retirement is its own transaction: what the batch frees comes first
+        if not retire_fits(rm, node):
+            p.waiting.append(entry)
+        elif not retire(rm, node):
+            p.skipped.append(node)
+    else:
+        nodes = [node] if action == pol.EVICT else subtree(rm, node, p.batch)
+        for leaf in p.batch.add(action, nodes):
+            rm.recency.heap.offer(leaf)
+        if p.batch.full:
+            evict_batch(rm, p)
+    return True
+
+
+def next_victim(rm: Room, p: Pass) -> pol.Entry | None | bool:
     """The next candidate: a waiting retirement that now fits, else the policy's next;
-    None when there is none, False when a stale waiting entry was dropped."""
-    if waiting and not rm.recency.heap.is_current(waiting[0], rm.index.get):
+    None when there is none, False when nothing was taken (a stale waiting entry was
+    dropped, or the batch was evicted to make a waiting retirement's room)."""
+    waiting = p.waiting
+    if waiting and not rm.recency.heap.is_current(waiting[0], p.batch.lookup):
         waiting.pop(0)  # its node changed meanwhile (e.g. became a leaf and went)
+        return False
+    if waiting and p.batch and retire_fits(rm, rm.index.nodes[waiting[0][2]], p.batch):
+        evict_batch(rm, p)
         return False
     if waiting and retire_fits(rm, rm.index.nodes[waiting[0][2]]):
         return waiting.pop(0)
-    return rm.recency.heap.pop_valid(rm.index.get)
+    return rm.recency.heap.pop_valid(p.batch.lookup)
 
 
-def take_victim(rm: Room, node: Node, action: str) -> int | None:
-    """Run ``action`` on ``node`` and count what it freed; the shard files it removed,
-    or None when a retirement failed."""
+def retire(rm: Room, node: Node) -> bool:
+    """Retire ``node``'s snapshot and count what it freed; False when it failed."""
     before = rm.account.charged
-    if action == pol.EVICT:
-        evict.evict_nodes(rm.evicting, [node])
-        gone = 1
-    elif action == pol.SUBTREE:
-        nodes = subtree(rm, node)
-        evict.evict_nodes(rm.evicting, nodes)
-        gone = len(nodes)
-    elif not replace.retire_snapshot(rm.replacing, node):
-        return None
-    else:
-        gone = 0  # a retirement replaces each file with a new one
-    rm.counters.evicted(action, before - rm.account.charged)
-    return gone * rm.layout.ranks
+    if not replace.retire_snapshot(rm.replacing, node):
+        return False
+    rm.counters.evicted(pol.RETIRE, before - rm.account.charged)
+    return True
+
+
+def evict_batch(rm: Room, p: Pass) -> None:
+    """Evict the batched victims in one evict transaction, each one read again first
+    (still unheld, its children going before it), and credit each with what it freed."""
+    victims, offered = p.batch.take()
+    kept, gone, dropped = [], set(), []
+    for action, nodes in victims:
+        ids = {n.id for n in nodes}
+        if any(untouchable(rm, n, pol.EVICT, p.protect) for n in nodes) \
+                or any(c not in gone and c not in ids for n in nodes for c in n.children):
+            dropped += nodes
+        else:
+            kept.append((action, nodes))
+            gone |= ids
+    p.skipped += dropped
+    nodes = [n for _, ns in kept for n in ns]
+    if not nodes:
+        return
+    before = rm.account.charged
+    try:
+        evict.evict_nodes(rm.evicting, nodes, offered - gone)
+    except BaseException:
+        p.skipped += nodes
+        raise
+    left = before - rm.account.charged
+    for action, ns in kept:
+        freed = min(left, sum(n.nbytes for n in ns))
+        rm.counters.evicted(action, freed)
+        left -= freed
+    p.gone += len(nodes) * rm.layout.ranks
+
+
+def put_back(rm: Room, p: Pass) -> None:
+    """End a pass: the entries set aside go back to the heap; the nodes skipped, and
+    any still batched (an error ended the pass), are offered again with their parents."""
+    heap = rm.recency.heap
+    for entry in p.held + p.waiting:
+        heap.push(entry)
+    for node in p.skipped + [n for _, ns in p.batch.take()[0] for n in ns]:
+        for nid in (node.id, node.parent):
+            if nid is not None and (again := rm.index.get(nid)) is not None:
+                heap.offer(again)
+    heap.compact_if_stale(len(rm.index), lambda: rm.index)
 
 
 def reclaim_loose(rm: Room) -> int:
@@ -241,20 +316,28 @@ def reclaim_loose(rm: Room) -> int:
     return len(rows)
 
 
-def untouchable(rm: Room, node: Node, action: str, protect: set[int] = frozenset()) -> bool:
-    """Pinned, fenced or protected (for a subtree action: anywhere in it)."""
+def untouchable(rm: Room, node: Node, action: str, protect: set[int] = frozenset(),
+                batch: Batch | None = None) -> bool:
+    """Pinned, fenced or protected (for a subtree action: anywhere in it, but for what
+    ``batch`` already chose)."""
     if node.id in protect or rm.holds.pins[node.id] or rm.holds.fences[node.id]:
         return True
     if action == pol.SUBTREE:
-        return any(rm.holds.pins[x.id] or rm.holds.fences[x.id] or x.id in protect for x in subtree(rm, node))
+        return any(rm.holds.pins[x.id] or rm.holds.fences[x.id] or x.id in protect
+                   for x in subtree(rm, node, batch))
     return False
 
 
-def retire_fits(rm: Room, node: Node) -> bool:
-    """Whether the new generation of a retirement of ``node`` fits under capacity."""
+def retire_fits(rm: Room, node: Node, batch: Batch | None = None) -> bool:
+    """Whether the new generation of a retirement of ``node`` fits under capacity and
+    on the disk (once ``batch`` is evicted: its bytes and files freed)."""
     snap = rm.layout.ranks * rm.layout.snapshot_bytes
     rewrite = pol.retire_rewrite_bytes(node.nbytes, snap)
-    return rm.account.charged + rewrite <= rm.account.capacity and not rm.account.disk.shortfall(rewrite, rm.layout.ranks)
+    credit, files = (batch.nbytes, len(batch) * rm.layout.ranks) if batch is not None else (0, 0)
+    if rm.account.charged - credit + rewrite > rm.account.capacity:
+        return False
+    short = rm.account.disk.shortfall(rewrite, rm.layout.ranks)
+    return short.bytes <= credit and short.files <= files
 
 
 def blocked(rm: Room, nid: int, action: str, protect: set[int] = frozenset()) -> bool:
@@ -265,12 +348,12 @@ def blocked(rm: Room, nid: int, action: str, protect: set[int] = frozenset()) ->
     return action == pol.RETIRE and not retire_fits(rm, node)
 
 
-def subtree(rm: Room, node: Node) -> list[Node]:
-    """``node`` and its descendants, leaves first."""
+def subtree(rm: Room, node: Node, batch: Batch | None = None) -> list[Node]:
+    """``node`` and its descendants (but for those ``batch`` already chose), leaves first."""
     out, todo = [], [node]
     while todo:
         n = todo.pop()
         out.append(n)
-        todo.extend(rm.index.nodes[c] for c in n.children)
+        todo.extend(batch.children(n) if batch is not None else (rm.index.nodes[c] for c in n.children))
     out.reverse()
     return out

@@ -177,6 +177,34 @@ def _skip_retire() -> contextlib.AbstractContextManager[None]:
     return _patched(journal, "unlink_owned", unlink_owned)
 
 
+# -- leave one victim's files behind in a batched evict ---------------------------------------
+
+
+class _BatchDropsUnlink(Engine):
+    """Its batched evicts settle every victim's file rows but leave the last one's
+    files in place (``_batch_drops_unlink``)."""
+
+
+def _batch_drops_unlink() -> contextlib.AbstractContextManager[None]:
+    orig = journal.unlink_owned
+
+    def unlink_owned(led: journal.Ledger, txn, ok: str, failed: str, *, barrier: bool) -> None:
+        if txn.kind != "evict" or len(txn.payload.get("nodes", ())) < 2:
+            return orig(led, txn, ok, failed, barrier=barrier)
+        rows = led.catalog.files_of_txn(txn.id)
+        led.catalog.barrier()
+        dropped = {(r, name) for r, name, _ in rows[-len(led.tiers.ranks):]}
+        left = journal.unlink_rows(led, [x for x in rows if (x[0], x[1]) not in dropped])
+        with led.catalog.txn(f"{txn.kind}.{ok}") as c:
+            led.catalog.settle_files(c, rows, left)  # the dropped files' rows go as if unlinked
+            outs = led.driver.fire(c, txn, failed if left else ok)
+        led.account.charged -= journal.unlinked_bytes(rows, left)
+        led.driver.run_outputs(txn, outs)
+        return None
+
+    return _patched(journal, "unlink_owned", unlink_owned)
+
+
 # -- evict a pinned node ---------------------------------------------------------------------
 
 
@@ -344,6 +372,13 @@ PLANTS: dict[str, Plant] = {
             engine_cls=_SkipRetire,
             patch=_skip_retire,
             config=_SNAP_RETIRE,
+        ),
+        Plant(
+            "batch-drops-unlink",
+            "a batched evict settles every victim's file rows but leaves one victim's files on disk",
+            "the audit: a shard file unknown to the catalog (invariant 3)",
+            engine_cls=_BatchDropsUnlink,
+            patch=_batch_drops_unlink,
         ),
         Plant(
             "evict-pinned",
