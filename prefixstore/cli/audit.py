@@ -31,6 +31,12 @@ cannot be placed (they go to lost+found/). --rebuild does the same for a catalog
 still reads (e.g. an engine table replaced by a view, which --repair cannot restore
 without losing rows; it says so).
 
+--ranks tcp://HOST:PORT reads every rank through its rank server (no rank directory
+is read here); with --repair the rank servers also do every unlink, quarantine (into
+lost+found/ beside their directory) and fsync the repair decides, and the report is
+the same. Rebuilding a lost catalog from the shards' headers needs the directories
+(--rank-dir), and every rank must serve: either is refused with nothing changed.
+
 Exit status: 0 when every invariant holds (after repair, with --repair), 1 when any
 is violated, 2 when the directory cannot be read as a cache (not a cache, newer
 schema, unreadable, a catalog lost beside shards without --repair, or locked by an
@@ -49,7 +55,7 @@ import sys
 from prefixstore.base.errors import PrefixStoreError
 from prefixstore.base.layout import Layout
 from prefixstore.engine.audit import TITLES, AuditReport, audit_dir, read_catalog
-from prefixstore.engine.repair import repair
+from prefixstore.engine.repair import RepairReport, repair
 from prefixstore.gpu.distributed import RankGroup, RemoteRank
 from prefixstore.gpu.rank_auth import load_token
 from prefixstore.gpu.rank_server import add_token_arguments, parse_init_method
@@ -69,8 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", metavar="tcp://HOST:PORT",
                    help="read every rank through its rank server: host the rank servers' TCPStore at "
                         "HOST:PORT (their --init-method), wait for each rank of the layout, and read its "
-                        "listing, sizes and shards over the network (no rank directory is read locally; "
-                        "the cache at rest: no engine may be serving these rank servers)")
+                        "listing, sizes and shards over the network (no rank directory is read locally; a "
+                        "rank that does not come within --rank-timeout is reported unavailable, not checked; "
+                        "the cache at rest: no engine may be serving these rank servers); with --repair, "
+                        "every unlink, quarantine and fsync the repair decides is done by the rank servers "
+                        "(a catalog to rebuild from the shards' headers needs --rank-dir instead)")
     p.add_argument("--rank-timeout", type=float, default=60.0, metavar="S",
                    help="with --ranks: seconds to wait for each rank server, and for each request (default 60)")
     add_token_arguments(p)
@@ -94,12 +103,12 @@ def run(args: argparse.Namespace) -> int:
     if args.capacity is not None and args.capacity <= 0:
         print(f"--capacity must be a positive number of bytes, got {args.capacity}", file=sys.stderr)
         return 2
-    if args.ranks and (args.repair or args.rank_dir):
-        print("--ranks reads the ranks through their rank servers: not with --repair or --rank-dir", file=sys.stderr)
+    if args.ranks and (args.rank_dir or args.rebuild):
+        print("--ranks reads the ranks through their rank servers: not with --rank-dir or --rebuild", file=sys.stderr)
         return 2
     try:
         if args.ranks:
-            fixed, rep = None, audit_remote(args)
+            fixed, rep = audit_remote(args)
         elif args.repair:
             fixed, rep = repair(args.dir, rank_dirs=args.rank_dir, rebuild_catalog=args.rebuild,
                                 capacity=args.capacity)
@@ -126,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
-def audit_remote(args: argparse.Namespace) -> AuditReport:
-    """The audit with every rank read through its rank server (``--ranks``)."""
+def audit_remote(args: argparse.Namespace) -> tuple[RepairReport | None, AuditReport]:
+    """The audit (or with ``--repair`` the repair, then the audit) with every rank read
+    and changed through its rank server (``--ranks``)."""
     host, port = parse_init_method(args.ranks)
     ranks = Layout.from_json(read_catalog(args.dir).meta.get("layout", "")).ranks
     group = RankGroup(host, port, token=load_token(args.token_file, args.token_env),
@@ -135,8 +145,12 @@ def audit_remote(args: argparse.Namespace) -> AuditReport:
                       gloo_host=None if host in ("0.0.0.0", "::") else host)
     remotes: list[RemoteRank] = []
     try:
-        remotes = group.connect(range(ranks))
-        return audit_dir(args.dir, rank_dirs=remotes, checksums=not args.quick)
+        # a repair needs every rank (else RankUnavailableError, nothing written); the audit
+        # reports a rank that does not come as unavailable
+        remotes = group.connect(range(ranks), missing_ok=not args.repair)
+        if args.repair:
+            return repair(args.dir, ranks=remotes, capacity=args.capacity)
+        return None, audit_dir(args.dir, rank_dirs=remotes, checksums=not args.quick)
     finally:
         for rr in remotes:
             rr.close()  # the rank servers stay up for the engine (they exit 1 once this store is gone)

@@ -29,8 +29,10 @@ from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import Layout, RankTensors
 from prefixstore.engine import (
     audit,
+    checks,
     compaction,
     config,
+    degraded,
     evict,
     lifecycle,
     lookup,
@@ -104,6 +106,9 @@ class Engine(Parts):
         ``IdentityMismatchError`` naming the fields that differ; see ``engine/identity.py``).
         ``config``: an ``EngineConfig`` holding these options (others given beside it
         override its fields); every option is checked once, with a typed error naming it.
+        A rank whose tier cannot serve (a rank server not registered or not answering)
+        does not stop the open: the engine opens degraded (``degraded``, see
+        ``engine/degraded.py``).
         """
         root, cfg = config.resolve_open(path, layout, capacity_bytes, opts)
         return cls(root, layout, capacity_bytes, cfg)
@@ -264,6 +269,7 @@ class Engine(Parts):
         segs, snaps = validate.store_args(self.layout, prefix, segments, snapshot, tokens_from, valid)
         self.mode.check_writable("store")
         with self.guard:
+            self._poll_ranks()
             result = store.store(self.flows.storing, prefix, segs, snaps, tokens_from)
             if result.status == REFUSED and valid is not None:
                 retry.enqueue(self.flows.retrying, retry.Pending(prefix, segs, snaps, tokens_from, valid))
@@ -310,8 +316,10 @@ class Engine(Parts):
             prefix, gpu_blocks, total_tokens = prefix.prefix, prefix.gpu_blocks, prefix.total_tokens
         validate.lookup_args(self.layout, prefix, gpu_blocks, total_tokens)
         with self.guard:
+            self._poll_ranks()
             with self.guard.lock:
-                match = lookup.lookup(self.flows.looking, prefix, gpu_blocks, total_tokens)
+                match = degraded.screen(self.flows.reviving,
+                                        lookup.lookup(self.flows.looking, prefix, gpu_blocks, total_tokens))
             match = remote.extend(self.flows.remote_reads, prefix, match, gpu_blocks, total_tokens)  # outside the lock
         self.counters.inc("lookups", match.outcome)
         return match
@@ -331,6 +339,7 @@ class Engine(Parts):
         if not match.hit:
             return None
         with self.guard:
+            self._poll_ranks()
             if match.source == remote.SOURCE:
                 if outs is not None:
                     raise InvalidArgumentError("into", "a match served by the remote tier cannot restore into tensors")
@@ -387,6 +396,30 @@ class Engine(Parts):
                 freed = before - self.account.charged
             self.retry_pending()
             return freed
+
+    @property
+    def degraded(self) -> degraded.RanksDown | None:
+        """The ranks this engine runs without and why (a ``RanksDown``), or None when
+        every rank serves. While one is down, lookups that would read shards miss and
+        stores are refused (``reason="ranks_down"``); see ``engine/degraded.py``."""
+        return degraded.state(self.flows.reviving)
+
+    def reconnect_ranks(self, timeout: float = 0.0) -> tuple[int, ...]:
+        """Bring back the ranks this engine runs without: wait up to ``timeout`` s for
+        each to serve again (a rank server registered), complete its deferred recovery,
+        then retry queued stores. Returns the ranks still down. Lookups and stores also
+        bring a rank back on their own, asking at most once a second."""
+        wait = checks.real("timeout", timeout, lo=0.0, hi=86400.0)
+        with self.guard:
+            left = degraded.reconnect(self.flows.reviving, wait)
+            if not left:
+                self.retry_pending()
+            return left
+
+    def _poll_ranks(self) -> None:
+        """Inside a call: bring back the down ranks that serve again (at most once a second)."""
+        if degraded.poll(self.flows.reviving) and self.degraded is None:
+            self.retry_pending()
 
     def reclaim(self) -> int:
         """Unlink garbage left by failed cleanups (then retry queued stores); returns

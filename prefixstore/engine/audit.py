@@ -373,6 +373,9 @@ def audit_engine(lv: LiveView, *, checksums: bool = True) -> AuditReport:
         rep.add(6, f"node {n} is pinned or fenced but no longer in the index")
     rep.checked[6] = f"{len(held)} pinned or fenced nodes, all still indexed" if not gone else f"{len(held)} held"
     _ram_tier(lv, rep, checksums)  # the RAM tier's own accounting (invariant 3)
+    for r, why in sorted(lv.tiers.down.why.items()):
+        rep.notes.append(f"the engine runs without rank {r} (degraded): its part of recovery waits until it "
+                         f"is back ({why})")
     return rep
 
 
@@ -760,18 +763,25 @@ def _as_recovered(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _D
 
 
 def durable_shards(dirs: Sequence, files) -> list[str]:
-    """``rankR/name`` of the file rows whose file is on disk in ``dirs`` with the size and
-    checksum the row records (the evidence that a cache marked volatile is not)."""
+    """``rankR/name`` of the file rows whose file is on disk in ``dirs`` (a directory, or
+    a rank object read through its ``listdir``, ``size`` and ``read_shard``) with the
+    size and checksum the row records (the evidence that a cache marked volatile is not)."""
     out = []
     present: list[set[str]] = []
     for d in dirs:
         try:
-            present.append(set(os.listdir(d)) if isinstance(d, str) else set())
+            present.append(set(os.listdir(d) if isinstance(d, str) else d.listdir()))
         except OSError:
             present.append(set())
     for rank, name, _node, _gen, size, ck, _status, _txn in files:
         if not (isinstance(rank, int) and 0 <= rank < len(dirs) and name in present[rank]
                 and isinstance(name, str) and S.SHARD_RE.match(name)):
+            continue
+        if not isinstance(dirs[rank], str):
+            with contextlib.suppress(OSError):
+                view = dirs[rank]
+                if ck and view.size(name) == size and shards.checksum(view.read_shard(name)) == ck:
+                    out.append(f"rank{rank}/{name}")
             continue
         path = os.path.join(dirs[rank], name)
         try:

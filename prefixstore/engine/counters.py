@@ -6,8 +6,10 @@ superseded, abandoned, overflow), ``refills``, ``evictions`` and ``evicted_bytes
 (action: evict, retire_snapshot, evict_subtree, garbage; bytes actually freed),
 ``decisions`` (deepest, shallower, rejected) with the estimated transfer and prefill
 seconds behind each (histograms; sums in ``stats()``), ``faults`` (op), ``replaces``
-(use). Gauges: ``prefixstore_bytes`` (refreshed by ``stats()``) and
-``prefixstore_state`` (live values read at scrape time, see ``watch``).
+(use), ``degraded`` (opened_without, lookup_missed, revived: the ranks an engine
+opened without, ``engine/degraded.py``). Gauges: ``prefixstore_bytes`` (refreshed by
+``stats()``), ``prefixstore_state`` (live values read at scrape time, see ``watch``)
+and ``prefixstore_rank_down`` (rank: 1 while the engine runs without it).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ class Counters:
     evicted_bytes: Counter
     decisions: Counter
     remote: Counter
+    degraded: Counter
     bytes: Gauge
+    rank_down: Gauge
     state: Gauge
     transfer_s: Histogram
     prefill_s: Histogram
@@ -87,6 +91,12 @@ class Counters:
             "prefixstore_remote_restores", "Remote-tier matches: restored, missed, kept_local, rejected_cost",
             ["result"], registry=r,
         )
+        self.degraded = Counter(
+            "prefixstore_degraded", "Ranks down since open: ranks opened without, lookups missed, ranks revived",
+            ["event"], registry=r,
+        )
+        self.rank_down = Gauge("prefixstore_rank_down", "1 while the engine runs without this rank", ["rank"],
+                               registry=r)
         self.bytes = Gauge("prefixstore_bytes", "Backing bytes by kind", ["kind"], registry=r)
         self.state = Gauge("prefixstore_state", "Engine state by kind (live values)", ["kind"], registry=r)
         self.transfer_s = Histogram(

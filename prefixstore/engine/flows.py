@@ -20,6 +20,7 @@ from prefixstore.engine.audit import LiveView
 from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.compaction import Compacting
 from prefixstore.engine.counters import Counters
+from prefixstore.engine.degraded import Reviving
 from prefixstore.engine.evict import Evicting
 from prefixstore.engine.guard import CallGuard
 from prefixstore.engine.health import Health
@@ -90,6 +91,7 @@ class Flows:
     remote_reads: RemoteReads
     compacting: Compacting
     recovering: Recovering
+    reviving: Reviving
     stats: Sources
     live: LiveView
 
@@ -112,6 +114,7 @@ def build(c: Components) -> Flows:
     retrying = Retrying(c.guard, c.retries, storing, c.counters)
     restoring = Restoring(c.guard, L, c.index, cat, c.holds, c.recency, c.counters, health,
                           Fetch(L, c.tiers, c.executor, c.transfers, c.counters))
+    recovering = Recovering(c.root, L, cat, led, c.tiers, c.account, c.recency)
     return Flows(
         health=health, abort=abort, reader=reader, writer=writer, replacing=replacing, evicting=evicting,
         room=room, spans=spans, storing=storing, retrying=retrying,
@@ -122,7 +125,8 @@ def build(c: Components) -> Flows:
         remote_reads=RemoteReads(c.remotes, L, c.settings, c.counters, c.mode, restoring, storing),
         compacting=Compacting(c.guard, L, c.index, c.holds, c.recency, c.account, c.counters, c.settings,
                               replacing),
-        recovering=Recovering(c.root, L, cat, led, c.tiers, c.account, c.recency),
+        recovering=recovering,
+        reviving=Reviving(c.guard, c.tiers, c.counters, recovering),
         stats=Sources(L, cat, c.index, c.account, c.holds, c.retries, c.counters, c.tiers, c.remotes, c.mode,
                       c.transfers, c.executor),
         live=LiveView(c.root, cat, c.index, c.account, c.holds, c.tiers, c.mode),

@@ -35,6 +35,7 @@ from prefixstore.engine import (
     cachedirs,
     calibration,
     compaction,
+    degraded,
     dirlock,
     flows,
     identity,
@@ -268,6 +269,7 @@ def open_effects(op: Opening) -> None:
         raise InvalidInputError(f"{len(ranks)} rank executors for {layout.ranks} ranks")
     bind(op, backing, ranks, tiering.local_dirs(ranks))
     op.recovery_report = recovery.recover(op.flows.recovering)
+    degraded.opened(op.flows.reviving)
     loading.load(op.index, cat, op.recency, op.account)
     fit(op)
     if read_only_fallback(o) and op.account.disk.full():

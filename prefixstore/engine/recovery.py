@@ -103,9 +103,15 @@ class Recovering:
 
 
 def recover(rc: Recovering) -> RecoveryReport:
+    """Recover the cache. A rank that cannot serve now (``tiering.unreachable``) is
+    recorded as down (``Tiers.down``): the steps that need its files skip it, its
+    unlinks fail as on a failed rank (garbage, charged until reclaimed), and the rest
+    of its part waits for ``recover_rank``."""
     rep = RecoveryReport()
     check_structure(rc.catalog, rc.layout, rc.root)
-    reconcile(rc, rep)
+    rc.tiers.down.why.update(tiering.unreachable(rc.tiers.ranks))
+    skip = frozenset(rc.tiers.down.why)
+    reconcile(rc, rep, skip)
     rc.account.charged = rc.catalog.charged()
     rc.recency.clock = 0
     if rc.account.disk.tight():
@@ -122,8 +128,24 @@ def recover(rc: Recovering) -> RecoveryReport:
     garbage = rc.catalog.garbage_files()
     journal.reclaim_rows(rc.ledger, None, garbage)
     rep.garbage_reclaimed = before - rc.account.charged
-    _orphans(rc, rep)
-    _verify_live(rc, rep)
+    _orphans(rc, rep, skip)
+    _verify_live(rc, rep, skip)
+    return rep
+
+
+def recover_rank(rc: Recovering, rank: int) -> RecoveryReport:
+    """The part of recovery a rank that was down at open missed, now that it serves:
+    its listing reconciled with the rows (re-attach, quarantine, sizes), garbage
+    reclaimed (its unlinks failed while it was down), its orphans removed, its live
+    shards' sizes checked. Idempotent; the caller holds the engine lock."""
+    rep = RecoveryReport()
+    others = frozenset(range(len(rc.tiers.ranks))) - {rank}
+    reconcile(rc, rep, others)
+    before = rc.account.charged
+    journal.reclaim_rows(rc.ledger, None, rc.catalog.garbage_files())
+    rep.garbage_reclaimed = before - rc.account.charged
+    _orphans(rc, rep, others)
+    _verify_live(rc, rep, others)
     return rep
 
 
@@ -216,8 +238,9 @@ def check_backing(catalog: Catalog, root: str, ranks: int) -> None:
         )
 
 
-def reconcile(rc: Recovering, rep: RecoveryReport) -> None:
-    """Make the file rows agree with the files a node's name claims (see the module docstring)."""
+def reconcile(rc: Recovering, rep: RecoveryReport, skip: frozenset[int] = frozenset()) -> None:
+    """Make the file rows agree with the files a node's name claims (see the module
+    docstring); the files of the ranks in ``skip`` (down) are not read."""
     cat = rc.catalog
     nodes = cat.node_rows_by_id()
     files = cat.file_rows()
@@ -237,7 +260,7 @@ def reconcile(rc: Recovering, rep: RecoveryReport) -> None:
         if owner is not None and structure.misowned(owner, nodes, f):
             fixes.append((cat.attach_file, (rank, name, owner, nodes[owner][structure.GEN])))
             rep.reattached.append(f"rank{rank}/{name} to node {owner}")
-        if not isinstance(size, int) or size < 0:
+        if (not isinstance(size, int) or size < 0) and rank not in skip:
             actual = rc.tiers.ranks[rank].size(name) or 0
             fixes.append((cat.set_file_size, (rank, name, actual)))
             rep.resized.append(f"rank{rank}/{name}: {size!r} -> {actual}")
@@ -248,7 +271,7 @@ def reconcile(rc: Recovering, rep: RecoveryReport) -> None:
         if owner is not None and structure.misowned(owner, nodes, f):
             reattached.add((owner, f[0]))
     for rank in rc.tiers.ranks:
-        if has(rank, Capability.VOLATILE):
+        if has(rank, Capability.VOLATILE) or rank.rank in skip:
             continue
         for entry in rank.listdir():
             owner = current.get(entry)
@@ -285,11 +308,13 @@ def _shard_of(layout: Layout, rank, entry: str, row: tuple) -> tuple[int, str] |
     return (len(data), ck) if verify_bytes(layout, data, rank.rank, row, ck) is None else None
 
 
-def _orphans(rc: Recovering, rep: RecoveryReport) -> None:
+def _orphans(rc: Recovering, rep: RecoveryReport, skip: frozenset[int]) -> None:
     known: dict[int, set[str]] = {}
     for r, name in rc.catalog.file_names():
         known.setdefault(r, set()).add(name)
     for rank in rc.tiers.ranks:
+        if rank.rank in skip:
+            continue
         mine = known.get(rank.rank, set())
         removed = False
         for entry in rank.listdir():
@@ -315,7 +340,7 @@ def _orphans(rc: Recovering, rep: RecoveryReport) -> None:
             rank.sync_dir()
 
 
-def _verify_live(rc: Recovering, rep: RecoveryReport) -> None:
+def _verify_live(rc: Recovering, rep: RecoveryReport, skip: frozenset[int]) -> None:
     ranks = rc.layout.ranks
     per_node: dict[int, list[tuple[int, str, int, str]]] = {}
     for node, r, name, size, ck in rc.catalog.all_live_files():
@@ -326,6 +351,8 @@ def _verify_live(rc: Recovering, rep: RecoveryReport) -> None:
         ok = len(files) == ranks and {f[0] for f in files} == set(range(ranks))
         if ok:
             for r, name, size, ck in files:
+                if r in skip:
+                    continue  # a down rank's shards are checked once it is back
                 actual = rc.tiers.ranks[r].size(name)
                 if actual == size:
                     continue

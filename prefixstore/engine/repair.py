@@ -29,6 +29,7 @@ Then the engine's own audit is the result.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sqlite3
@@ -46,6 +47,8 @@ from prefixstore.base.errors import (
     NotRegularFileError,
     PrefixStoreError,
     RankDirMissingError,
+    RankUnavailableError,
+    RepairNeedsDirsError,
     SimulatedCrash,
 )
 from prefixstore.base.keys import ROOT
@@ -310,8 +313,16 @@ def repair(
     fs: FileSystem | None = None,
     rebuild_catalog: bool = False,
     capacity: int | None = None,
+    ranks: Sequence[Any] | None = None,
 ) -> tuple[RepairReport, AuditReport]:
     """Repair the cache at ``root`` (no engine may hold it); return what changed and the audit.
+
+    ``ranks``: the ranks as ``RankIO`` objects instead of directories (rank servers,
+    ``gpu/distributed.RemoteRank``, each connected): every listing, read, unlink,
+    quarantine and directory fsync the repair decides is asked of them, none is done
+    here. A catalog to rebuild from the shards' headers needs the rank directories
+    (``rank_dirs``): with ``ranks`` it is refused (RepairNeedsDirsError, nothing changed);
+    so is a rank that cannot serve (RankUnavailableError, before anything is written).
 
     A catalog that is missing, empty or never initialized beside the cache's files
     (``engine/trust.py``) is rebuilt from the shards' own headers (``engine/rebuild.py``);
@@ -330,12 +341,13 @@ def repair(
         raise LockedError(f"{root} is open in an engine; stop it before repairing")
     rep = RepairReport()
     lost = _lost(root)
+    if ranks is not None:
+        _check_remote(root, lost or ("asked for with --rebuild" if rebuild_catalog else None), ranks)
     if lost is not None or rebuild_catalog:
         layout, recorded = _rebuild(root, rep, lost or "asked for with --rebuild", rank_dirs, capacity, hook, fs)
     else:
-        layout, recorded = _fix_catalog(root, rep, rank_dirs, hook)
-    ranks = None
-    if rank_dirs:
+        layout, recorded = _fix_catalog(root, rep, rank_dirs, hook, ranks)
+    if ranks is None and rank_dirs:
         ranks = [LocalRank(r, d, fs, hook) for r, d in enumerate(rank_dirs)]
     opts: dict[str, Any] = {"create": False, "ranks": ranks, "read_only_fallback": False}  # repair writes
     if hook is not None:
@@ -344,6 +356,9 @@ def repair(
         opts["fs"] = fs
     eng = Engine.open(root, layout, recorded if capacity is None else capacity, **opts)
     try:
+        if eng.degraded is not None:  # a rank stopped serving since the check above
+            raise RankUnavailableError(errno.EHOSTDOWN, f"{root}: cannot repair without ranks "
+                                       f"{list(eng.degraded.ranks)}: {dict(eng.degraded.why)}")
         rep.recovery = eng.recovery_report
         f = eng.flows
         _invalidate_bad_shards(eng.guard, eng.index, eng.catalog, f.reader, f.health, rep)
@@ -381,14 +396,31 @@ def _lost(root: str) -> str | None:
     return None
 
 
+def _check_remote(root: str, rebuild_why: str | None, ranks: Sequence[Any]) -> None:
+    """Before anything is written, for a repair through rank objects: refuse a catalog to
+    rebuild (``rebuild_why``: RepairNeedsDirsError), and a rank that does not list its
+    files (RankUnavailableError)."""
+    if rebuild_why is not None:
+        raise RepairNeedsDirsError(
+            f"{root}: the catalog must be rebuilt from the shards' own headers ({rebuild_why}), which reads "
+            "the rank directories themselves: run the repair where they are visible (--rank-dir); "
+            "nothing was changed")
+    for rk in ranks:
+        rk.listdir()
+
+
 def _fix_catalog(root: str, rep: RepairReport, rank_dirs: Sequence[str] | None,
-                 hook: FaultHook | None) -> tuple[Layout, int]:
+                 hook: FaultHook | None, ranks: Sequence[Any] | None = None) -> tuple[Layout, int]:
     """Steps 0 and 1 (the schema, then contradictory rows) under the directory lock;
-    the layout and capacity the catalog records."""
+    the layout and capacity the catalog records. ``ranks``: rank objects read in place
+    of the directories."""
     rows = read_catalog(root, live=False)
     layout, capacity = _recorded(rows, root)
     volatile = tiers.recorded_volatile(rows.meta)  # its rows describe RAM, not the directories
-    check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)  # before any byte is written
+    if ranks is None:
+        check_rank_dirs(root, layout.ranks, rank_dirs, () if volatile else rows.files)  # before any byte is written
+    else:
+        check_own_dirs(root, 0)
     held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
     try:
         # again, now that no engine can start (read as without one: a read-only
@@ -397,7 +429,8 @@ def _fix_catalog(root: str, rep: RepairReport, rank_dirs: Sequence[str] | None,
         if rows.schema:
             rep.schema = fix_schema(root)
             rows = read_catalog(root, live=False)
-        dirs = list(rank_dirs) if rank_dirs else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)]
+        dirs: list[Any] = (list(ranks) if ranks is not None else list(rank_dirs) if rank_dirs
+                           else [os.path.join(root, rank_dir_name(r)) for r in range(layout.ranks)])
         rep.catalog = plan_catalog_fix(rows.nodes, rows.files, rows.journal, layout.ranks, _entries(dirs))
         if tiers.recorded_volatile(rows.meta) and durable_shards(dirs, rows.files):
             rep.catalog.backing, rep.catalog.backing_was = tiers.DEFAULT, tiers.recorded(rows.meta)
@@ -469,12 +502,13 @@ def check_rank_dirs(root: str, ranks: int, rank_dirs: Sequence[str] | None, file
         )
 
 
-def _entries(dirs: Sequence[str]) -> frozenset[tuple[int, str]]:
-    """(rank, name) of every entry in the rank directories (a missing one holds none)."""
+def _entries(dirs: Sequence[Any]) -> frozenset[tuple[int, str]]:
+    """(rank, name) of every entry in the rank directories, or of rank objects (their
+    ``listdir``); a missing directory holds none."""
     out = set()
     for r, d in enumerate(dirs):
         try:
-            out.update((r, e) for e in os.listdir(d))
+            out.update((r, e) for e in (os.listdir(d) if isinstance(d, str) else d.listdir()))
         except OSError:
             continue
     return frozenset(out)

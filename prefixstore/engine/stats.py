@@ -62,6 +62,7 @@ def collect(src: Sources, calibration: dict[str, Any] | None) -> dict[str, Any]:
         "remote": remote.stats(src.remotes),
         "disk": src.account.disk.stats(),
         "read_only": None if src.mode.read_only is None else str(src.mode.read_only),
+        "ranks_down": {str(r): why for r, why in sorted(src.tiers.down.why.items())},
         "nodes_unsettled": len(src.mode.unsettled),
         "transfers": {**src.transfers.stats(), "copies": src.executor.stats.snapshot(),
                       "staging_pool": src.executor.pool.stats(), "calibration": calibration},

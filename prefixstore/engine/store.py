@@ -14,6 +14,7 @@ from prefixstore.base.layout import Layout
 from prefixstore.base.log import log
 from prefixstore.engine import (
     abort,
+    degraded,
     health,
     journal,
     replace,
@@ -131,6 +132,9 @@ def store(
     caller releases them); used when the plan still matches, else staged again.
     ``held``: nodes ``store_async`` reserved at its peek, fenced by its job (one
     fence each, its own): the store refills or replaces them as ``store`` would."""
+    if (res := degraded.refused(st.tiers, len(prefix))) is not None:  # opened without a rank
+        count_skip(st.counters, res)
+        return res
     if (res := spans.on_store(st.spans, prefix, segs, snaps, tokens_from, held)) is not None:
         return res
     with st.guard.lock:

@@ -12,6 +12,7 @@ module talks to them through the tier protocol and the registry's declarations o
   (the RAM tier's own audit is ``audit.audit_engine``'s).
 - ``local_dirs``, ``audit_dirs``, ``ranks_down``: what the engine needs to know about
   its tiers, read from their declared capabilities.
+- ``DownRanks``, ``unreachable``: the ranks an engine opened without (``engine/degraded.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from prefixstore.base.errors import InvalidInputError
+from prefixstore.base.errors import InvalidInputError, RankUnavailableError
 from prefixstore.engine.account import Account
 from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.driver import Journal
@@ -31,13 +32,25 @@ from prefixstore.gpu.tier import Backing, Capability, Tier, TierOptions, has
 
 
 @attrs.define(slots=True, eq=False)
+class DownRanks:
+    """The ranks the engine opened without (their tier could not serve at open), each
+    with why; their part of recovery waits until each is back (``engine/degraded.py``).
+    Changed under the engine lock."""
+
+    why: dict[int, str] = attrs.field(factory=dict)
+    probed: float = 0.0
+    """When (``time.monotonic()``) a call last asked the down ranks' tiers whether they are back."""
+
+
+@attrs.define(slots=True, eq=False)
 class Tiers:
-    """The tiers an engine runs on: its backing, one tier per rank, and the pool that
-    runs the ranks' reads and writes in parallel."""
+    """The tiers an engine runs on: its backing, one tier per rank, the pool that
+    runs the ranks' reads and writes in parallel, and the ranks it opened without."""
 
     backing: Backing
     ranks: list[Tier]
     pool: ThreadPoolExecutor
+    down: DownRanks = attrs.field(factory=DownRanks)
 
 
 def recorded(catalog: Catalog) -> dict[str, str | None]:
@@ -101,6 +114,22 @@ def audit_dirs(ranks: list[Tier]) -> list[Any]:
 def ranks_down(ranks: list[Tier]) -> list[int]:
     """Ranks whose tier says it cannot serve now (a rank process down)."""
     return [r for r, rk in enumerate(ranks) if not rk.available]
+
+
+def unreachable(ranks: list[Tier]) -> dict[int, str]:
+    """The ranks that cannot serve now, each with why: a tier whose files are not local
+    (a rank server) that says it is unavailable, or whose listing fails as an
+    unavailable rank (``RankUnavailableError``: not registered, connection refused,
+    timed out). Each listing is bounded by the tier's own timeouts."""
+    out: dict[int, str] = {}
+    for r, rk in enumerate(ranks):
+        if has(rk, Capability.LOCAL_FILES):
+            continue
+        try:
+            rk.listdir()
+        except RankUnavailableError as exc:
+            out[r] = str(exc)
+    return out
 
 
 def stats(t: Tiers, account: Account) -> dict[str, Any]:

@@ -133,12 +133,24 @@ class RankGroup:
             self.remotes[rank] = RemoteRank(self, rank)
         return self.remotes[rank]
 
-    def connect(self, ranks: Iterable[int], *, timeout: float | None = None) -> list[RemoteRank]:
-        """Wait for each rank process to register and connect it; in the given order."""
+    def connect(self, ranks: Iterable[int], *, timeout: float | None = None,
+                missing_ok: bool = False) -> list[RemoteRank]:
+        """Wait for each rank process to register and connect it; in the given order.
+
+        ``missing_ok``: a rank that does not connect within the timeout is returned
+        unconnected (``available`` False until it registers) instead of raising, so
+        ``Engine.open`` opens degraded without it (``engine/degraded.py``); the wait
+        is one deadline for all the ranks then."""
+        wait = self.connect_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
         out = []
         for r in ranks:
             rr = self.remote(r)
-            rr.reconnect(timeout=self.connect_timeout if timeout is None else timeout)
+            try:
+                rr.reconnect(timeout=max(0.0, deadline - time.monotonic()) if missing_ok else wait)
+            except RankUnavailableError:
+                if not missing_ok:
+                    raise
             out.append(rr)
         return out
 

@@ -1,0 +1,218 @@
+"""Open with a rank down (degraded) and repair through rank servers, on loopback:
+``RankServer`` threads of this process over the same gloo pairs and protocol as rank
+processes (``tests/test_multihost_degraded.py`` runs both on network-namespace hosts
+with rank processes, ``PREFIXSTORE_MULTIHOST_FULL=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+from conftest import BT, assert_restores, make_layout, store_tokens, tokens_for
+from prometheus_client import generate_latest
+
+from prefixstore.base.errors import InvalidArgumentError, RepairNeedsDirsError, SimulatedCrash
+from prefixstore.base.keys import Prefix
+from prefixstore.cli import main
+from prefixstore.engine import lifecycle
+from prefixstore.engine.api import Engine
+from prefixstore.engine.audit import audit_dir
+from prefixstore.engine.repair import repair
+from prefixstore.gpu.distributed import RankGroup
+from prefixstore.gpu.fileio import FaultHook
+from prefixstore.gpu.rank_server import RankServer
+from prefixstore.gpu.ranks import LocalRank
+
+CAP = 16 << 20
+
+
+def rank_dir(base, r: int) -> str:
+    return os.path.join(str(base), f"host{r}", f"rank{r}")
+
+
+def serve(base, r: int, port: int) -> threading.Thread:
+    """A rank server for rank ``r`` on a thread, for the coordinator's store at ``port``."""
+    server = RankServer(r, rank_dir(base, r), "127.0.0.1", port, connect_timeout=20, gloo_host="127.0.0.1")
+    t = threading.Thread(target=server.serve, daemon=True, name=f"rank-server-{r}")
+    t.start()
+    return t
+
+
+def new_group() -> RankGroup:
+    return RankGroup(op_timeout=5, connect_timeout=10, gloo_host="127.0.0.1")
+
+
+class CrashBeforePublish(FaultHook):
+    armed = False
+
+    def before(self, op: str, target: str, rank: int | None) -> None:
+        if self.armed and op == "commit" and target == "store.publish":
+            self.armed = False
+            raise SimulatedCrash(target)
+
+
+def test_open_with_a_rank_down_then_reconnect(tmp_path):
+    """Rank 1's server is not running when the cache (an unfinished store left by a
+    crash, an orphan on rank 1) is opened: the open is degraded, not refused; lookups
+    miss, stores are refused or queued, the gauges and counters say so. Rank 1 back,
+    ``reconnect_ranks`` completes its recovery: garbage and orphan gone, the queued
+    store stored, every acknowledged store restores, the audit is clean."""
+    root = str(tmp_path / "cache")
+    layout = make_layout(ranks=2)
+    acked = [tokens_for(71, 4), tokens_for(72, 3)]
+    hook = CrashBeforePublish()
+    group = new_group()
+    servers = [serve(tmp_path, r, group.port) for r in range(2)]
+    eng = Engine.open(root, layout, CAP, hook=hook, ranks=group.connect(range(2), timeout=20))
+    for t in acked:
+        assert store_tokens(eng, t).status == "stored"
+    hook.armed = True
+    with pytest.raises(SimulatedCrash):
+        store_tokens(eng, tokens_for(73, 2))
+    lifecycle.abandon(eng.life)
+    group.close()
+    for t in servers:
+        t.join(20)
+    orphan = os.path.join(rank_dir(tmp_path, 1), "f" * 32 + "-g1.st")
+    with open(orphan, "wb") as f:
+        f.write(b"o" * 100)
+
+    group = new_group()
+    serve(tmp_path, 0, group.port)
+    t0 = time.monotonic()
+    ranks = group.connect(range(2), timeout=2, missing_ok=True)
+    assert time.monotonic() - t0 < 5 and not ranks[1].available
+    eng = Engine.open(root, layout, CAP, ranks=ranks)
+    try:
+        assert eng.degraded is not None and eng.degraded.ranks == (1,)
+        assert len(eng.recovery_report.rolled_back) == 1 and not eng.recovery_report.damaged
+        for t in acked:
+            assert eng.lookup(Prefix.from_tokens(t, BT)).outcome == "miss"
+        res = store_tokens(eng, tokens_for(74, 2))
+        assert (res.status, res.reason) == ("refused", "ranks_down")
+        queued = tokens_for(75, 2)
+        assert store_tokens(eng, queued, valid=lambda: True).status == "queued"
+        assert eng.stats()["garbage_bytes"] > 0  # the rolled-back store's shard on rank 1
+        text = generate_latest(eng.counters.registry).decode()
+        assert 'prefixstore_rank_down{rank="1"} 1.0' in text and 'prefixstore_rank_down{rank="0"} 0.0' in text
+        assert 'prefixstore_state{kind="ranks_down"} 1.0' in text
+        t0 = time.monotonic()
+        assert eng.reconnect_ranks(0.3) == (1,)  # bounded: nobody registered
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(InvalidArgumentError):
+            eng.reconnect_ranks(-1)
+
+        serve(tmp_path, 1, group.port)
+        assert eng.reconnect_ranks(20) == ()
+        assert eng.degraded is None
+        st = eng.stats()
+        assert st["garbage_bytes"] == 0 and st["ranks_down"] == {}, st
+        assert st["counters"]["degraded.revived"] == 1 and st["counters"]["retries.succeeded"] == 1, st
+        assert 'prefixstore_rank_down{rank="1"} 0.0' in generate_latest(eng.counters.registry).decode()
+        assert not os.path.exists(orphan)
+        for t in [*acked, queued]:
+            assert_restores(eng, t, blocks=len(t) // BT)
+        rep = eng.audit()
+        assert rep.ok and not rep.notes, rep.to_dict()
+        assert eng.account.charged == eng.catalog.charged() and not eng.catalog.journal()
+    finally:
+        eng.close()
+        group.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def without_dirs(rep: dict) -> dict:
+    return {**rep, "ranks": [{k: v for k, v in r.items() if k != "dir"} for r in rep["ranks"]]}
+
+
+def test_audit_repair_through_rank_servers(tmp_path, capsys):
+    """``prefixstore audit DIR --ranks tcp://... --repair``: the rank servers unlink the
+    orphan, quarantine the foreign file and serve the reads that find the damaged
+    shard; the JSON is that of a local repair of a copy; the directories audit clean."""
+    root = str(tmp_path / "cache")
+    group = new_group()
+    servers = [serve(tmp_path, r, group.port) for r in range(2)]
+    with Engine.open(root, make_layout(ranks=2), CAP, ranks=group.connect(range(2), timeout=20)) as eng:
+        for seed, blocks in ((81, 4), (82, 3)):
+            assert store_tokens(eng, tokens_for(seed, blocks)).status == "stored"
+    group.close()
+    for t in servers:
+        t.join(20)
+    victim = sorted(os.listdir(rank_dir(tmp_path, 1)))[0]
+    with open(os.path.join(rank_dir(tmp_path, 1), victim), "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd")
+    orphan = os.path.join(rank_dir(tmp_path, 0), "e" * 32 + "-g1.st")
+    with open(orphan, "wb") as f:
+        f.write(b"o" * 64)
+    with open(os.path.join(rank_dir(tmp_path, 1), "notes.txt"), "wb") as f:
+        f.write(b"not a shard")
+    copy = tmp_path / "copy"
+    for r in range(2):
+        shutil.copytree(rank_dir(tmp_path, r), rank_dir(copy, r))
+    shutil.copytree(root, copy / "cache")
+    fix, rep = repair(str(copy / "cache"), rank_dirs=[rank_dir(copy, r) for r in range(2)])
+    want = {**without_dirs(rep.to_dict()), "repair": fix.to_dict()}
+    assert len(fix.lines()) == 3 and rep.ok, want
+
+    port = free_port()
+    for r in range(2):
+        serve(tmp_path, r, port)
+    assert main(["audit", root, "--json", "--repair", "--ranks", f"tcp://127.0.0.1:{port}",
+                 "--rank-timeout", "20"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert without_dirs(got) == want
+    assert [r["dir"].split(":", 1)[1] for r in got["ranks"]] == [rank_dir(tmp_path, r) for r in range(2)]
+    assert not os.path.exists(orphan)
+    assert os.listdir(os.path.join(tmp_path, "host1", "lost+found", "rank1")) == ["notes.txt"]
+    after = audit_dir(root, rank_dirs=[rank_dir(tmp_path, r) for r in range(2)])
+    assert after.ok and len(after.damaged_nodes) == 1, after.to_dict()
+
+
+def test_audit_ranks_refuses_a_rebuild_and_rank_dirs(tmp_path, capsys):
+    for extra in (["--repair", "--rebuild"], ["--rank-dir", str(tmp_path)]):
+        assert main(["audit", str(tmp_path), "--ranks", "tcp://127.0.0.1:1", *extra]) == 2
+        assert "not with --rank-dir or --rebuild" in capsys.readouterr().err
+
+
+def test_repair_through_ranks_refuses_a_lost_catalog(tmp_path):
+    """A catalog to rebuild from the shards' headers needs the rank directories: the
+    repair through rank objects refuses it before anything is changed."""
+    root = tmp_path / "cache"
+    with Engine.open(str(root), make_layout(ranks=1), CAP) as eng:
+        assert store_tokens(eng, tokens_for(91, 2)).status == "stored"
+    os.unlink(root / "catalog.sqlite")
+    before = sorted(os.listdir(root / "rank0"))
+    with pytest.raises(RepairNeedsDirsError, match="rank directories themselves"):
+        repair(str(root), ranks=[LocalRank(0, str(root / "rank0"))])
+    assert sorted(os.listdir(root / "rank0")) == before and not os.path.exists(root / "catalog.sqlite")
+
+
+def test_audit_through_rank_servers_reports_a_rank_that_does_not_come(tmp_path, capsys):
+    """``audit --ranks``: a rank server that does not register within --rank-timeout is
+    reported unavailable (not checked), the others are audited."""
+    root = str(tmp_path / "cache")
+    group = new_group()
+    servers = [serve(tmp_path, r, group.port) for r in range(2)]
+    with Engine.open(root, make_layout(ranks=2), CAP, ranks=group.connect(range(2), timeout=20)) as eng:
+        assert store_tokens(eng, tokens_for(95, 3)).status == "stored"
+    group.close()
+    for t in servers:
+        t.join(20)
+    port = free_port()
+    serve(tmp_path, 0, port)
+    assert main(["audit", root, "--json", "--ranks", f"tcp://127.0.0.1:{port}", "--rank-timeout", "2"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [("unavailable" in r, r["files"]) for r in got["ranks"]] == [(False, 1), (True, 0)], got
+    assert any("rank 1 is unavailable" in n for n in got["notes"]), got
