@@ -2,6 +2,14 @@
 crashes, power loss, lost commits, per-rank I/O errors, full disks and bit rot, with
 every invariant checked after every step and every recovery.
 
+With --rank-servers N the highest N ranks of every run are served by rank server
+processes on loopback, which the campaign SIGKILLs, powers off (what they had not
+made durable is lost), stops (SIGSTOP) and restarts; with --remote redis a real
+redis-server sits behind the remote tier, and the campaign kills it (it comes back
+empty), stops it, flushes it (FLUSHALL) and alters blobs in it. The checks stay:
+never wrong bytes, every acknowledged store restorable unless evicted (a remote miss
+is fine), the audit clean once every rank server is back.
+
 One seed replays a whole campaign. The first failure of each kind is shrunk to a short
 op list and saved as a JSON reproducer under --out (--all-reproducers: every failure);
 `prefixstore fuzz --replay FILE` replays it. Interrupted (Ctrl-C), it prints the
@@ -15,6 +23,8 @@ Examples:
   prefixstore fuzz --minutes 30 --json > campaign.json
   prefixstore fuzz --steps 2000 --seed 7 --ranks 2
   prefixstore fuzz --plant skip-dir-fsync --steps 5000
+  prefixstore fuzz --rank-servers 2 --ranks 2 --remote redis --minutes 10
+  prefixstore fuzz --plant remote-trusts-blob --steps 2000
   prefixstore fuzz --replay fuzz-failures/fuzz-0-run3-lost.json
 """
 
@@ -48,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, choices=[1, 2, 4], help="fix the rank count (default: drawn per run)")
     p.add_argument("--profile", choices=["dev", "ci", "campaign"], default=None,
                    help="run length, fault and crash rates (default: campaign with --minutes, else dev)")
+    p.add_argument("--rank-servers", type=int, default=0, metavar="N",
+                   help="serve the highest N ranks of each run (at most all) by rank server processes "
+                        "that the campaign kills, powers off, stops and restarts (default 0)")
+    p.add_argument("--remote", choices=["redis"], default="",
+                   help="put a real redis-server behind the remote tier; the campaign kills, stops, "
+                        "flushes it and alters its blobs")
     p.add_argument("--plant", metavar="NAME", help="fuzz a deliberately broken engine (see --list-plants)")
     p.add_argument("--list-plants", action="store_true", help="name the planted bugs and exit")
     p.add_argument("--replay", metavar="FILE", help="replay a saved reproducer")
@@ -72,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps([{"name": pl.name, "summary": pl.summary, "found_by": pl.found_by,
                                "config": pl.config} for pl in plants.PLANTS.values()]))
         return 0
+    if args.rank_servers < 0:
+        raise InvalidArgumentError("--rank-servers", f"must be 0 or more, got {args.rank_servers}")
     if args.workdir is not None:
         ensure_dir("--workdir", args.workdir)  # created now: a bad one is exit 2, not a violation's 1
     if os.path.lexists(args.out) and not os.path.isdir(args.out):
@@ -97,6 +115,7 @@ def _campaign(args: argparse.Namespace, plant: Any) -> int:
         profile=profile, out=args.out, workdir=args.workdir, stop_after=args.stop_after,
         shrink_s=args.shrink_seconds, progress=show, watchdog_s=300,
         reproducers_per_kind=None if args.all_reproducers else 1,
+        rank_servers=args.rank_servers, remote=args.remote,
     )
     show.done()
     d = res.to_dict()
