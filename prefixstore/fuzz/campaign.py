@@ -80,12 +80,13 @@ def policy_weights() -> dict[str, int]:
 
 
 def draw_config(seed: int, ranks: int | None = None, plant: Any = None, *,
-                rank_servers: int = 0, remote: str = "") -> RunConfig:
+                rank_servers: int = 0, remote: str = "", netns: bool = False) -> RunConfig:
     """A run's configuration from its seed (``ranks`` and a plant's needs override).
 
     ``rank_servers``: that many of the highest ranks (at most all) are served by rank
     server processes; ``remote``: "redis" puts a redis-server behind the remote tier
-    (write-through or write-behind, drawn)."""
+    (write-through or write-behind, drawn); ``netns``: each rank server on a host of its
+    own (network namespaces), whose link the run cuts."""
     rng = random.Random(f"config/{seed}")
     weights = policy_weights()
     r = ranks or rng.choice([1, 2, 4])
@@ -101,7 +102,8 @@ def draw_config(seed: int, ranks: int | None = None, plant: Any = None, *,
         fields["high_watermark"] = round(rng.uniform(0.7, 1.0), 2)
         fields["low_watermark"] = round(rng.uniform(0.4, fields["high_watermark"]), 2)
     if rank_servers or remote:
-        fields.update(rank_servers=min(rank_servers, r), remote=remote, write_behind=rng.random() < 0.5)
+        fields.update(rank_servers=min(rank_servers, r), remote=remote, write_behind=rng.random() < 0.5,
+                      netns=netns and rank_servers > 0)
     if plant is not None:
         fields.update(plant.config)
         if plant.config.get("rank_servers"):  # at least the plant's, at most every rank
@@ -122,6 +124,8 @@ class OpGen:
         self.weights = dict(_OP_WEIGHTS)
         if cfg.rank_servers:
             self.weights.update(_RANK_SERVER_OPS)
+            if cfg.netns:
+                self.weights["rank_cut"] = 2
         if cfg.remote:
             self.weights.update(_REMOTE_OPS)
         if not cfg.local_ranks:  # nothing here a fault, a rank's crash lane or rank_down reaches
@@ -179,8 +183,9 @@ class OpGen:
             op.update(mode=rng.choice(["drop", "garble"]), snap=round(rng.random(), 4))
         elif kind == "rank_down":
             op.update(rank=rng.randrange(self.cfg.local_ranks), ops=rng.randint(1, 4))
-        elif kind in ("rank_kill", "rank_power", "rank_stop"):
-            op.update(rank=rng.randrange(self.cfg.rank_servers), ops=rng.randint(1, 3 if kind == "rank_stop" else 6))
+        elif kind in ("rank_kill", "rank_power", "rank_stop", "rank_cut"):
+            op.update(rank=rng.randrange(self.cfg.rank_servers),
+                      ops=rng.randint(1, 3 if kind in ("rank_stop", "rank_cut") else 6))
             if kind == "rank_power":
                 op["mode"] = rng.choice(["drop", "garble"])
         elif kind in ("redis_kill", "redis_stop"):
@@ -378,6 +383,7 @@ def run_campaign(
     reproducers_per_kind: int | None = 1,
     rank_servers: int = 0,
     remote: str = "",
+    netns: bool = False,
 ) -> CampaignResult:
     """Run fuzz runs until ``steps`` ops or ``minutes`` pass (or ``stop_after`` violations).
 
@@ -405,7 +411,7 @@ def run_campaign(
     try:
         while budget_left():
             run_seed = master.getrandbits(32)
-            cfg = draw_config(run_seed, ranks, plant, rank_servers=rank_servers, remote=remote)
+            cfg = draw_config(run_seed, ranks, plant, rank_servers=rank_servers, remote=remote, netns=netns)
             gen = OpGen(run_seed, cfg, prof)
             res.runs += 1
             res.configs[f"ranks={cfg.ranks} {cfg.synchronous} {'snap' if cfg.snapshot else 'nosnap'} {cfg.policy}"
@@ -470,7 +476,7 @@ def run_campaign(
 
 def _servers(cfg: RunConfig) -> str:
     """A run's servers, for the configs summary ("" without)."""
-    out = f" rank_servers={cfg.rank_servers}" if cfg.rank_servers else ""
+    out = f" rank_servers={cfg.rank_servers}{' netns' if cfg.netns else ''}" if cfg.rank_servers else ""
     if cfg.remote:
         out += f" remote={cfg.remote}{' write-behind' if cfg.write_behind else ''}"
     return out

@@ -9,6 +9,8 @@ Ops (``Driver._op_<name>`` hands them here; each spec is JSON, as every fuzz op)
   (what it had not made durable is dropped or garbled); restarted after ``ops`` ops.
 - ``rank_stop`` {rank, ops}: SIGSTOP (the coordinator's calls time out at its
   ``op_timeout``); SIGCONT after ``ops`` ops.
+- ``rank_cut`` {rank, ops}: with ``netns`` (each rank server on a host of its own,
+  ``netns.py``), the host's link down; up again after ``ops`` ops.
 - ``redis_kill`` {ops}: SIGKILL redis-server; an empty one at the same URL after ``ops``.
 - ``redis_stop`` {ops}: SIGSTOP redis-server; SIGCONT after ``ops`` ops.
 - ``redis_flush``: FLUSHALL.
@@ -30,6 +32,7 @@ import struct
 from typing import Any
 
 from prefixstore.base.errors import RankUnavailableError
+from prefixstore.fuzz.netns import Network
 from prefixstore.fuzz.servers import RankHosts, RedisProcess
 from prefixstore.gpu.distributed import RankGroup, RemoteRank
 from prefixstore.gpu.ranks import rank_dir_name
@@ -46,7 +49,7 @@ class Cluster:
     """The servers of one fuzz run (see the module docstring); ``close`` ends them."""
 
     def __init__(self, ranks: int, rank_servers: int, remote: str, root: str, *, seed: int = 0,
-                 write_behind: bool = False, plant: Any = None) -> None:
+                 write_behind: bool = False, plant: Any = None, netns: bool = False) -> None:
         if not 0 <= rank_servers <= ranks:
             raise ValueError(f"rank_servers must be in 0..{ranks}, got {rank_servers}")
         if remote not in ("", *REMOTES):
@@ -60,14 +63,20 @@ class Cluster:
         self.hosts: RankHosts | None = None
         self.remotes: dict[int, RemoteRank] = {}
         self.redis: RedisProcess | None = None
+        self.network: Network | None = None
         try:
             if self.served:
                 token = os.urandom(32)
-                self.group = RankGroup(op_timeout=OP_TIMEOUT_S, connect_timeout=CONNECT_TIMEOUT_S,
-                                       gloo_host="127.0.0.1", token=token)
+                host = "127.0.0.1"
+                if netns:
+                    self.network = Network(self.served)
+                    self.network.enter()  # this thread, and what it starts, on the coordinator's host
+                    host = self.network.coord_ip
+                self.group = RankGroup(host, op_timeout=OP_TIMEOUT_S, connect_timeout=CONNECT_TIMEOUT_S,
+                                       gloo_host=host, token=token)
                 self.hosts = RankHosts(self.group.port, token, seed=seed,
                                        plant=plant.name if getattr(plant, "server_patch", None) else None,
-                                       connect_timeout=CONNECT_TIMEOUT_S)
+                                       connect_timeout=CONNECT_TIMEOUT_S, network=self.network)
                 for r in self.served:
                     self.hosts.start(r, self.directory(r))
                 self.remotes = dict(zip(self.served, self.group.connect(self.served), strict=True))
@@ -120,6 +129,10 @@ class Cluster:
                 self.hosts.power_loss(rank, "garble" if op.get("mode") == "garble" else "drop")
             elif kind == "rank_stop":
                 self.hosts.stop(rank)
+            elif kind == "rank_cut":
+                if self.network is None:
+                    return
+                self.network.set_link(rank, False)
             else:
                 raise ValueError(f"unknown cluster op {kind!r}")
             self.outages.append([kind, rank, ops])
@@ -197,7 +210,10 @@ class Cluster:
             assert self.redis is not None
             self.redis.cont()
         elif rank is not None:
-            self.revive(rank, resumed=kind == "rank_stop")
+            if kind == "rank_cut":
+                assert self.network is not None
+                self.network.set_link(rank, True)
+            self.revive(rank, resumed=kind in ("rank_stop", "rank_cut"))
 
     def revive(self, rank: int, *, resumed: bool) -> None:
         """Rank ``rank``'s server up and connected: resumed after a stop (restarted if it
@@ -205,7 +221,8 @@ class Cluster:
         assert self.hosts is not None
         rr = self.remotes[rank]
         if resumed:
-            self.hosts.cont(rank)
+            if rank in self.hosts.stopped:
+                self.hosts.cont(rank)
             with contextlib.suppress(RankUnavailableError):
                 rr.reconnect(timeout=CONNECT_TIMEOUT_S)
                 if self._answers(rr):
@@ -236,3 +253,5 @@ class Cluster:
                 self.hosts.close()
             if self.redis is not None:
                 self.redis.close()
+            if self.network is not None:
+                self.network.close()

@@ -82,7 +82,7 @@ LOOKUP_OUTCOMES = frozenset({"hit", "gpu_resident", "miss", "rejected_cost", "da
 DAMAGE = ("flip", "flip_data", "truncate", "delete", "zero")
 _NODE_RE = re.compile(r"\bnode (\d+)\b")
 ASYNC_WAIT_S = 60.0  # an async store's copies and commit: far beyond what a run's take
-CLUSTER_OPS = frozenset({"rank_kill", "rank_power", "rank_stop", "redis_kill", "redis_stop", "redis_flush",
+CLUSTER_OPS = frozenset({"rank_kill", "rank_power", "rank_stop", "rank_cut", "redis_kill", "redis_stop", "redis_flush",
                          "remote_damage"})
 
 
@@ -112,6 +112,7 @@ class RunConfig:
     rank_servers: int = 0  # the highest ranks served by rank server processes
     remote: str = ""  # "redis": a redis-server behind the remote tier
     write_behind: bool = False  # the remote tier's writes queued (else written through)
+    netns: bool = False  # each rank server on a host of its own (network namespaces; root)
 
     @property
     def local_ranks(self) -> int:
@@ -205,7 +206,7 @@ class Driver:
         try:
             if cfg.rank_servers or cfg.remote:
                 self.cluster = Cluster(cfg.ranks, cfg.rank_servers, cfg.remote, root, seed=cfg.seed,
-                                       write_behind=cfg.write_behind, plant=plant)
+                                       write_behind=cfg.write_behind, plant=plant, netns=cfg.netns)
                 self._stack.callback(self.cluster.close)
             self._open()
             self.observer.start()

@@ -20,7 +20,7 @@ import signal
 import threading
 from typing import Any
 
-from prefixstore.fuzz import plants
+from prefixstore.fuzz import netns, plants
 from prefixstore.fuzz.faultfs import FaultFS
 from prefixstore.gpu import rank_server
 
@@ -57,9 +57,14 @@ class PowerSwitch:
 
 
 def serve(rank: int, directory: str, port: int, token: bytes | None, plant: str | None,
-          connect_timeout: float, seed: int) -> None:
-    """Serve rank ``rank`` in ``directory`` to the coordinator at 127.0.0.1:``port``;
-    never returns (the process exits with the server's status)."""
+          connect_timeout: float, seed: int, where: tuple[str | None, str, str] = (None, "127.0.0.1", "127.0.0.1"),
+          ) -> None:
+    """Serve rank ``rank`` in ``directory`` to the coordinator's store at port ``port``;
+    never returns (the process exits with the server's status). ``where``: the network
+    namespace to join first (None: stay), this host's address, the coordinator's."""
+    netns_path, host, coordinator = where
+    if netns_path is not None:
+        netns.join(netns_path)
     signal.pthread_sigmask(signal.SIG_BLOCK, set(POWER_SIGNALS))  # before any thread starts
     fs = FaultFS(seed=seed)
     switch = PowerSwitch(fs)
@@ -69,8 +74,8 @@ def serve(rank: int, directory: str, port: int, token: bytes | None, plant: str 
     if patch is not None:
         patch()
     server = rank_server.RankServer(
-        rank, directory, "127.0.0.1", port, fs=fs, connect_timeout=connect_timeout,
-        gloo_host="127.0.0.1", token=token, on_lost=lambda: rank_server.exit_now(rank_server.EXIT_LOST))
+        rank, directory, coordinator, port, fs=fs, connect_timeout=connect_timeout,
+        gloo_host=host, token=token, on_lost=lambda: rank_server.exit_now(rank_server.EXIT_LOST))
     code = rank_server.EXIT_LOST
     try:
         code = server.serve()

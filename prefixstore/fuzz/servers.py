@@ -35,6 +35,7 @@ def _fork_server() -> Any:
     server imported (started on first use, shared by every run of this process)."""
     global _context
     if _context is None:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the servers' c10d warnings
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["prefixstore.fuzz.rank_host"])
         _context = ctx
@@ -55,8 +56,9 @@ class RankHosts:
     """One rank server process per rank, for the coordinator's store on ``port``."""
 
     def __init__(self, port: int, token: bytes | None, *, plant: str | None = None,
-                 connect_timeout: float = 20.0, seed: int = 0) -> None:
+                 connect_timeout: float = 20.0, seed: int = 0, network: Any = None) -> None:
         self.port = port
+        self.network = network  # a netns.Network: each server in its host's namespace
         self.token = token
         self.plant = plant
         self.connect_timeout = connect_timeout
@@ -76,9 +78,16 @@ class RankHosts:
         proc = _fork_server().Process(
             target=rank_host.serve, name=f"fuzz-rank-{rank}", daemon=True,
             args=(rank, directory, self.port, self.token, self.plant, self.connect_timeout,
-                  self.seed + self.starts))
+                  self.seed + self.starts, self._where(rank)))
         proc.start()
         self.procs[rank] = proc
+
+    def _where(self, rank: int) -> tuple[str | None, str, str]:
+        """(namespace to join, the server's address, the coordinator's)."""
+        net = self.network
+        if net is None:
+            return (None, "127.0.0.1", "127.0.0.1")
+        return (net.host_path(rank), net.host_ip[rank], net.coord_ip)
 
     def alive(self, rank: int) -> bool:
         p = self.procs.get(rank)
