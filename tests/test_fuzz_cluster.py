@@ -18,6 +18,7 @@ from redis_servers import need_redis
 from prefixstore.cli import main
 from prefixstore.fuzz import netns, plants
 from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
+from prefixstore.fuzz.driver import RunConfig, replay
 
 CAUGHT_BY = {
     "rank-server-ack-before-fsync": {"audit:1", "damaged", "miss"},
@@ -88,3 +89,19 @@ def test_list_plants_names_the_server_plants_and_bad_options_are_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fuzz", "--remote", "memcached", "--steps", "1", "--quiet"])
     assert exc.value.code == 2
+
+
+def test_a_remote_miss_restores_the_local_shallower_hit_and_that_is_no_violation(tmp_path):
+    """A remote match whose blob fails verification falls back to the local tiers'
+    shallower hit (``Restored.match`` names it): the model compares the bytes against
+    what was served, not against the remote match's depth (found by a 10-minute campaign
+    of this mode: a false ``bytes`` violation)."""
+    need_redis()
+    cfg = RunConfig(ranks=1, remote="redis", snapshot=False)
+    ops = [{"op": "store", "seq": 1, "blocks": 2}, {"op": "store", "seq": 1, "blocks": 4},
+           {"op": "evict_key", "seq": 1, "blocks": 4},  # local: blocks 2; remote: 2 and 4
+           {"op": "remote_damage", "i": 0, "at": 0.5, "bit": 3},  # a blob of blocks 4 (not held locally)
+           {"op": "restore", "seq": 1, "blocks": 4}]
+    v, n, d = replay(ops, cfg, str(tmp_path / "cache"))
+    assert v is None and n == len(ops), v
+    assert d.counts["engine.remote.missed"] == 1 and d.counts["restore.ok"] == 1, d.counts

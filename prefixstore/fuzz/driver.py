@@ -67,6 +67,7 @@ from prefixstore.base.errors import InvalidInputError, PinnedError, SimulatedCra
 from prefixstore.engine import lifecycle
 from prefixstore.engine.api import Engine
 from prefixstore.engine.driver import DEBUG_ENV, InvariantViolation
+from prefixstore.engine.remote import SOURCE as remote_source
 from prefixstore.engine.results import Match
 from prefixstore.fuzz import faultfs
 from prefixstore.fuzz.cluster import Cluster
@@ -434,9 +435,11 @@ class Driver:
             got = self.eng.restore(m)
             self.counts["restore.ok" if got is not None else "restore.miss"] += 1
             if got is not None:
-                why = self.uni.mismatch(seq, got, gpu * bt, m.tokens)
+                served = self._served(m, got.match)
+                why = self.uni.mismatch(seq, got, gpu * bt, served.tokens)
                 if why is not None:
-                    raise Violation("bytes", f"restore of seq {seq} blocks {m.blocks} (gpu {gpu}): {why}")
+                    raise Violation("bytes", f"restore of seq {seq} blocks {served.blocks} (gpu {gpu}): {why}")
+                m = served
         key = self.uni.key(seq, blocks)
         required = strict and gpu < blocks and key in self.must and self._restorable(key, gpu)
         if required and not (m.hit and m.blocks == blocks and got is not None):
@@ -444,6 +447,18 @@ class Driver:
                 "miss", f"acknowledged checkpoint seq {seq} blocks {blocks} (gpu {gpu}) "
                 f"not restored: lookup {m.outcome} at {m.blocks}, restore {'ok' if got else 'None'}",
             )
+
+    @staticmethod
+    def _served(m: Match, restored: Match) -> Match:
+        """The match a restore of ``m`` served: ``m``, or for a remote match whose fetch
+        missed, the local tiers' shallower hit it fell back to (``Restored.match``)."""
+        if restored is m:
+            return m
+        if m.source != remote_source or restored.source == remote_source or not restored.hit \
+                or restored.blocks > m.blocks or restored.gpu_blocks != m.gpu_blocks:
+            raise Violation("bytes", f"a restore of a {m.source} match of {m.blocks} blocks served "
+                            f"a {restored.source} match of {restored.blocks}")
+        return restored
 
     def _op_evict(self, op: dict[str, Any]) -> None:
         assert self.eng is not None
