@@ -2,6 +2,15 @@
 crashes, power loss, lost commits, per-rank I/O errors, full disks and bit rot, with
 every invariant checked after every step and every recovery.
 
+With --rank-servers N the highest N ranks of every run are served by rank server
+processes on loopback, which the campaign SIGKILLs, powers off (what they had not
+made durable is lost), stops (SIGSTOP) and restarts (with --netns, as root, each on
+a host of its own, a network namespace, whose link it also cuts); with --remote redis a real
+redis-server sits behind the remote tier, and the campaign kills it (it comes back
+empty), stops it, flushes it (FLUSHALL) and alters blobs in it. The checks stay:
+never wrong bytes, every acknowledged store restorable unless evicted (a remote miss
+is fine), the audit clean once every rank server is back.
+
 One seed replays a whole campaign. The first failure of each kind is shrunk to a short
 op list and saved as a JSON reproducer under --out (--all-reproducers: every failure);
 `prefixstore fuzz --replay FILE` replays it. Interrupted (Ctrl-C), it prints the
@@ -15,6 +24,8 @@ Examples:
   prefixstore fuzz --minutes 30 --json > campaign.json
   prefixstore fuzz --steps 2000 --seed 7 --ranks 2
   prefixstore fuzz --plant skip-dir-fsync --steps 5000
+  prefixstore fuzz --rank-servers 2 --ranks 2 --remote redis --minutes 10
+  prefixstore fuzz --plant remote-trusts-blob --steps 2000
   prefixstore fuzz --replay fuzz-failures/fuzz-0-run3-lost.json
 """
 
@@ -33,7 +44,7 @@ from typing import Any
 from prefixstore.base.errors import InvalidArgumentError
 from prefixstore.base.log import stderr_logger, using
 from prefixstore.engine.workdir import ensure_dir
-from prefixstore.fuzz import plants
+from prefixstore.fuzz import netns, plants
 from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
 
 NAME = "fuzz"
@@ -48,6 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, choices=[1, 2, 4], help="fix the rank count (default: drawn per run)")
     p.add_argument("--profile", choices=["dev", "ci", "campaign"], default=None,
                    help="run length, fault and crash rates (default: campaign with --minutes, else dev)")
+    p.add_argument("--rank-servers", type=int, default=0, metavar="N",
+                   help="serve the highest N ranks of each run (at most all) by rank server processes "
+                        "that the campaign kills, powers off, stops and restarts (default 0)")
+    p.add_argument("--remote", choices=["redis"], default="",
+                   help="put a real redis-server behind the remote tier; the campaign kills, stops, "
+                        "flushes it and alters its blobs")
+    p.add_argument("--netns", action="store_true",
+                   help="with --rank-servers: each rank server on a host of its own (a network namespace "
+                        "on a private bridge; root and ip), whose link the campaign cuts and restores")
     p.add_argument("--plant", metavar="NAME", help="fuzz a deliberately broken engine (see --list-plants)")
     p.add_argument("--list-plants", action="store_true", help="name the planted bugs and exit")
     p.add_argument("--replay", metavar="FILE", help="replay a saved reproducer")
@@ -72,6 +92,14 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps([{"name": pl.name, "summary": pl.summary, "found_by": pl.found_by,
                                "config": pl.config} for pl in plants.PLANTS.values()]))
         return 0
+    if args.rank_servers < 0:
+        raise InvalidArgumentError("--rank-servers", f"must be 0 or more, got {args.rank_servers}")
+    if args.netns:
+        if not args.rank_servers:
+            raise InvalidArgumentError("--netns", "needs --rank-servers N")
+        why = netns.unavailable()
+        if why is not None:
+            raise InvalidArgumentError("--netns", why)
     if args.workdir is not None:
         ensure_dir("--workdir", args.workdir)  # created now: a bad one is exit 2, not a violation's 1
     if os.path.lexists(args.out) and not os.path.isdir(args.out):
@@ -97,6 +125,7 @@ def _campaign(args: argparse.Namespace, plant: Any) -> int:
         profile=profile, out=args.out, workdir=args.workdir, stop_after=args.stop_after,
         shrink_s=args.shrink_seconds, progress=show, watchdog_s=300,
         reproducers_per_kind=None if args.all_reproducers else 1,
+        rank_servers=args.rank_servers, remote=args.remote, netns=args.netns,
     )
     show.done()
     d = res.to_dict()

@@ -32,7 +32,7 @@ import attrs
 from prefixstore.engine.api import Engine
 from prefixstore.engine.workdir import ensure_dir
 from prefixstore.fuzz import plants as plant_registry
-from prefixstore.fuzz.driver import Driver, RunConfig, Violation, replay
+from prefixstore.fuzz.driver import CLUSTER_OPS, Driver, RunConfig, Violation, replay
 from prefixstore.fuzz.faultfs import OPS
 from prefixstore.statemachine.policy import DEFAULT, registered
 
@@ -65,6 +65,10 @@ _OP_WEIGHTS = {
     "store": 30, "store_async": 10, "restore": 20, "evict": 3, "evict_key": 4, "pin": 5, "unpin": 5, "reclaim": 2,
     "retry": 1, "compact": 3, "damage": 3, "reopen": 2, "power": 3, "rank_down": 1,
 }
+_RANK_SERVER_OPS = {"rank_kill": 2, "rank_power": 2, "rank_stop": 2}
+_REMOTE_OPS = {"redis_kill": 2, "redis_stop": 2, "redis_flush": 2, "remote_damage": 3, "evict_key": 6}
+"""Added to ``_OP_WEIGHTS`` in a run with rank servers / a remote tier (evicting a
+checkpoint locally sends its next restore to the remote tier)."""
 _FAULT_OPS = {"write": 3, "fsync": 2, "rename": 1, "fsync_dir": 1, "unlink": 2, "read": 2}
 assert set(_FAULT_OPS) == set(OPS)
 
@@ -75,8 +79,14 @@ def policy_weights() -> dict[str, int]:
     return {name: 6 if name == DEFAULT else 2 for name in registered()}
 
 
-def draw_config(seed: int, ranks: int | None = None, plant: Any = None) -> RunConfig:
-    """A run's configuration from its seed (``ranks`` and a plant's needs override)."""
+def draw_config(seed: int, ranks: int | None = None, plant: Any = None, *,
+                rank_servers: int = 0, remote: str = "", netns: bool = False) -> RunConfig:
+    """A run's configuration from its seed (``ranks`` and a plant's needs override).
+
+    ``rank_servers``: that many of the highest ranks (at most all) are served by rank
+    server processes; ``remote``: "redis" puts a redis-server behind the remote tier
+    (write-through or write-behind, drawn); ``netns``: each rank server on a host of its
+    own (network namespaces), whose link the run cuts."""
     rng = random.Random(f"config/{seed}")
     weights = policy_weights()
     r = ranks or rng.choice([1, 2, 4])
@@ -91,8 +101,14 @@ def draw_config(seed: int, ranks: int | None = None, plant: Any = None) -> RunCo
     if rng.random() < 0.5:  # evict ahead of need: room to retire snapshots
         fields["high_watermark"] = round(rng.uniform(0.7, 1.0), 2)
         fields["low_watermark"] = round(rng.uniform(0.4, fields["high_watermark"]), 2)
+    if rank_servers or remote:
+        fields.update(rank_servers=min(rank_servers, r), remote=remote, write_behind=rng.random() < 0.5,
+                      netns=netns and rank_servers > 0)
     if plant is not None:
         fields.update(plant.config)
+        if plant.config.get("rank_servers"):  # at least the plant's, at most every rank
+            fields["rank_servers"] = min(r, max(rank_servers, plant.config["rank_servers"]))
+        fields.setdefault("write_behind", rng.random() < 0.5)
     return RunConfig(**fields)
 
 
@@ -103,8 +119,17 @@ class OpGen:
         self.rng = random.Random(f"ops/{seed}")
         self.cfg = cfg
         self.profile = profile
-        self.rates = [self.rng.choice(profile.rates) for _ in range(cfg.ranks)]
+        self.rates = [self.rng.choice(profile.rates) for _ in range(cfg.local_ranks)]
         self.compact = hasattr(Engine, "compact")
+        self.weights = dict(_OP_WEIGHTS)
+        if cfg.rank_servers:
+            self.weights.update(_RANK_SERVER_OPS)
+            if cfg.netns:
+                self.weights["rank_cut"] = 2
+        if cfg.remote:
+            self.weights.update(_REMOTE_OPS)
+        if not cfg.local_ranks:  # nothing here a fault, a rank's crash lane or rank_down reaches
+            self.weights.pop("rank_down")
 
     def _where(self) -> dict[str, int]:
         rng = self.rng
@@ -119,21 +144,22 @@ class OpGen:
 
     def _crash(self, depth: int = 0) -> dict[str, Any]:
         rng = self.rng
-        lane: Any = "commit" if rng.random() < 0.5 else rng.randrange(self.cfg.ranks)
+        local = self.cfg.local_ranks
+        lane: Any = "commit" if rng.random() < 0.5 or not local else rng.randrange(local)
         spec: dict[str, Any] = {"lane": lane, "n": rng.randrange(12 if lane == "commit" else 24)}
         if rng.random() < self.profile.power_p:
             spec["power"] = rng.choice(["drop", "garble"])
             spec["snap"] = round(rng.random(), 4)
         if depth == 0 and rng.random() < 0.2:
             spec["again"] = self._crash(1)
-        if depth == 0 and rng.random() < 0.1:
-            spec["rfaults"] = [self._fault(rng.randrange(self.cfg.ranks))]
+        if depth == 0 and local and rng.random() < 0.1:
+            spec["rfaults"] = [self._fault(rng.randrange(local))]
         return spec
 
     def next(self) -> dict[str, Any]:
         rng = self.rng
-        kinds = [k for k in _OP_WEIGHTS if k != "compact" or self.compact]
-        kind = rng.choices(kinds, [_OP_WEIGHTS[k] for k in kinds])[0]
+        kinds = [k for k in self.weights if k != "compact" or self.compact]
+        kind = rng.choices(kinds, [self.weights[k] for k in kinds])[0]
         op: dict[str, Any] = {"op": kind}
         if kind in ("store", "store_async", "restore", "evict_key", "pin"):
             op.update(self._where())
@@ -156,13 +182,22 @@ class OpGen:
         elif kind == "power":
             op.update(mode=rng.choice(["drop", "garble"]), snap=round(rng.random(), 4))
         elif kind == "rank_down":
-            op.update(rank=rng.randrange(self.cfg.ranks), ops=rng.randint(1, 4))
-        faults = [self._fault(r) for r in range(self.cfg.ranks) if rng.random() < self.rates[r]]
-        if rng.random() < 0.01:
+            op.update(rank=rng.randrange(self.cfg.local_ranks), ops=rng.randint(1, 4))
+        elif kind in ("rank_kill", "rank_power", "rank_stop", "rank_cut"):
+            op.update(rank=rng.randrange(self.cfg.rank_servers),
+                      ops=rng.randint(1, 3 if kind in ("rank_stop", "rank_cut") else 6))
+            if kind == "rank_power":
+                op["mode"] = rng.choice(["drop", "garble"])
+        elif kind in ("redis_kill", "redis_stop"):
+            op["ops"] = rng.randint(1, 3 if kind == "redis_stop" else 6)
+        elif kind == "remote_damage":
+            op.update(i=rng.randrange(64), at=round(rng.random(), 4), bit=rng.randrange(8))
+        faults = [self._fault(r) for r in range(self.cfg.local_ranks) if rng.random() < self.rates[r]]
+        if self.cfg.local_ranks and rng.random() < 0.01:
             faults.append({"op": "write", "err": "ENOSPC", "rank": None, "at": 1, "persistent": True})
         if faults:
             op["faults"] = faults
-        if kind not in ("power", "rank_down") and rng.random() < self.profile.crash_p:
+        if kind not in ("power", "rank_down", *CLUSTER_OPS) and rng.random() < self.profile.crash_p:
             op["crash"] = self._crash()
         return op
 
@@ -322,6 +357,7 @@ class CampaignResult:
             "ops": {k[3:]: v for k, v in sorted(c.items()) if k.startswith("op.")},
             "outcomes": {k: v for k, v in sorted(c.items())
                          if k.startswith(("store.", "lookup.", "restore.", "compact.", "evict_key."))},
+            "cluster": {k[8:]: v for k, v in sorted(c.items()) if k.startswith("cluster.")},
             "configs": dict(sorted(self.configs.items())),
             "violations": self.violations,
             "elapsed_s": round(self.elapsed_s, 1),
@@ -345,13 +381,17 @@ def run_campaign(
     progress: Callable[[CampaignResult], None] | None = None,
     watchdog_s: float | None = None,
     reproducers_per_kind: int | None = 1,
+    rank_servers: int = 0,
+    remote: str = "",
+    netns: bool = False,
 ) -> CampaignResult:
     """Run fuzz runs until ``steps`` ops or ``minutes`` pass (or ``stop_after`` violations).
 
     Failures are shrunk and saved under ``out`` (when given) as reproducers, at most
     ``reproducers_per_kind`` per violation kind (None: every one); the others are
     listed without shrinking. With ``watchdog_s``, an op that runs longer prints every
-    thread's stack to stderr. A KeyboardInterrupt ends the campaign early: the result
+    thread's stack to stderr. ``rank_servers`` / ``remote``: every run with real servers
+    (``draw_config``, ``cluster.py``). A KeyboardInterrupt ends the campaign early: the result
     so far comes back with ``interrupted`` set.
     """
     prof = PROFILES[profile]
@@ -371,10 +411,11 @@ def run_campaign(
     try:
         while budget_left():
             run_seed = master.getrandbits(32)
-            cfg = draw_config(run_seed, ranks, plant)
+            cfg = draw_config(run_seed, ranks, plant, rank_servers=rank_servers, remote=remote, netns=netns)
             gen = OpGen(run_seed, cfg, prof)
             res.runs += 1
-            res.configs[f"ranks={cfg.ranks} {cfg.synchronous} {'snap' if cfg.snapshot else 'nosnap'} {cfg.policy}"] += 1
+            res.configs[f"ranks={cfg.ranks} {cfg.synchronous} {'snap' if cfg.snapshot else 'nosnap'} {cfg.policy}"
+                        + _servers(cfg)] += 1
             base = _workdir(workdir)
             ops: list[dict[str, Any]] = []
             violation: Violation | None = None
@@ -431,6 +472,14 @@ def run_campaign(
         res.interrupted = True
     res.elapsed_s = time.monotonic() - t0
     return res
+
+
+def _servers(cfg: RunConfig) -> str:
+    """A run's servers, for the configs summary ("" without)."""
+    out = f" rank_servers={cfg.rank_servers}{' netns' if cfg.netns else ''}" if cfg.rank_servers else ""
+    if cfg.remote:
+        out += f" remote={cfg.remote}{' write-behind' if cfg.write_behind else ''}"
+    return out
 
 
 def _arm_watchdog(seconds: float) -> float | None:

@@ -14,7 +14,11 @@ reproducers, the Hypothesis machines and the pinned regressions all feed ``apply
 Ops: store, store_async, restore, evict, evict_key, pin, unpin, reclaim, retry,
 compact (when the engine has one), damage (at rest), reopen, power (idle power loss),
 rank_down (every op of one rank fails for the next ``ops`` ops). Faults and crashes
-attach to any op.
+attach to any op. With ``rank_servers`` or ``remote`` in the config the run has real
+servers (``cluster.py``): the highest ranks served by rank server processes, a
+``redis-server`` behind the remote tier, and the ops that kill, stop, power off,
+flush and damage them (``CLUSTER_OPS``); faults and crash lanes then reach the local
+ranks only (a rank server's effects happen in its own process).
 
 ``store_async`` overwrites the caller's tensors once the ticket says the copies are
 done, then waits for the ticket's result and for the engine's workers to be idle. Its
@@ -63,11 +67,14 @@ from prefixstore.base.errors import InvalidInputError, PinnedError, SimulatedCra
 from prefixstore.engine import lifecycle
 from prefixstore.engine.api import Engine
 from prefixstore.engine.driver import DEBUG_ENV, InvariantViolation
+from prefixstore.engine.remote import SOURCE as remote_source
 from prefixstore.engine.results import Match
+from prefixstore.fuzz import faultfs
+from prefixstore.fuzz.cluster import Cluster
 from prefixstore.fuzz.faultfs import OPS, ChainHook, CrashAt, FaultFS, FaultPlan, FaultRule
 from prefixstore.fuzz.model import CatalogObserver, NodeRow, Universe, fuzz_layout
 from prefixstore.gpu.fileio import FaultHook
-from prefixstore.gpu.ranks import rank_dir_name
+from prefixstore.gpu.ranks import LocalRank, rank_dir_name
 from prefixstore.statemachine.compaction import CompactionPolicy
 from prefixstore.statemachine.policy import DEFAULT as DEFAULT_POLICY
 
@@ -76,6 +83,8 @@ LOOKUP_OUTCOMES = frozenset({"hit", "gpu_resident", "miss", "rejected_cost", "da
 DAMAGE = ("flip", "flip_data", "truncate", "delete", "zero")
 _NODE_RE = re.compile(r"\bnode (\d+)\b")
 ASYNC_WAIT_S = 60.0  # an async store's copies and commit: far beyond what a run's take
+CLUSTER_OPS = frozenset({"rank_kill", "rank_power", "rank_stop", "rank_cut", "redis_kill", "redis_stop", "redis_flush",
+                         "remote_damage"})
 
 
 class Violation(AssertionError):
@@ -101,6 +110,15 @@ class RunConfig:
     seed: int = 0
     seqs: int = 6
     max_blocks: int = 8
+    rank_servers: int = 0  # the highest ranks served by rank server processes
+    remote: str = ""  # "redis": a redis-server behind the remote tier
+    write_behind: bool = False  # the remote tier's writes queued (else written through)
+    netns: bool = False  # each rank server on a host of its own (network namespaces; root)
+
+    @property
+    def local_ranks(self) -> int:
+        """The ranks this process writes itself (where faults and crash lanes apply)."""
+        return self.ranks - self.rank_servers
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -183,9 +201,14 @@ class Driver:
         self.eng: Engine | None = None
         self.auto_check = True  # check() after every op (the Hypothesis machines use an invariant)
         self._stack = contextlib.ExitStack()
+        self.cluster: Cluster | None = None
         if plant is not None:
             self._stack.enter_context(plant.active())
         try:
+            if cfg.rank_servers or cfg.remote:
+                self.cluster = Cluster(cfg.ranks, cfg.rank_servers, cfg.remote, root, seed=cfg.seed,
+                                       write_behind=cfg.write_behind, plant=plant, netns=cfg.netns)
+                self._stack.callback(self.cluster.close)
             self._open()
             self.observer.start()
         except BaseException:
@@ -203,6 +226,8 @@ class Driver:
     def close(self) -> None:
         """Close the engine (cleanly, faults off) and undo a plant's patches."""
         try:
+            if self.cluster is not None:
+                self.cluster.end_all()
             if self.eng is not None and not self.eng.guard.closed:
                 self._absorb(self.eng)
                 with self.plan.paused():
@@ -226,7 +251,20 @@ class Driver:
             if not os.path.exists(self.observer.path):
                 Engine.open(self.root, self.layout, self.cfg.capacity, **opts).close()
             opts["ranks"] = self.plant.make_ranks(self.layout, self.root, self.fs, self.hook)
+        if self.cluster is not None:
+            self._cluster_options(opts)
         self.eng = self.engine_cls.open(self.root, self.layout, self.cfg.capacity, **opts)
+
+    def _cluster_options(self, opts: dict[str, Any]) -> None:
+        """The served ranks (up: opening recovers every rank) and the remote tier."""
+        cl = self.cluster
+        assert cl is not None
+        cl.end_rank_outages()
+        mine = opts.get("ranks") or [
+            LocalRank(r, os.path.join(self.root, rank_dir_name(r)), self.fs, self.hook)
+            for r in range(self.cfg.ranks)]
+        opts["ranks"] = [cl.rank(r) if cl.is_served(r) else rank for r, rank in enumerate(mine)]
+        opts.update(cl.engine_options())
 
     def _open(self) -> None:
         """Open (recovering); an injected I/O error may fail it: then retry, faults off."""
@@ -267,7 +305,7 @@ class Driver:
     def apply(self, op: dict[str, Any]) -> None:
         """Run one op (with its faults and crash), recover if it crashed, then check."""
         kind = op["op"]
-        handler = getattr(self, f"_op_{kind}", None)
+        handler = self._op_cluster if kind in CLUSTER_OPS else getattr(self, f"_op_{kind}", None)
         if handler is None:
             raise ValueError(f"unknown fuzz op {kind!r}")
         self.history.append(op)
@@ -292,6 +330,8 @@ class Driver:
             self.gate.inner = None
             self._disarm(rules)
             self._tick_windows()
+            if self.cluster is not None:
+                self._tick_cluster()
         if crashed:
             self.counts["crashes"] += 1
             self.counts[f"crash_op.{kind}"] += 1
@@ -378,7 +418,7 @@ class Driver:
         assert self.eng is not None
         seq, blocks = int(op["seq"]) % self.uni.count, max(1, min(int(op["blocks"]), self.cfg.max_blocks))
         gpu = max(0, min(int(op.get("gpu", 0)), blocks))
-        strict = not op.get("faults") and not op.get("crash") and not self.windows
+        strict = not op.get("faults") and not op.get("crash") and self._steady()
         self._restore_check(seq, blocks, gpu, strict)
 
     def _restore_check(self, seq: int, blocks: int, gpu: int, strict: bool) -> None:
@@ -395,9 +435,11 @@ class Driver:
             got = self.eng.restore(m)
             self.counts["restore.ok" if got is not None else "restore.miss"] += 1
             if got is not None:
-                why = self.uni.mismatch(seq, got, gpu * bt, m.tokens)
+                served = self._served(m, got.match)
+                why = self.uni.mismatch(seq, got, gpu * bt, served.tokens)
                 if why is not None:
-                    raise Violation("bytes", f"restore of seq {seq} blocks {m.blocks} (gpu {gpu}): {why}")
+                    raise Violation("bytes", f"restore of seq {seq} blocks {served.blocks} (gpu {gpu}): {why}")
+                m = served
         key = self.uni.key(seq, blocks)
         required = strict and gpu < blocks and key in self.must and self._restorable(key, gpu)
         if required and not (m.hit and m.blocks == blocks and got is not None):
@@ -405,6 +447,18 @@ class Driver:
                 "miss", f"acknowledged checkpoint seq {seq} blocks {blocks} (gpu {gpu}) "
                 f"not restored: lookup {m.outcome} at {m.blocks}, restore {'ok' if got else 'None'}",
             )
+
+    @staticmethod
+    def _served(m: Match, restored: Match) -> Match:
+        """The match a restore of ``m`` served: ``m``, or for a remote match whose fetch
+        missed, the local tiers' shallower hit it fell back to (``Restored.match``)."""
+        if restored is m:
+            return m
+        if m.source != remote_source or restored.source == remote_source or not restored.hit \
+                or restored.blocks > m.blocks or restored.gpu_blocks != m.gpu_blocks:
+            raise Violation("bytes", f"a restore of a {m.source} match of {m.blocks} blocks served "
+                            f"a {restored.source} match of {restored.blocks}")
+        return restored
 
     def _op_evict(self, op: dict[str, Any]) -> None:
         assert self.eng is not None
@@ -468,6 +522,7 @@ class Driver:
         r, name, row = files[int(op.get("i", 0)) % len(files)]
         path = os.path.join(self.root, rank_dir_name(r), name)
         how = op.get("how", "flip")
+        fs: Any = faultfs if self.cluster is not None and self.cluster.is_served(r) else self.fs
         at = float(op.get("at", 0.5))
         size = os.path.getsize(path)
         if how in ("flip", "flip_data") and size > 0:
@@ -476,13 +531,13 @@ class Driver:
                 with open(path, "rb") as f:
                     (hlen,) = struct.unpack("<Q", f.read(8))
                 lo = min(size - 1, 8 + hlen)
-            self.fs.flip_bit(path, lo + int(at * (size - lo)) % max(1, size - lo), int(op.get("bit", 0)) % 8)
+            fs.flip_bit(path, lo + int(at * (size - lo)) % max(1, size - lo), int(op.get("bit", 0)) % 8)
         elif how == "truncate":
-            self.fs.truncate(path, int(at * size))
+            fs.truncate(path, int(at * size))
         elif how == "delete":
-            self.fs.delete(path)
+            fs.delete(path)
         elif how == "zero":
-            self.fs.zero_length(path)
+            fs.zero_length(path)
         else:
             return
         self.harmed.setdefault(row.key, set()).add(row.generation)
@@ -503,6 +558,25 @@ class Driver:
         self.counts["crashes"] += 1
         self._after_crash({"power": op.get("mode", "drop"), "snap": op.get("snap", 0.0),
                            "again": op.get("again")})
+
+    def _op_cluster(self, op: dict[str, Any]) -> None:
+        """A fault of the run's servers (``cluster.py``)."""
+        if self.cluster is not None:
+            held = frozenset(k for k, row in self.observer.nodes.items() if row.state == "ready")
+            self.cluster.apply(op, self.counts, held)
+
+    def _tick_cluster(self) -> None:
+        """End the server outages whose time is up (a server that cannot be brought
+        back is the harness's failure, reported as such)."""
+        assert self.cluster is not None
+        try:
+            self.cluster.tick()
+        except (OSError, RuntimeError) as exc:
+            raise Violation("cluster", f"a server could not be brought back: {type(exc).__name__}: {exc}") from exc
+
+    def _steady(self) -> bool:
+        """No rank-down window and no rank server outage: every requirement applies."""
+        return not self.windows and (self.cluster is None or self.cluster.quiet)
 
     def _op_rank_down(self, op: dict[str, Any]) -> None:
         rank = int(op.get("rank", 0)) % self.cfg.ranks
@@ -595,7 +669,7 @@ class Driver:
                     "damaged", f"committed node {row.id} ({self._name(key)}) came back damaged, "
                     "but none of its files was damaged at rest",
                 )
-        if self.windows:
+        if not self._steady():
             return
         with self.plan.paused():
             for key in sorted(self.must):
@@ -649,10 +723,11 @@ class Driver:
         eng = self.eng
         assert eng is not None
         with self.plan.paused():
-            rep = eng.audit(checksums=True)
-            for v in rep.violations:
-                if not self._excused(v.invariant, v.detail):
-                    raise Violation(f"audit:{v.invariant}", v.detail)
+            if self.cluster is None or self.cluster.quiet:  # a rank that is down cannot be audited
+                rep = eng.audit(checksums=True)
+                for v in rep.violations:
+                    if not self._excused(v.invariant, v.detail):
+                        raise Violation(f"audit:{v.invariant}", v.detail)
             nodes = self.observer.nodes
             for key in sorted(self.must):
                 row = nodes.get(key)

@@ -2,7 +2,8 @@
 
 Each plant swaps in broken rank executors, or patches one function of a flow for the
 duration of a run (``Plant.active``: every engine opened meanwhile is the planted one;
-its ``engine_cls`` names it); nothing in the engine knows about them. ``prefixstore fuzz --plant NAME`` runs a campaign against one, and
+its ``engine_cls`` names it), or patches the rank server processes a run starts
+(``server_patch``, applied in each of them); nothing in the engine knows about them. ``prefixstore fuzz --plant NAME`` runs a campaign against one, and
 ``tests/test_plants.py`` shows that each is found within a bounded budget.
 
 ``config`` pins the run settings a plant needs in order to show at all (a lost-commit
@@ -26,6 +27,7 @@ from prefixstore.engine import (
     journal,
     pipeline,
     recovery,
+    remote,
     replace,
     restore,
     space,
@@ -39,8 +41,9 @@ from prefixstore.engine.restore import Reader
 from prefixstore.engine.results import STORED, StoreResult
 from prefixstore.engine.space import Room
 from prefixstore.engine.store import Storing
-from prefixstore.gpu import shards
+from prefixstore.gpu import rank_server, shards, verify
 from prefixstore.gpu.ranks import TMP_SUFFIX, LocalRank, rank_dir_name
+from prefixstore.gpu.remote import Manifest, RemoteTier
 
 
 @attrs.frozen
@@ -54,6 +57,8 @@ class Plant:
     make_ranks: Callable[..., list[Any]] | None = None
     patch: Callable[[], contextlib.AbstractContextManager[None]] | None = None
     config: dict[str, Any] = attrs.field(factory=dict)
+    server_patch: Callable[[], None] | None = None
+    """Applied (for good) in each rank server process of a run (``fuzz/rank_host.py``)."""
 
     def active(self) -> contextlib.AbstractContextManager[None]:
         """The patches this plant needs while its engine runs."""
@@ -335,6 +340,57 @@ def _ack_before_publish() -> contextlib.AbstractContextManager[None]:
     return _patched(pipeline, "store_async", store_async)
 
 
+class _TrustingRemote(Engine):
+    """Its remote restores trust the blobs they fetch (``_trusting_remote``)."""
+
+
+# -- a rank server that acknowledges a write before it is durable ------------------------------
+
+
+class _UnsyncedServerRank(LocalRank):
+    """Renames the shard into place and syncs the directory, but never fsyncs its bytes."""
+
+    def write_shard(self, name: str, data: bytes) -> None:
+        final = self.path(name)
+        self.fs.write_new(final + TMP_SUFFIX, data)
+        self.fs.rename_new(final + TMP_SUFFIX, final)
+        self.fs.fsync_dir(self.directory)
+
+
+def _serve_unsynced() -> None:
+    rank_server.LocalRank = _UnsyncedServerRank  # type: ignore[misc]
+
+
+# -- the remote tier trusts what it fetched ----------------------------------------------------
+
+
+def _trusting_blob(tier: RemoteTier, ref, value: Any) -> bytes | None:
+    """A fetched blob taken as it came: no size, checksum or MAC check."""
+    return value if isinstance(value, bytes) and value else None
+
+
+def _trusting_decode(L, tier: RemoteTier, path: tuple[Manifest, ...], blobs: list[list[bytes]]):
+    """Each blob's shard decoded against its own checksum, not the manifest's."""
+    out = []
+    for m, datas in zip(path, blobs, strict=True):
+        meta = shards.meta(m.prefix_key, m.generation, m.start, m.end, m.snapshot)
+        row = []
+        for r, (ref, data) in enumerate(zip(m.blobs, datas, strict=True)):
+            header = verify.Header(L, (m.end - m.start) * L.block_tokens, m.snapshot, {**meta, "rank": str(r)})
+            got = verify.check(data, len(data), shards.checksum(data), header, ref.key)  # the blob vouches for itself
+            if isinstance(got, verify.Damage):
+                return None
+            row.append(got)
+        out.append(row)
+    return out
+
+
+@contextlib.contextmanager
+def _trusting_remote() -> Iterator[None]:
+    with _patched(RemoteTier, "_verified", _trusting_blob), _patched(remote, "decode_path", _trusting_decode):
+        yield
+
+
 # -- the registry ------------------------------------------------------------------------------
 
 _SNAP_RETIRE = {"snapshot": True, "policy": "prefixstore"}
@@ -415,6 +471,23 @@ PLANTS: dict[str, Plant] = {
             "a crash or fault in the commit worker: an acknowledged store is not in the catalog",
             engine_cls=_EarlyAck,
             patch=_ack_before_publish,
+        ),
+        Plant(
+            "rank-server-ack-before-fsync",
+            "a rank server acknowledges a shard write once it is renamed into place, before its bytes are fsynced",
+            "the rank's host loses power after the publish: an acknowledged node's shard on that rank "
+            "is empty (the audit through the rank server, invariant 1)",
+            server_patch=_serve_unsynced,
+            config={"rank_servers": 1},
+        ),
+        Plant(
+            "remote-trusts-blob",
+            "the remote tier's restore takes a fetched blob without checking it against its manifest "
+            "(size, checksum, MAC)",
+            "a blob altered in redis is restored: the model's byte comparison (invariant 5)",
+            engine_cls=_TrustingRemote,
+            patch=_trusting_remote,
+            config={"remote": "redis"},
         ),
         Plant(
             "skip-barrier",
