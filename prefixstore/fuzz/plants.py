@@ -455,7 +455,7 @@ PLANTS: dict[str, Plant] = {
             "skip-orphan-cleanup",
             "recovery does not remove shard files the catalog does not know",
             "lost commits (synchronous=NORMAL power loss) leave files unknown to the catalog",
-            patch=lambda: _patched(recovery, "_orphans", lambda eng, rep: None),
+            patch=lambda: _patched(recovery, "_orphans", lambda *args: None),
             config={"synchronous": "NORMAL"},
         ),
         Plant(
