@@ -145,3 +145,16 @@ def test_lookup_arguments_refused_as_before_the_quick_check() -> None:
         validate.lookup_args(L, Prefix.from_ids([1, 2], block_tokens=BT * 2), 0, None)
     with pytest.raises(InvalidArgumentError):
         validate.lookup_args(L, [1, 2], 0, None)
+
+
+def test_a_cut_prefix_is_the_prefix_of_its_blocks() -> None:
+    """``p[:n]`` keeps ``p``'s first ``n`` keys instead of hashing them again: it must be
+    the Prefix built from those blocks (keys, digests, block size, equality, hash)."""
+    rng = random.Random(3)
+    for block_tokens in (None, BT):
+        p = Prefix.from_ids([rng.randrange(1 << 60) for _ in range(20)], block_tokens)
+        for n in (0, 1, 7, 20, 25):
+            cut, fresh = p[:n], Prefix(p.digests[:n], block_tokens)
+            assert (cut.keys, cut.digests, cut.block_tokens) == (fresh.keys, fresh.digests, fresh.block_tokens)
+            assert cut == fresh and hash(cut) == hash(fresh) and type(cut) is Prefix
+            assert cut.keys == tuple(Prefix(p.digests[:n]).keys) and len(cut) == min(n, 20)
