@@ -26,10 +26,12 @@ def chain(prev: bytes, digest: bytes) -> bytes:
 
 
 def chain_all(prev: bytes, digests: Iterable[bytes]) -> list[bytes]:
-    """Keys of consecutive blocks after ``prev``."""
+    """Keys of consecutive blocks after ``prev`` (``chain`` inlined: a prefix's keys
+    are hashed on every request)."""
     out = []
+    blake2b = hashlib.blake2b
     for d in digests:
-        prev = chain(prev, d)
+        prev = blake2b(prev + d, digest_size=DIGEST_SIZE).digest()
         out.append(prev)
     return out
 
@@ -82,7 +84,10 @@ class Prefix:
     def __getitem__(self, item: slice) -> Prefix:
         if not isinstance(item, slice) or item.start not in (None, 0) or item.step not in (None, 1):
             raise InvalidInputError("a Prefix can only be cut to a leading prefix: p[:n]")
-        return Prefix(self.digests[item], self.block_tokens)
+        # a leading cut keeps its keys: the chain up to block n does not depend on what follows
+        cut = Prefix.__new__(Prefix)
+        cut.digests, cut.keys, cut.block_tokens = self.digests[item], self.keys[item], self.block_tokens
+        return cut
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Prefix) and other.digests == self.digests

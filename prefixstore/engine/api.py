@@ -315,12 +315,12 @@ class Engine(Parts):
             params.alone("lookup", prefix, gpu_blocks, total_tokens)
             prefix, gpu_blocks, total_tokens = prefix.prefix, prefix.gpu_blocks, prefix.total_tokens
         validate.lookup_args(self.layout, prefix, gpu_blocks, total_tokens)
-        with self.guard:
+        flows, guard = self.flows, self.guard
+        with guard:
             self._poll_ranks()
-            with self.guard.lock:
-                match = degraded.screen(self.flows.reviving,
-                                        lookup.lookup(self.flows.looking, prefix, gpu_blocks, total_tokens))
-            match = remote.extend(self.flows.remote_reads, prefix, match, gpu_blocks, total_tokens)  # outside the lock
+            with guard.lock:
+                match = degraded.screen(flows.reviving, lookup.lookup(flows.looking, prefix, gpu_blocks, total_tokens))
+            match = remote.extend(flows.remote_reads, prefix, match, gpu_blocks, total_tokens)  # outside the lock
         self.counters.inc("lookups", match.outcome)
         return match
 

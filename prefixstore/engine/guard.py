@@ -6,8 +6,8 @@ index, the catalog connection, the holds, the space account, the recency and the
 retry queue. File reads and writes run outside it, with the nodes involved fenced or
 pinned. ``settled`` (on the same lock) is notified when a store or replacement ends,
 so a store waiting for an overlapping one re-plans. The count of calls in flight has
-its own small lock (``calls_cv``), so ``close`` can wait for them without the engine
-lock.
+its own small lock (``calls_lock``, with the condition ``calls_cv`` on it), so ``close``
+can wait for them without the engine lock.
 """
 
 from __future__ import annotations
@@ -96,7 +96,10 @@ class CallGuard:
     """``close`` started: new public calls are refused."""
     calls: int = 0
     """Public calls in flight, all threads (``close`` waits for them)."""
-    calls_cv: threading.Condition = attrs.field(factory=lambda: threading.Condition(threading.Lock()))
+    calls_lock: Any = attrs.field(factory=threading.Lock)
+    """Guards ``calls`` (taken directly on the request path: cheaper than the condition)."""
+    calls_cv: threading.Condition = attrs.field(
+        default=attrs.Factory(lambda self: threading.Condition(self.calls_lock), takes_self=True))
     local: threading.local = attrs.field(factory=threading.local)
     """``depth``: this thread's nested public calls."""
 
@@ -116,7 +119,7 @@ class CallGuard:
 
     def __enter__(self) -> None:
         depth = getattr(self.local, "depth", 0)
-        with self.calls_cv:
+        with self.calls_lock:
             if self.life.closed or (self.closing and not depth):
                 raise EngineClosedError("engine is closed")
             self.calls += 1
@@ -133,7 +136,7 @@ class CallGuard:
             return False
         finally:
             self.local.depth -= 1
-            with self.calls_cv:
+            with self.calls_lock:
                 self.calls -= 1
                 if self.closing:
                     self.calls_cv.notify_all()

@@ -31,83 +31,128 @@ class Looking:
 def lookup(lk: Looking, prefix: Prefix, gpu_blocks: int, total_tokens: int | None) -> Match:
     """The deepest checkpoint of ``prefix`` worth restoring (see ``Engine.lookup``). Lock held."""
     L = lk.layout
-    n = len(prefix)
+    index = lk.index
     keys = prefix.keys
-    base = dict(prefix_blocks=n, block_tokens=L.block_tokens, gpu_blocks=gpu_blocks, cache=lk.cache_id)
-    p = lk.index.deepest_block(keys, n)
-    owner = lk.index.owner(keys, p)
+    n = len(keys)
+    p = index.deepest_block(keys, n)
+    owner = index.owner(keys, p)
     if owner is None:
-        return Match("miss", **base)
+        return Match("miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
     # Without snapshots a request that leaves a node inside its span can still use
     # the node's leading rows (a partial hit at block p); with snapshots it stops at
     # the deepest whole checkpoint (the recurrent state exists only at a node's end).
     partial = owner.end != p and not L.has_snapshot
-    node = owner if owner.end == p or partial else lk.index.get(owner.parent) if owner.parent is not None else None
+    node = owner if owner.end == p or partial else index.get(owner.parent) if owner.parent is not None else None
     if node is None:
-        return Match("miss", **base)
+        return Match("miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
     reach = p if partial else node.end  # blocks the deepest candidate covers
     if reach <= gpu_blocks:
-        return Match("gpu_resident", blocks=reach, node_id=node.id, **base)
-    usable, damaged_below = usable_path(lk.index, node, gpu_blocks)
+        return Match("gpu_resident", n, L.block_tokens, gpu_blocks, reach, node.id, cache=lk.cache_id)
+    usable, damaged_below = usable_path(index, node, gpu_blocks)
+    if lk.settings.cost is None:  # the deepest candidate always wins: only it is sized
+        j = deepest_candidate(L, usable)
+        if j is None:
+            return Match("damaged" if damaged_below else "miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
+        x = usable[j]
+        blocks = x.end if x.end < reach else reach
+        return hit(lk, n, usable, j, blocks, candidate_bytes(L, usable, j, gpu_blocks), gpu_blocks, None, None)
     cands = candidates(L, usable, gpu_blocks, reach)
     if not cands:
-        return Match("damaged" if damaged_below else "miss", **base)
+        return Match("damaged" if damaged_below else "miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
     total = total_tokens if total_tokens is not None else n * L.block_tokens
-    return decide(lk, keys[-1], cands, usable, gpu_blocks, total, base)
+    return decide(lk, prefix, cands, usable, gpu_blocks, total)
 
 
 def usable_path(index: Index, node: Node, gpu_blocks: int) -> tuple[list[Node], bool]:
     """The nodes of ``node``'s path below the GPU-resident part, up to the first one not
-    ready (the deepest usable endpoint is above it); and whether there was one."""
+    ready (the deepest usable endpoint is above it), *deepest first*; and whether there
+    was one. One walk up the parent links: a node not ready drops every node below it."""
     usable: list[Node] = []
-    for x in index.path(node):
-        if x.end <= gpu_blocks:
-            continue
-        if not x.ready:
-            return usable, True
-        usable.append(x)
-    return usable, False
+    damaged = False
+    nodes = index.nodes
+    x = node
+    while True:
+        if x.end > gpu_blocks:
+            if x.state == "ready":
+                usable.append(x)
+            else:
+                usable.clear()
+                damaged = True
+        parent = x.parent
+        if parent is None:
+            return usable, damaged
+        x = nodes[parent]
+
+
+def deepest_candidate(L: Layout, usable: list[Node]) -> int | None:
+    """The index in ``usable`` (deepest first) of the deepest node a restore can end
+    at (for layouts with snapshots, the deepest that has its snapshot)."""
+    if not L.has_snapshot:
+        return 0 if usable else None
+    return next((j for j, x in enumerate(usable) if x.has_snapshot), None)
+
+
+def candidate_bytes(L: Layout, usable: list[Node], j: int, gpu_blocks: int) -> int:
+    """Bytes a restore ending at ``usable[j]`` transfers (all ranks): the segment rows
+    of it and the nodes above it past the GPU-resident part, plus one snapshot."""
+    blocks = 0
+    for x in usable[j:]:
+        blocks += x.end - (x.start if x.start > gpu_blocks else gpu_blocks)
+    return L.ranks * L.payload_bytes(blocks * L.block_tokens, L.has_snapshot)
 
 
 def candidates(L: Layout, usable: list[Node], gpu_blocks: int, reach: int) -> list[Candidate]:
-    """Candidates, deepest first. The bytes are the segment rows above the GPU-resident
-    part plus one snapshot, all ranks; a partial candidate is charged its node's whole
-    rows (its shard is read and verified whole)."""
+    """Candidates, deepest first (``usable`` is deepest first). The bytes are the segment
+    rows above the GPU-resident part plus one snapshot, all ranks; a partial candidate
+    is charged its node's whole rows (its shard is read and verified whole)."""
+    bt, snapped = L.block_tokens, L.has_snapshot
+    blocks = 0
+    for x in usable:
+        blocks += x.end - (x.start if x.start > gpu_blocks else gpu_blocks)
     cands: list[Candidate] = []
-    tokens = 0
-    for i, x in enumerate(usable):
-        tokens += (x.end - max(x.start, gpu_blocks)) * L.block_tokens
-        if x.has_snapshot or not L.has_snapshot:
-            cands.append((x, min(x.end, reach), L.ranks * L.payload_bytes(tokens, L.has_snapshot), i + 1))
-    cands.reverse()
+    k = len(usable)
+    for x in usable:
+        if x.has_snapshot or not snapped:
+            cands.append((x, x.end if x.end < reach else reach, L.ranks * L.payload_bytes(blocks * bt, snapped), k))
+        blocks -= x.end - (x.start if x.start > gpu_blocks else gpu_blocks)
+        k -= 1
     return cands
 
 
-def decide(lk: Looking, key: bytes, cands: list[Candidate], usable: list[Node], gpu_blocks: int,
-           total: int, base: dict) -> Match:
+def decide(lk: Looking, prefix: Prefix, cands: list[Candidate], usable: list[Node], gpu_blocks: int,
+           total: int) -> Match:
     """The cost rule's choice among ``cands`` (recorded in the counters) as a Match."""
-    L = lk.layout
-    gpu_tokens = gpu_blocks * L.block_tokens
-    decision = choose(lk.settings.cost, [(e * L.block_tokens, b, k) for _, e, b, k in cands], gpu_tokens, total)
+    bt = lk.layout.block_tokens
+    gpu_tokens = gpu_blocks * bt
+    decision = choose(lk.settings.cost, [(e * bt, b, k) for _, e, b, k in cands], gpu_tokens, total)
     est = decision.deciding
     if est is not None:
         lk.counters.decision(
             result=decision.result, transfer_s=est[1], prefill_s=est[2],
-            key=key.hex()[:12], gpu_tokens=gpu_tokens, total_tokens=total,
-            deepest_tokens=cands[0][1] * L.block_tokens,
+            key=prefix.keys[-1].hex()[:12], gpu_tokens=gpu_tokens, total_tokens=total,
+            deepest_tokens=cands[0][1] * bt,
             chosen_tokens=None if decision.chosen is None else est[0],
             estimates=[list(e) for e in decision.estimates],
         )
     if decision.chosen is None:
-        return Match("rejected_cost", **base, transfer_s=est[1], prefill_s=est[2])
-    chosen, blocks, nbytes, _ = cands[decision.chosen]
-    chosen_path = tuple((x.id, x.generation) for x in usable if x.end <= chosen.end)
+        return Match("rejected_cost", len(prefix), bt, gpu_blocks, cache=lk.cache_id,
+                     transfer_s=est[1], prefill_s=est[2])
+    _, blocks, nbytes, k = cands[decision.chosen]
+    transfer_s, prefill_s = (est[1], est[2]) if est else (None, None)
+    return hit(lk, len(prefix), usable, len(usable) - k, blocks, nbytes, gpu_blocks, transfer_s, prefill_s)
+
+
+def hit(lk: Looking, n: int, usable: list[Node], j: int, blocks: int, nbytes: int, gpu_blocks: int,
+        transfer_s: float | None, prefill_s: float | None) -> Match:
+    """The hit restoring ``usable[j]`` (``usable`` deepest first) up to block ``blocks``:
+    its path is that node and the nodes above it, root first."""
+    L = lk.layout
+    chosen = usable[j]
+    path = tuple([(x.id, x.generation) for x in usable[j:]][::-1])
     if blocks < chosen.end:  # a partial hit: only the rows up to `blocks` are uploaded
         nbytes = L.ranks * L.payload_bytes((blocks - gpu_blocks) * L.block_tokens, False)
-    return Match(
-        "hit", blocks=blocks, node_id=chosen.id, node_key=chosen.key, path=chosen_path, nbytes=nbytes,
-        transfer_s=est[1] if est else None, prefill_s=est[2] if est else None, **base,
-    )
+    return Match("hit", n, L.block_tokens, gpu_blocks, blocks, chosen.id, path, nbytes, transfer_s, prefill_s,
+                 lk.cache_id, chosen.key)
 
 
 def path_current(index: Index, match: Match) -> bool:

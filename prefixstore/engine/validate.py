@@ -89,6 +89,10 @@ def evict_args(layout: Layout, nbytes: Any, prefix_: Any) -> tuple[int | None, P
 
 
 def lookup_args(layout: Layout, value: Any, gpu_blocks: Any, total_tokens: Any) -> None:
+    if (value.__class__ is Prefix and gpu_blocks.__class__ is int and 0 <= gpu_blocks <= len(value.keys)
+            and (total_tokens is None or (total_tokens.__class__ is int and total_tokens >= 0))
+            and (value.block_tokens is None or value.block_tokens == layout.block_tokens)):
+        return  # the common case, checked in one expression (the request path)
     p = prefix(layout, value)
     g = integer("gpu_blocks", gpu_blocks)
     if g > len(p):
