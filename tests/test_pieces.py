@@ -5,9 +5,11 @@ destination, and a restore that uses it still refuses every damaged byte."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -120,6 +122,8 @@ def test_an_io_error_is_raised_only_once_every_taken_piece_has_landed(tmp_path, 
 
 
 def test_no_helper_on_a_busy_machine(monkeypatch):
+    clock = itertools.count(0, 10)  # every estimate is taken afresh
+    monkeypatch.setattr(pieces, "time", types.SimpleNamespace(monotonic=lambda: float(next(clock))))
     monkeypatch.setattr(pieces.os, "getloadavg", lambda: (float(os.cpu_count() or 1), 0.0, 0.0))
     assert Helpers(None, 4).now() == 0  # type: ignore[arg-type]
     assert Helpers(None, 4, when_idle=False).now() == 4  # type: ignore[arg-type]

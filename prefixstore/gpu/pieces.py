@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 
@@ -41,11 +42,25 @@ class Helpers:
         """How many helpers a read takes now."""
         if not self.when_idle or self.count < 1:
             return self.count
+        idle = _idle_cpus()
+        return self.count if idle is None else max(0, min(self.count, int(idle)))
+
+
+_LOAD: list[float | None] = [None, float("-inf")]
+"""The last idle-CPU estimate and when it was taken (``time.monotonic``)."""
+
+
+def _idle_cpus() -> float | None:
+    """CPUs the one-minute load average leaves idle, read at most every 0.2 s (the
+    average moves slower than that); None where the system has no load average."""
+    now = time.monotonic()
+    if now - (_LOAD[1] or 0.0) > 0.2:
         try:
-            idle = (os.cpu_count() or 1) - os.getloadavg()[0]
-        except OSError:  # no load average on this system: take what is given
-            return self.count
-        return max(0, min(self.count, int(idle)))
+            _LOAD[0] = (os.cpu_count() or 1) - os.getloadavg()[0]
+        except OSError:
+            _LOAD[0] = None
+        _LOAD[1] = now
+    return _LOAD[0]
 
 
 def read_full(fd: int, pos: int, out: memoryview) -> int:
@@ -116,8 +131,9 @@ def read_hashed(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpe
     """
     n = len(pieces)
     flags = shared if shared is not None else [False] * n
-    count = 0 if helpers is None else helpers.now()
-    if count < 1 or sum(not s for s in flags) < 2:
+    parallel = n - sum(flags)
+    count = 0 if helpers is None or parallel < 2 else helpers.now()
+    if count < 1:
         total = 0
         for pos, out in pieces:
             k = read_full(fd, pos, out)
@@ -129,7 +145,7 @@ def read_hashed(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpe
     assert helpers is not None
     claims = _Claims(pieces, flags, [threading.Event() for _ in range(n)], [0] * n, [None] * n)
     tasks: list[Future] = [helpers.pool.submit(_help, fd, claims)
-                           for _ in range(min(count, n - sum(flags) - 1))]
+                           for _ in range(min(count, parallel - 1))]
     try:
         return _hash_in_order(fd, claims, hasher)
     finally:
