@@ -12,7 +12,9 @@ pool once its upload completed. Where the outputs are host memory (the CPU execu
 and the tier reads from a descriptor (``READS_FD``), a shard is read straight into its
 slices of the output instead (``verify.read_placed``: hashed as each piece lands, no
 staging buffer, no second copy), several shards at once on the reader threads. The
-outputs are the caller's tensors when it passes ``into``.
+outputs are the caller's tensors when it passes ``into``. A shard of several pieces is
+read by piece helpers beside the thread that hashes it, when the machine has idle CPUs
+(``gpu/pieces.py``).
 """
 
 from __future__ import annotations

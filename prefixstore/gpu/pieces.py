@@ -54,7 +54,7 @@ def _idle_cpus() -> float | None:
     """CPUs the one-minute load average leaves idle, read at most every 0.2 s (the
     average moves slower than that); None where the system has no load average."""
     now = time.monotonic()
-    if now - (_LOAD[1] or 0.0) > 0.2:
+    if not 0.0 <= now - (_LOAD[1] or 0.0) <= 0.2:
         try:
             _LOAD[0] = (os.cpu_count() or 1) - os.getloadavg()[0]
         except OSError:
