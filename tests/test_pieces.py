@@ -124,11 +124,11 @@ def test_an_io_error_is_raised_only_once_every_taken_piece_has_landed(tmp_path, 
 def test_no_helper_on_a_busy_machine(monkeypatch):
     clock = itertools.count(0, 10)  # every estimate is taken afresh
     monkeypatch.setattr(pieces, "time", types.SimpleNamespace(monotonic=lambda: float(next(clock))))
-    monkeypatch.setattr(pieces.os, "getloadavg", lambda: (float(os.cpu_count() or 1), 0.0, 0.0))
+    monkeypatch.setattr(pieces.os, "getloadavg", lambda: (float(pieces.usable_cpus()), 0.0, 0.0))
     assert Helpers(None, 4).now() == 0  # type: ignore[arg-type]
     assert Helpers(None, 4, when_idle=False).now() == 4  # type: ignore[arg-type]
     monkeypatch.setattr(pieces.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert Helpers(None, 4).now() == min(4, os.cpu_count() or 1)  # type: ignore[arg-type]
+    assert Helpers(None, 4).now() == min(4, pieces.usable_cpus())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("where", ["none", "first piece", "middle", "last byte"])

@@ -19,7 +19,6 @@ read by piece helpers beside the thread that hashes it, when the machine has idl
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from prefixstore.engine.results import Match
 from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Buffer
-from prefixstore.gpu.pieces import Helpers
+from prefixstore.gpu.pieces import Helpers, usable_cpus
 from prefixstore.gpu.tier import Capability, has
 from prefixstore.gpu.workers import Worker
 
@@ -65,7 +64,7 @@ class Transfers:
 
     def __init__(self, ranks: int, *, max_inflight_stores: int = 8) -> None:
         self.readers = ThreadPoolExecutor(max_workers=max(2, 2 * ranks), thread_name_prefix="reader")
-        helpers = max(1, min(4, (os.cpu_count() or 2) - 1))
+        helpers = max(1, min(4, usable_cpus() - 1))
         self.pieces = Helpers(ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="piece"), helpers)
         self.window = max(2, 2 * ranks)
         self.commit = Worker("commit")

@@ -46,6 +46,14 @@ class Helpers:
         return self.count if idle is None else max(0, min(self.count, int(idle)))
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this system
+        return os.cpu_count() or 1
+
+
 _LOAD: list[float | None] = [None, float("-inf")]
 """The last idle-CPU estimate and when it was taken (``time.monotonic``)."""
 
@@ -56,7 +64,7 @@ def _idle_cpus() -> float | None:
     now = time.monotonic()
     if not 0.0 <= now - (_LOAD[1] or 0.0) <= 0.2:
         try:
-            _LOAD[0] = (os.cpu_count() or 1) - os.getloadavg()[0]
+            _LOAD[0] = usable_cpus() - os.getloadavg()[0]
         except OSError:
             _LOAD[0] = None
         _LOAD[1] = now
