@@ -121,6 +121,20 @@ def test_an_io_error_is_raised_only_once_every_taken_piece_has_landed(tmp_path, 
         os.close(fd)
 
 
+def test_a_shut_down_pool_leaves_the_read_to_the_hashing_thread(tmp_path):
+    path, data = _file(tmp_path, 2 * MIB)
+    out = bytearray(len(data))
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.shutdown()
+    h = xxhash.xxh3_128()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = pieces.read_hashed(fd, _split(memoryview(out), 256 << 10), h, Helpers(pool, 1, when_idle=False))
+    finally:
+        os.close(fd)
+    assert n == len(data) and bytes(out) == data and h.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+
+
 def test_no_helper_on_a_busy_machine(monkeypatch):
     clock = itertools.count(0, 10)  # every estimate is taken afresh
     monkeypatch.setattr(pieces, "time", types.SimpleNamespace(monotonic=lambda: float(next(clock))))

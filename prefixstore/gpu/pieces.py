@@ -152,8 +152,12 @@ def read_hashed(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpe
         return total
     assert helpers is not None
     claims = _Claims(pieces, flags, [threading.Event() for _ in range(n)], [0] * n, [None] * n)
-    tasks: list[Future] = [helpers.pool.submit(_help, fd, claims)
-                           for _ in range(min(count, parallel - 1))]
+    tasks: list[Future] = []
+    try:
+        for _ in range(min(count, parallel - 1)):
+            tasks.append(helpers.pool.submit(_help, fd, claims))
+    except RuntimeError:  # the pool is shut down (the engine closing): this thread reads the rest
+        pass
     try:
         return _hash_in_order(fd, claims, hasher)
     finally:
