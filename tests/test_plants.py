@@ -37,6 +37,7 @@ CAUGHT_BY = {
     "rename-over-live": {"audit:1", "audit:2", "damaged", "miss"},  # 2: a cached row no longer the catalog's
     "skip-orphan-cleanup": {"audit:3"},
     "skip-restore-checksum": {"bytes"},
+    "skip-read-checksum": {"bytes"},
     "skip-barrier": {"damaged", "miss", "audit:1"},
     "skip-retire-output": {"invariant", "audit:3"},  # audit 3: rows owned by an ended transaction
     "async-ack-before-publish": {"lost", "miss"},

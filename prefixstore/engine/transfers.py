@@ -12,7 +12,9 @@ pool once its upload completed. Where the outputs are host memory (the CPU execu
 and the tier reads from a descriptor (``READS_FD``), a shard is read straight into its
 slices of the output instead (``verify.read_placed``: hashed as each piece lands, no
 staging buffer, no second copy), several shards at once on the reader threads. The
-outputs are the caller's tensors when it passes ``into``.
+outputs are the caller's tensors when it passes ``into``. A shard of several pieces is
+read by piece helpers beside the thread that hashes it, when the machine has idle CPUs
+(``gpu/pieces.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from prefixstore.engine.results import Match
 from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Buffer
+from prefixstore.gpu.pieces import Helpers, usable_cpus
 from prefixstore.gpu.tier import Capability, has
 from prefixstore.gpu.workers import Worker
 
@@ -45,6 +48,9 @@ class Transfers:
     itself (pools, workers, the semaphore) or written by one restore at a time."""
 
     readers: ThreadPoolExecutor
+    pieces: Helpers
+    """Threads that read pieces of one shard beside the thread hashing it (never the
+    readers: a reader waits for its pieces)."""
     window: int
     """Reads in flight per restore, at most."""
     commit: Worker
@@ -58,6 +64,8 @@ class Transfers:
 
     def __init__(self, ranks: int, *, max_inflight_stores: int = 8) -> None:
         self.readers = ThreadPoolExecutor(max_workers=max(2, 2 * ranks), thread_name_prefix="reader")
+        helpers = max(1, min(4, usable_cpus() - 1))
+        self.pieces = Helpers(ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="piece"), helpers)
         self.window = max(2, 2 * ranks)
         self.commit = Worker("commit")
         self.retry = Worker("retry")
@@ -95,6 +103,7 @@ class Transfers:
         self.commit.stop(wait=wait)
         self.retry.stop(wait=wait)
         self.readers.shutdown(wait=False, cancel_futures=True)
+        self.pieces.pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, Any]:
         return {"workers": {"commit": self.commit.stats(), "retry": self.retry.stats()},
@@ -144,7 +153,8 @@ def _fetch_placed(f: Fetch, x: Node, r: int, row: tuple[str, int, str], place: v
     L = f.layout
     meta = {**shards.meta(x.key, x.generation, x.start, x.end, x.has_snapshot), "rank": str(r)}
     got = verify.read_placed(f.tiers.ranks[r], name, size, ck, verify.Header(L, x.blocks * L.block_tokens,
-                             x.has_snapshot, meta), place, f.executor.stats)
+                             x.has_snapshot, meta), place, f.executor.stats,
+                             f.transfers.pieces)
     if isinstance(got, verify.Transient):
         f.counters.inc("faults", "read")
         return None
@@ -163,7 +173,7 @@ def _fetch(f: Fetch, x: Node, r: int, row: tuple[str, int, str], from_ram: bool)
     rank = f.tiers.ranks[r]
     ex = f.executor
     got = (verify.resident(rank, name, size) if from_ram
-           else verify.read(rank, name, size, ck, pool=ex.pool, stats=ex.stats))
+           else verify.read(rank, name, size, ck, pool=ex.pool, stats=ex.stats, helpers=f.transfers.pieces))
     if got is None:
         return _NOT_RESIDENT
     if isinstance(got, verify.Transient):
@@ -261,6 +271,8 @@ class _Restore:
     nxt: int
     placed: bool
     """The outputs are host memory: shards are read straight into them."""
+    uploads: bool
+    """Some shard was uploaded from a buffer (not read in place)."""
 
     def __init__(self, f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match,
                  into: list[dict[str, torch.Tensor]] | None = None) -> None:
@@ -286,6 +298,7 @@ class _Restore:
         self.ready: list[tuple[int, _Fetched]] = []  # fetched, not yet uploaded
         self.nxt = 0
         self.placed = f.executor.host_outputs
+        self.uploads = False
 
     def run(self) -> Any:
         """The output tensors per rank, a ``Damage``, or None (a transient error)."""
@@ -319,10 +332,11 @@ class _Restore:
                         return Damage(x, item) if isinstance(item, str) else None
                     self.ready.append((i, item))
                 self.upload_ready()
-                tf, cf = clock(), cpu()
-                ex.finish_uploads()
-                self.move += clock() - tf
-                self.move_cpu += cpu() - cf
+                if self.uploads:  # placed reads need no finishing (nor the CPU clock's system calls)
+                    tf, cf = clock(), cpu()
+                    ex.finish_uploads()
+                    self.move += clock() - tf
+                    self.move_cpu += cpu() - cf
         finally:
             for item in got:
                 if item is not None:
@@ -372,8 +386,11 @@ class _Restore:
 
     def upload_ready(self) -> None:
         """Upload every fetched chunk (a tight loop: no bookkeeping between copies)."""
+        if not self.ready:
+            return
         ex, L, chunks, flats, seg_rows = self.f.executor, self.f.layout, self.chunks, self.flats, self.seg_rows
         clock, cpu = time.perf_counter, time.thread_time
+        self.uploads = True
         ops = []  # each node's rows land in their slice of the output
         for i, item in self.ready:
             x, r, _, o, cut, ntok = chunks[i]

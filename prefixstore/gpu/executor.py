@@ -455,8 +455,9 @@ class CpuExecutor:
         self.stats.add(h2d_bytes=dst.numel() * dst.element_size(), h2d_copies=1)
 
     def flat(self, dst: torch.Tensor) -> np.ndarray:
-        """A byte view of a contiguous output tensor, for ``upload_bytes``."""
-        return dst.reshape(-1).view(torch.uint8).numpy()
+        """A byte view of a contiguous output tensor, for ``upload_bytes`` (flattened by
+        numpy: a torch reshape costs more than the rest of the view)."""
+        return (dst if dst.dim() else dst.reshape(1)).view(torch.uint8).numpy().reshape(-1)
 
     def source(self, buf: Buffer) -> np.ndarray:
         return buf.array()

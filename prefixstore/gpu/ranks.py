@@ -80,10 +80,17 @@ class LocalRank:
 
     @property
     def capabilities(self) -> Capability:
-        caps = Capability.READS_INTO | Capability.LOCAL_FILES | Capability.REPORTS_DURABILITY
-        if self.fs.reads_fd and self._reads_are_own():
-            caps |= Capability.READS_FD
-        return caps | Capability.COPIES_ON_READ if self.fs.copies_on_read else caps
+        """What this rank declares, worked out once (its file system and class are
+        fixed): a restore asks several times per shard."""
+        caps = self.__dict__.get("_capabilities")
+        if caps is None:
+            caps = Capability.READS_INTO | Capability.LOCAL_FILES | Capability.REPORTS_DURABILITY
+            if self.fs.reads_fd and self._reads_are_own():
+                caps |= Capability.READS_FD
+            if self.fs.copies_on_read:
+                caps |= Capability.COPIES_ON_READ
+            self.__dict__["_capabilities"] = caps
+        return caps
 
     def _reads_are_own(self) -> bool:
         """False for a subclass that overrides ``read_shard`` or ``read_shard_into``: its

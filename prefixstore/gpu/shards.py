@@ -320,7 +320,21 @@ def parse_entries(
     file of ``file_size`` bytes: what the safetensors loader checks (known dtypes, each
     tensor's byte size, offsets contiguous from the data start to the end of the file,
     each tensor aligned to its dtype) plus the metadata and the layout, as ``decode``
-    does. Returns the entries with absolute file offsets, in file order."""
+    does. Returns the entries with absolute file offsets, in file order.
+
+    A pure function of its arguments: a header that passed is remembered (a shard read
+    again is not parsed again); one that failed is checked anew each time."""
+    return list(_entries(bytes(text), file_size, layout, tokens, with_snapshot, tuple(expect_meta.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _entries(text: bytes, file_size: int, layout: Layout, tokens: int, with_snapshot: bool,
+             expect_meta: tuple[tuple[str, str], ...]) -> tuple[Entry, ...]:
+    return tuple(_parse_entries(text, file_size, layout, tokens, with_snapshot, dict(expect_meta)))
+
+
+def _parse_entries(text: bytes, file_size: int, layout: Layout, tokens: int, with_snapshot: bool,
+                   expect_meta: Mapping[str, str]) -> list[Entry]:
     try:
         head = json.loads(text)
     except ValueError as exc:

@@ -23,8 +23,9 @@ import xxhash
 
 from prefixstore.base.errors import NotRegularFileError, RankUnavailableError, ShardError
 from prefixstore.base.layout import Layout
-from prefixstore.gpu import fileio, shards
+from prefixstore.gpu import fileio, pieces, shards
 from prefixstore.gpu.executor import Buffer, CopyStats, StagingPool
+from prefixstore.gpu.pieces import Helpers
 from prefixstore.gpu.tier import Capability, Tier, has
 
 
@@ -74,13 +75,15 @@ def read(
     pool: StagingPool | None = None,
     stats: CopyStats | None = None,
     header: Header | None = None,
+    helpers: Helpers | None = None,
 ) -> Shard | Damage | Transient:
     """Read ``name`` from ``tier`` and check it against its catalog row (``size``,
     ``checksum``) and, when given, ``header``.
 
     With ``pool`` the shard lands in a staging buffer (read in place where the tier
     ``READS_INTO``; copies are counted in ``stats``) and its header, if asked, is
-    parsed there without copying; otherwise it is read as bytes.
+    parsed there without copying; otherwise it is read as bytes. ``helpers``: threads
+    that read pieces of it in parallel (``gpu/pieces.py``).
     """
     if pool is None:
         got = _read_bytes(tier, name)
@@ -88,7 +91,7 @@ def read(
     buf = pool.acquire(size)
     try:
         if has(tier, Capability.READS_FD):  # hashed as it lands
-            got = _guarded(tier.read_shard_with, name, lambda fd: _read_whole(fd, size, buf.mv()))  # type: ignore[attr-defined]
+            got = _guarded(tier.read_shard_with, name, lambda fd: _read_whole(fd, size, buf.mv(), helpers))  # type: ignore[attr-defined]
             n, digest = got if isinstance(got, tuple) else (got, None)
         else:
             n, digest = _read_into(tier, name, buf.mv(), stats), None
@@ -122,17 +125,18 @@ many as it holds. Every other byte is read and hashed, and kept nowhere."""
 
 
 def read_placed(tier: Tier, name: str, size: int, checksum: str, header: Header, place: Placement,
-                stats: CopyStats | None = None) -> Shard | Damage | Transient | None:
+                stats: CopyStats | None = None, helpers: Helpers | None = None) -> Shard | Damage | Transient | None:
     """Read ``name`` straight into the destinations of ``place`` (the caller's final
     buffers: no staging, no second copy), hashing each piece as it lands, and check it
     as ``read`` does: the size, the checksum over every byte of the file, the header
     (against ``header``). On ``Damage`` or ``Transient`` the destinations hold whatever
     was read: the caller must not use them. None when the tier cannot (no ``READS_FD``).
+    ``helpers``: threads that read pieces of it in parallel (``gpu/pieces.py``).
     """
     if not has(tier, Capability.READS_FD):
         return None
     got = _guarded(tier.read_shard_with, name,  # type: ignore[attr-defined]
-                   lambda fd: _read_placed(fd, name, size, checksum, header, place))
+                   lambda fd: _read_placed(fd, name, size, checksum, header, place, helpers))
     if isinstance(got, Transient | Damage):
         return got
     n, why = got
@@ -152,18 +156,24 @@ def _scratch() -> memoryview:
     return mv
 
 
-def _read_whole(fd: int, size: int, out: memoryview) -> tuple[int, str] | int:
+def _read_whole(fd: int, size: int, out: memoryview, helpers: Helpers | None) -> tuple[int, str] | int:
     """The file at ``fd`` into ``out`` (its size when that is not ``size``)."""
     actual = os.fstat(fd).st_size
     if actual != size:
         return actual
     fileio.advise_sequential(fd)
     h = xxhash.xxh3_128()
-    return fileio.read_hashed(fd, 0, out[:size], h), h.hexdigest()
+    return pieces.read_hashed(fd, _split(0, out[:size]), h, helpers), h.hexdigest()
+
+
+def _split(pos: int, out: memoryview) -> list[tuple[int, memoryview]]:
+    """``out`` (to be read from file offset ``pos``) in ``pieces.PIECE`` pieces."""
+    step = pieces.PIECE
+    return [(pos + i, out[i : i + step]) for i in range(0, len(out), step)]
 
 
 def _read_placed(fd: int, name: str, size: int, checksum: str, header: Header,
-                 place: Placement) -> tuple[int, str | None]:
+                 place: Placement, helpers: Helpers | None) -> tuple[int, str | None]:
     """(bytes read, why the shard is damaged or None) of a placed read. The checks
     come in ``read``'s order: size, checksum, header."""
     actual = os.fstat(fd).st_size
@@ -186,19 +196,43 @@ def _read_placed(fd: int, name: str, size: int, checksum: str, header: Header,
             plan = _plan(entries, place)
         except shards.ShardError as exc:
             head_why = str(exc)
-    for begin, dst in plan:  # in file order, contiguous
-        if begin > pos:
-            pos += fileio.skip_hashed(fd, pos, begin - pos, h, scratch)
-        if pos != begin:
-            break
-        pos += fileio.read_hashed(fd, pos, dst, h)
-    if pos < size:
-        pos += fileio.skip_hashed(fd, pos, size - pos, h, scratch)
+    todo, shared = _pieces(pos, size, plan, scratch)
+    pos += pieces.read_hashed(fd, todo, h, helpers, shared)
     if pos != size:  # the file shrank while it was read
         return pos, _size_problem(pos, size, name)
     if h.hexdigest() != checksum:
         return pos, f"shard {name}: checksum mismatch"
     return pos, head_why
+
+
+def _pieces(pos: int, size: int, plan: list[tuple[int, memoryview]],
+            scratch: memoryview) -> tuple[list[tuple[int, memoryview]], list[bool]]:
+    """The pieces that read the file from ``pos`` to ``size``: each placed destination
+    (in ``pieces.PIECE`` pieces) and the bytes between them through ``scratch``
+    (marked shared: read in turn by the hashing thread). A placed piece that does not
+    start where the last ended (a header that lies about its offsets) ends the placing:
+    the rest goes through ``scratch``."""
+    out: list[tuple[int, memoryview]] = []
+    shared: list[bool] = []
+
+    def gap(end: int) -> None:
+        nonlocal pos
+        while pos < end:
+            k = min(len(scratch), end - pos)
+            out.append((pos, scratch[:k]))
+            shared.append(True)
+            pos += k
+
+    for begin, dst in plan:  # in file order, contiguous
+        gap(begin)
+        if pos != begin:
+            break
+        for p in _split(pos, dst):
+            out.append(p)
+            shared.append(False)
+        pos += len(dst)
+    gap(size)
+    return out, shared
 
 
 def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, memoryview]]:

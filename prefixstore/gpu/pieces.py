@@ -1,0 +1,193 @@
+"""A file read in pieces on several threads, hashed in file order on one.
+
+Reading from the page cache is a copy that runs at one core's memory speed, and the
+checksum another pass over the same bytes. ``read_hashed`` splits a read into pieces:
+helper threads and the calling thread read pieces as they claim them (in file order),
+while the calling thread feeds each piece to the hasher as soon as it has landed, in
+order, so the digest is the one a single sequential read gives. Nothing is returned
+before every piece that was claimed has landed: no helper writes into a destination
+after the call returns.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+
+import attrs
+
+PIECE = 1 << 19
+"""Bytes per piece: small enough that the last piece's hash (what cannot overlap a
+read) is short, large enough that the hand-off costs little against its copy."""
+
+
+@attrs.frozen(eq=False)
+class Helpers:
+    """Threads that read pieces for ``read_hashed``: ``count`` tasks at most per read,
+    on ``pool`` (which must not be the pool whose threads call ``read_hashed`` and wait:
+    a helper task never waits, so any pool of its own is safe).
+
+    With ``when_idle`` a read takes only as many helpers as the machine has idle CPUs
+    (by the one-minute load average): on a busy machine a helper waits for a CPU while
+    the hashing thread waits for its piece, and one thread alone is faster."""
+
+    pool: Executor
+    count: int
+    when_idle: bool = True
+
+    def now(self) -> int:
+        """How many helpers a read takes now."""
+        if not self.when_idle or self.count < 1:
+            return self.count
+        idle = _idle_cpus()
+        return self.count if idle is None else max(0, min(self.count, int(idle)))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this system
+        return os.cpu_count() or 1
+
+
+_LOAD: list[float | None] = [None, float("-inf")]
+"""The last idle-CPU estimate and when it was taken (``time.monotonic``)."""
+
+
+def _idle_cpus() -> float | None:
+    """CPUs the one-minute load average leaves idle, read at most every 0.2 s (the
+    average moves slower than that); None where the system has no load average."""
+    now = time.monotonic()
+    if not 0.0 <= now - (_LOAD[1] or 0.0) <= 0.2:
+        try:
+            _LOAD[0] = usable_cpus() - os.getloadavg()[0]
+        except OSError:
+            _LOAD[0] = None
+        _LOAD[1] = now
+    return _LOAD[0]
+
+
+def read_full(fd: int, pos: int, out: memoryview) -> int:
+    """Read ``len(out)`` bytes at ``pos`` into ``out``; fewer only at end of file."""
+    got, n = 0, len(out)
+    while got < n:
+        k = os.preadv(fd, [out[got:]], pos + got)
+        if k <= 0:
+            break
+        got += k
+    return got
+
+
+@attrs.define(eq=False, slots=True)
+class _Claims:
+    """The pieces of one read: which are taken, which landed, what each read got."""
+
+    pieces: Sequence[tuple[int, memoryview]]
+    shared: Sequence[bool]
+    """Pieces read by the hashing thread only (their destination is reused)."""
+    landed: list[threading.Event]
+    got: list[int]
+    errors: list[BaseException | None]
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+    next: int = 0
+    closed: bool = False
+
+    def take(self) -> int | None:
+        """The next piece no one has taken (None once all are or the read ended)."""
+        with self.lock:
+            while not self.closed and self.next < len(self.pieces):
+                i = self.next
+                self.next += 1
+                if not self.shared[i]:
+                    return i
+            return None
+
+    def read(self, fd: int, i: int) -> None:
+        pos, out = self.pieces[i]
+        try:
+            self.got[i] = read_full(fd, pos, out)
+        except BaseException as exc:  # raised by the hashing thread, in order
+            self.errors[i] = exc
+        finally:
+            self.landed[i].set()
+
+    def close(self) -> int:
+        """No piece is taken from now on; how many were."""
+        with self.lock:
+            self.closed = True
+            return self.next
+
+
+def _help(fd: int, claims: _Claims) -> None:
+    while (i := claims.take()) is not None:
+        claims.read(fd, i)
+
+
+def read_hashed(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpers: Helpers | None = None,
+                shared: Sequence[bool] | None = None) -> int:
+    """Read each ``(file offset, destination)`` of ``pieces`` (contiguous, in file
+    order) and feed them to ``hasher`` in that order; the bytes read and hashed, up to
+    and including the first piece cut short by the end of the file.
+
+    With ``helpers`` (as many as ``Helpers.now`` gives) the pieces not marked
+    ``shared`` are read in parallel by helper tasks and this thread; a ``shared`` piece (its destination is reused by the next)
+    is read here, in its turn. An I/O error is raised once every piece taken landed.
+    """
+    n = len(pieces)
+    flags = shared if shared is not None else [False] * n
+    parallel = n - sum(flags)
+    count = 0 if helpers is None or parallel < 2 else helpers.now()
+    if count < 1:
+        total = 0
+        for pos, out in pieces:
+            k = read_full(fd, pos, out)
+            hasher.update(out[:k])
+            total += k
+            if k < len(out):
+                break
+        return total
+    assert helpers is not None
+    claims = _Claims(pieces, flags, [threading.Event() for _ in range(n)], [0] * n, [None] * n)
+    tasks: list[Future] = []
+    try:
+        for _ in range(min(count, parallel - 1)):
+            tasks.append(helpers.pool.submit(_help, fd, claims))
+    except RuntimeError:  # the pool is shut down (the engine closing): this thread reads the rest
+        pass
+    try:
+        return _hash_in_order(fd, claims, hasher)
+    finally:
+        taken = claims.close()
+        for t in tasks:
+            t.cancel()
+        for i in range(taken):
+            if not flags[i]:
+                claims.landed[i].wait()
+
+
+def _hash_in_order(fd: int, claims: _Claims, hasher) -> int:
+    """The hashing thread's part: each piece in order, reading what no one has taken."""
+    total = 0
+    for j, (pos, out) in enumerate(claims.pieces):
+        if claims.shared[j]:
+            k = read_full(fd, pos, out)
+        else:
+            while not claims.landed[j].is_set():
+                i = claims.take()
+                if i is None:
+                    claims.landed[j].wait()
+                    break
+                claims.read(fd, i)
+            err = claims.errors[j]
+            if err is not None:
+                raise err
+            k = claims.got[j]
+        hasher.update(out[:k])
+        total += k
+        if k < len(out):
+            break
+    return total

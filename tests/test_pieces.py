@@ -1,0 +1,181 @@
+"""A shard read in pieces on several threads (``gpu/pieces.py``) gives the digest and
+the bytes of one sequential read, never returns while a helper may still write into a
+destination, and a restore that uses it still refuses every damaged byte."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import threading
+import time
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import xxhash
+from conftest import make_layout, seg_tensors
+
+from prefixstore.base.keys import Prefix
+from prefixstore.engine.api import Engine
+from prefixstore.fuzz.faultfs import flip_bit
+from prefixstore.gpu import pieces
+from prefixstore.gpu.pieces import Helpers
+
+MIB = 1 << 20
+
+
+class CountingPool(ThreadPoolExecutor):
+    submitted = 0
+
+    def submit(self, *a, **k):
+        self.submitted += 1
+        return super().submit(*a, **k)
+
+
+@pytest.fixture
+def helpers():
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="piece-test")
+    yield Helpers(pool, 3, when_idle=False)
+    pool.shutdown(wait=True)
+
+
+def _file(tmp_path, n: int) -> tuple[str, bytes]:
+    data = os.urandom(n)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    return str(path), data
+
+
+def _split(out: memoryview, step: int, start: int = 0) -> list[tuple[int, memoryview]]:
+    return [(start + i, out[i : i + step]) for i in range(0, len(out), step)]
+
+
+def test_pieces_read_in_parallel_give_the_sequential_digest_and_bytes(tmp_path, helpers):
+    path, data = _file(tmp_path, 3 * MIB + 12345)
+    out = bytearray(len(data))
+    scratch = bytearray(64 << 10)  # a reused destination: read in turn by the hashing thread
+    head = 100_000
+    todo = [(p, memoryview(scratch)[: len(v)]) for p, v in _split(memoryview(out)[:head], 64 << 10)]
+    shared = [True] * len(todo)
+    placed = _split(memoryview(out)[head:], 256 << 10, head)
+    todo += placed
+    shared += [False] * len(placed)
+    h = xxhash.xxh3_128()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pieces.read_hashed(fd, todo, h, helpers, shared) == len(data)
+    finally:
+        os.close(fd)
+    assert h.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+    assert bytes(out[head:]) == data[head:]
+
+
+def test_a_file_cut_short_stops_at_the_cut_piece(tmp_path, helpers):
+    path, data = _file(tmp_path, 2 * MIB + 7)
+    out = bytearray(4 * MIB)  # planned for a larger file
+    h = xxhash.xxh3_128()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pieces.read_hashed(fd, _split(memoryview(out), 256 << 10), h, helpers) == len(data)
+    finally:
+        os.close(fd)
+    assert h.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+    assert bytes(out[: len(data)]) == data
+
+
+def test_an_io_error_is_raised_only_once_every_taken_piece_has_landed(tmp_path, helpers, monkeypatch):
+    """A helper's piece fails while later pieces are still being read by other helpers:
+    the error reaches the caller only after those reads finished, so nothing writes
+    into the destination after the call returns."""
+    path, data = _file(tmp_path, 4 * MIB)
+    out = bytearray(len(data))
+    step = 512 << 10
+    real = os.preadv
+    bad = step  # the second piece fails
+    in_flight = []
+
+    def preadv(fd, bufs, pos):
+        if threading.current_thread().name.startswith("piece-test"):
+            if pos == bad:
+                raise OSError(errno.EIO, "injected")
+            if pos > bad:
+                in_flight.append(pos)
+                time.sleep(0.05)  # still reading when the failure is found
+                try:
+                    return real(fd, bufs, pos)
+                finally:
+                    in_flight.remove(pos)
+        elif pos == bad:  # the hashing thread never reads it: make it a helper's
+            time.sleep(0.2)
+        return real(fd, bufs, pos)
+
+    monkeypatch.setattr(pieces.os, "preadv", preadv)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="injected"):
+            pieces.read_hashed(fd, _split(memoryview(out), step), xxhash.xxh3_128(), helpers)
+        assert in_flight == []
+    finally:
+        os.close(fd)
+
+
+def test_a_shut_down_pool_leaves_the_read_to_the_hashing_thread(tmp_path):
+    path, data = _file(tmp_path, 2 * MIB)
+    out = bytearray(len(data))
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.shutdown()
+    h = xxhash.xxh3_128()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = pieces.read_hashed(fd, _split(memoryview(out), 256 << 10), h, Helpers(pool, 1, when_idle=False))
+    finally:
+        os.close(fd)
+    assert n == len(data) and bytes(out) == data and h.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+
+
+def test_no_helper_on_a_busy_machine(monkeypatch):
+    clock = itertools.count(0, 10)  # every estimate is taken afresh
+    monkeypatch.setattr(pieces, "time", types.SimpleNamespace(monotonic=lambda: float(next(clock))))
+    monkeypatch.setattr(pieces.os, "getloadavg", lambda: (float(pieces.usable_cpus()), 0.0, 0.0))
+    assert Helpers(None, 4).now() == 0  # type: ignore[arg-type]
+    assert Helpers(None, 4, when_idle=False).now() == 4  # type: ignore[arg-type]
+    monkeypatch.setattr(pieces.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert Helpers(None, 4).now() == min(4, pieces.usable_cpus())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("where", ["none", "first piece", "middle", "last byte"])
+@pytest.mark.parametrize("into", [False, True])
+def test_a_restore_read_in_pieces_refuses_any_damaged_byte(tmp_path, where, into):
+    """A shard of many pieces, read with helpers forced on: restored exactly when
+    intact; any flipped byte (whichever thread read it) is a miss."""
+    bt = 256
+    L = make_layout(snapshot=False, bt=bt)
+    blocks = max(4, 3 * pieces.PIECE // (bt * L.payload_bytes(1, False)) + 1)
+    toks = list(range(blocks * bt))
+    root = str(tmp_path / "c")
+    with Engine.open(root, L, 1 << 30) as eng:
+        assert eng.store(Prefix.from_tokens(toks, bt), seg_tensors(L, toks)[0]).ok
+    (path,) = [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".st")]
+    size = os.path.getsize(path)
+    assert size > 3 * pieces.PIECE
+    if where != "none":
+        flip_bit(path, {"first piece": size // 2 - pieces.PIECE - 3, "middle": size // 2, "last byte": size - 1}[where])
+    with Engine.open(root, L, 1 << 30) as eng:
+        pool = CountingPool(max_workers=2)
+        eng.transfers.pieces = Helpers(pool, 2, when_idle=False)
+        try:
+            m = eng.lookup(Prefix.from_tokens(toks, bt))
+            outs = [{s.name: torch.empty((m.tokens, *s.shape), dtype=s.torch_dtype) for s in L.segments}]
+            r = eng.restore(m, into=outs) if into else eng.restore(m)
+        finally:
+            pool.shutdown(wait=True)
+        assert pool.submitted >= 1  # the shard was read with helpers
+        if where == "none":
+            assert r is not None
+            want = seg_tensors(L, toks)[0]
+            assert all(torch.equal(r.segments[0][n], want[n]) for n in want)
+        else:
+            assert r is None
+            assert eng.counters.snapshot().get("lookups.damaged_on_restore") == 1
