@@ -88,7 +88,7 @@ from prefixstore.gpu import shards, tiers, verify
 from prefixstore.gpu.diskroom import RESERVE_NAME
 from prefixstore.gpu.fileio import open_regular, read_fd
 from prefixstore.gpu.ranks import TMP_SUFFIX, rank_dir_name
-from prefixstore.gpu.tier import Capability
+from prefixstore.gpu.tier import Capability, has
 from prefixstore.statemachine.transactions import MACHINES
 
 LOCK_NAME = "LOCK"
@@ -764,13 +764,15 @@ def _as_recovered(rep: AuditReport, layout: Layout, nodes, files, dirs, disk: _D
 
 def durable_shards(dirs: Sequence, files) -> list[str]:
     """``rankR/name`` of the file rows whose file is on disk in ``dirs`` (a directory, or
-    a rank object read through its ``listdir``, ``size`` and ``read_shard``) with the
-    size and checksum the row records (the evidence that a cache marked volatile is not)."""
+    a rank object read through its ``listdir``, ``size`` and ``read_shard``; a volatile
+    tier, such as the RAM tier, holds none) with the size and checksum the row records
+    (the evidence that a cache marked volatile is not)."""
     out = []
     present: list[set[str]] = []
     for d in dirs:
         try:
-            present.append(set(os.listdir(d) if isinstance(d, str) else d.listdir()))
+            present.append(set(os.listdir(d)) if isinstance(d, str) else
+                           set() if has(d, Capability.VOLATILE) else set(d.listdir()))
         except OSError:
             present.append(set())
     for rank, name, _node, _gen, size, ck, _status, _txn in files:
