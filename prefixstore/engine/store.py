@@ -39,6 +39,7 @@ from prefixstore.engine.readonly import Mode
 from prefixstore.engine.recency import Recency
 from prefixstore.engine.restore import Reader
 from prefixstore.engine.results import (
+    DUPLICATE,
     FAILED,
     REFILLED,
     REFUSED,
@@ -54,6 +55,10 @@ from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine.rows import NODE
+
+# The store's commits that share one sync of the catalog's log with the stores committed
+# meanwhile (``Catalog.txn(grouped=True)``): durable once ``Catalog.sync`` returns.
+GROUPED_COMMITS = ("store.intent", "store.publish")
 
 
 @attrs.define(eq=False)
@@ -71,6 +76,7 @@ class InFlight:
     protect: set[int]  # the parent and refilled row, fenced while the store is in flight
     needed: int
     txn: Txn | None = None  # the journaled transaction, once its intent committed
+    seq: int = 0  # its last grouped commit (``Catalog.sync``: durable once synced through it)
 
     @property
     def keys_span(self) -> slice:
@@ -136,6 +142,8 @@ def store(
     with st.guard.lock:
         t = begin(st, prefix, segs, snaps, tokens_from, staged, held)
     if isinstance(t, StoreResult):
+        if t.status == DUPLICATE:  # the row it found may be a grouped publish not synced yet
+            st.catalog.sync(st.catalog.wal.written)
         return t
     try:
         return write_and_publish(st, prefix, t)
@@ -211,7 +219,7 @@ def begin(st: Storing, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
             count_skip(st.counters, res)
             return res
         t.txn = intent(st, t)
-        t.tid = t.txn.id
+        t.tid, t.seq = t.txn.id, st.catalog.wal.written
     except BaseException:
         staging.release(t.owned)
         raise
@@ -229,7 +237,7 @@ def intent(st: Storing, t: InFlight) -> Txn:
         "parent": p.parent.id if p.parent else None,
         "node": p.existing.id if p.existing else None,
     }
-    with st.catalog.txn("store.intent") as c:
+    with st.catalog.txn(GROUPED_COMMITS[0], grouped=True) as c:
         sized = [(d.size, d.checksum()) for d in t.datas]
         txn = journal.begin(st.ledger, c, "store", payload,
                             rows=lambda tid: st.catalog.add_writing(c, tid, t.name, t.gen, sized))
@@ -237,9 +245,12 @@ def intent(st: Storing, t: InFlight) -> Txn:
 
 
 def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
-    """Write every rank, then publish (or roll back a failed write, or a refill whose
-    row a restore keeps pinned)."""
+    """Once the intent is durable, write every rank, then publish (or roll back a failed
+    write, or a refill whose row a restore keeps pinned); acknowledged once the publish
+    is durable. Both waits are group commits: one sync of the catalog's log for every
+    store committed meanwhile (``Catalog.sync``)."""
     n = len(prefix)
+    st.catalog.sync(t.seq)
     errors = staging.write_all(st.writer, t.name, t.datas)
     if errors:
         why = staging.failure_reason(st.tiers, errors, t.datas)  # before the rollback frees room
@@ -257,6 +268,7 @@ def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
         with st.guard.lock:
             if existing is None or not st.holds.pins[existing.id]:
                 res = published(st, prefix, t)
+                t.seq = st.catalog.wal.written
                 offer = st.offers.prepare(t)
                 break
             if time.monotonic() >= deadline or st.holds.request_pins[existing.id]:
@@ -265,8 +277,15 @@ def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
                 count_skip(st.counters, res)
                 return res
         time.sleep(0.002)
+    acknowledge(st, t.seq)
     st.offers.send(offer)
     return res
+
+
+def acknowledge(st: Storing, seq: int) -> None:
+    """Return once the publish (commit ``seq``) is durable: under ``synchronous=FULL`` a
+    stored checkpoint is acknowledged only then. Engine lock not held."""
+    st.catalog.sync(seq)
 
 
 def published(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
@@ -289,7 +308,7 @@ def publish(st: Storing, txn: Txn, plan: Plan, key: bytes, digests: bytes, start
     now = st.recency.tick()
     has_snap = st.layout.has_snapshot
     tid = txn.id
-    with st.catalog.txn("store.publish") as c:
+    with st.catalog.txn(GROUPED_COMMITS[1], grouped=True) as c:
         old = []
         if plan.existing is not None:
             nid = plan.existing.id
