@@ -4,6 +4,7 @@ publish (a refill retires the row's old generation), or roll back."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -16,6 +17,7 @@ from prefixstore.engine import (
     abort,
     health,
     journal,
+    publishing,
     replace,
     restore,
     space,
@@ -35,6 +37,7 @@ from prefixstore.engine.index import Index, Node
 from prefixstore.engine.journal import Ledger
 from prefixstore.engine.plan import Plan, count_skip
 from prefixstore.engine.plan import plan as plan_store
+from prefixstore.engine.publishing import Publishing
 from prefixstore.engine.readonly import Mode
 from prefixstore.engine.recency import Recency
 from prefixstore.engine.restore import Reader
@@ -121,6 +124,7 @@ class Storing:
     abort: Abort
     offers: Offers
     admit: Admit | None
+    publishing: Publishing = attrs.field(factory=Publishing)
 
 
 def plan(st: Storing, prefix: Prefix, held: frozenset[int] = frozenset()) -> Plan | StoreResult:
@@ -265,11 +269,12 @@ def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
     existing = t.plan.existing
     deadline = time.monotonic() + st.settings.pin_wait_s
     while True:
+        if existing is None:  # no pin to wait for: queue the publish before taking the lock
+            res, offer = published(st, prefix, t)
+            break
         with st.guard.lock:
-            if existing is None or not st.holds.pins[existing.id]:
-                res = published(st, prefix, t)
-                t.seq = st.catalog.wal.written
-                offer = st.offers.prepare(t)
+            if not st.holds.pins[existing.id]:
+                res, offer = published(st, prefix, t)
                 break
             if time.monotonic() >= deadline or st.holds.request_pins[existing.id]:
                 journal.rollback(st.ledger, t.txn, "failed")
@@ -288,43 +293,55 @@ def acknowledge(st: Storing, seq: int) -> None:
     st.catalog.sync(seq)
 
 
-def published(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
-    """Publish the written store and count it. Lock held."""
+def published(st: Storing, prefix: Prefix, t: InFlight) -> tuple[StoreResult, Any]:
+    """Publish the written store and count it; its result, and its offer (prepared under
+    the lock right after the publish). ``t.seq``: the publish's commit."""
     p, n = t.plan, t.end
     digests = b"".join(prefix.digests[p.start:n])
     was_damaged = p.existing is not None and p.existing.state == "damaged"
-    node = publish(st, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed)
+    node, offer, t.seq = publish(st, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed,
+                                 then=lambda _node: st.offers.prepare(t))
     status = REFILLED if p.existing is not None else STORED
     if was_damaged:
         st.counters.inc("refills")
     st.counters.inc("stores", status)
     log.debug("stored", key=t.key.hex()[:12], blocks=n, node=node.id, bytes=t.needed)
-    return StoreResult(status, n, None, t.needed)
+    return StoreResult(status, n, None, t.needed), offer
 
 
 def publish(st: Storing, txn: Txn, plan: Plan, key: bytes, digests: bytes, start: int, end: int,
-            gen: int, needed: int) -> Node:
-    """Commit the store's publish, apply it to the index, then retire a refill's old files."""
-    now = st.recency.tick()
-    has_snap = st.layout.has_snapshot
-    tid = txn.id
-    with st.catalog.txn(GROUPED_COMMITS[1], grouped=True) as c:
+            gen: int, needed: int, then: Callable[[Node], Any] = lambda node: None) -> tuple[Node, Any, int]:
+    """Commit the store's publish in the commit it shares with the publishes queued
+    meanwhile (``publishing.commit``), apply it to the index, retire a refill's old
+    files, then ``then(node)``, all under the engine lock; the node, what ``then``
+    returned, and the commit's sequence number (``Catalog.sync``)."""
+    def write(c: Any) -> tuple[int, int, tuple[str, ...]]:
+        now = st.recency.tick()
+        has_snap = st.layout.has_snapshot
         old = []
         if plan.existing is not None:
             nid = plan.existing.id
-            old = st.catalog.retire_live(c, tid, nid)
+            old = st.catalog.retire_live(c, txn.id, nid)
             st.catalog.refill_node(c, nid, gen, has_snap, now)
         else:
             nid = st.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
                                           digests, has_snap, gen, now)
-        st.catalog.publish_file(c, tid, txn.payload["name"], nid)
+        st.catalog.publish_file(c, txn.id, txn.payload["name"], nid)
         st.recency.flush(st.index, st.catalog, c)
         outs = journal.fire(st.ledger, c, txn, "durable")
         if not old:  # nothing to retire: done in the same commit
             outs = journal.skip(st.ledger, c, txn, "retire_old")
-    node = apply_publish(st, plan, nid, key, digests, start, end, gen, needed, now)
-    journal.run(st.ledger, txn, outs)
-    return node
+        return nid, now, outs
+
+    def apply(out: tuple[int, int, tuple[str, ...]]) -> tuple[Node, Any]:
+        nid, now, outs = out
+        node = apply_publish(st, plan, nid, key, digests, start, end, gen, needed, now)
+        journal.run(st.ledger, txn, outs)
+        return node, then(node)
+
+    job = publishing.Job(write, apply)
+    node, extra = publishing.commit(st.publishing, st.guard, st.catalog, GROUPED_COMMITS[1], job)
+    return node, extra, job.seq
 
 
 def apply_publish(st: Storing, plan: Plan, nid: int, key: bytes, digests: bytes, start: int, end: int,
