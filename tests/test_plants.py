@@ -41,6 +41,7 @@ CAUGHT_BY = {
     "skip-barrier": {"damaged", "miss", "audit:1"},
     "skip-retire-output": {"invariant", "audit:3"},  # audit 3: rows owned by an ended transaction
     "async-ack-before-publish": {"lost", "miss"},
+    "ack-before-group-sync": {"lost", "miss"},
 }
 
 

@@ -52,6 +52,7 @@ from prefixstore.engine.schema import (
     split_sql,
 )
 from prefixstore.engine.structure import FILE_COLUMNS, NODE_COLUMNS
+from prefixstore.engine.walsync import WalSync
 from prefixstore.gpu.diskroom import WAL_AUTOCHECKPOINT_PAGES, WAL_LIMIT_BYTES
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.statemachine.machine import Machine
@@ -94,6 +95,8 @@ class Catalog:
     """Whether the write that failed (``failed``) found the catalog not as the engine wrote it."""
     cookie: int
     """The schema cookie when the schema was last checked (``schema.cookie``)."""
+    wal: WalSync
+    """The log's durability point: group commits (``txn(grouped=True)``, ``sync``)."""
 
     def __init__(
         self,
@@ -112,6 +115,7 @@ class Catalog:
         self.read_only, self.closed, self.failed_corrupt, self.cookie = None, False, False, 0
         self.synchronous = synchronous.upper()
         self.hook = hook or FaultHook()
+        self.wal = WalSync(self.path + "-wal", self.hook)
         self.before_write = before_write or (lambda: None)
         exists = os.path.exists(self.path)
         if not exists and not create:
@@ -150,6 +154,7 @@ class Catalog:
             mode = "immutable=1"  # an empty or absent log: the file holds every commit
         self = cls.__new__(cls)
         self.path, self.synchronous, self.hook, self.root = path, "FULL", hook or FaultHook(), root
+        self.wal = WalSync(path + "-wal", self.hook)
         self.before_write, self.failed, self.read_only = (lambda: None), None, reason
         self.closed, self.failed_corrupt, self.cookie = False, False, 0
         try:
@@ -237,8 +242,13 @@ class Catalog:
     # -- transactions ----------------------------------------------------------------
 
     @contextmanager
-    def txn(self, label: str) -> Iterator[sqlite3.Connection]:
+    def txn(self, label: str, *, grouped: bool = False) -> Iterator[sqlite3.Connection]:
         """One write transaction; its COMMIT is an effect reported to the fault hook.
+
+        ``grouped``: under ``synchronous=FULL`` the commit is written without a sync of
+        the log; it is durable once ``sync(wal.written)`` (read under the engine lock
+        right after it) returns, together with the others written meanwhile (group
+        commit, ``walsync.py``). Any other commit under FULL is synced by SQLite itself.
 
         An I/O error (or full disk) from SQLite inside it raises CatalogIOError and
         makes the catalog refuse every later write (sticky, as SQLite's pager ERROR
@@ -255,7 +265,10 @@ class Catalog:
             raise kind(f"an earlier catalog write failed ({self.failed}); reopen the engine")
         c = self.conn
         self.before_write()
+        deferred = grouped and self.synchronous == "FULL"
         try:
+            if deferred:
+                c.execute("PRAGMA synchronous=NORMAL")
             c.execute("BEGIN IMMEDIATE")
             try:
                 self._schema_unchanged(c)
@@ -286,7 +299,30 @@ class Catalog:
                 f"schema refuse the engine's statement; reopen the engine (`prefixstore audit {self.root}` "
                 "says what is wrong)"
             ) from exc
+        finally:
+            if deferred:
+                try:
+                    c.execute(f"PRAGMA synchronous={self.synchronous}")
+                except sqlite3.Error as exc:  # later commits would not be synced: refuse them
+                    self.fail(f"{label}: cannot restore synchronous={self.synchronous}: {exc}")
+        if deferred:
+            self.wal.wrote()
+        elif self.synchronous == "FULL":
+            self.wal.all_durable()  # SQLite synced the log: every commit before is durable too
         self.hook.after("commit", label, None)
+
+    def sync(self, seq: int) -> None:
+        """Wait until commit ``seq`` of the log (``wal.written`` after it) and every one
+        before it are durable: the group commit of ``txn(grouped=True)``. Call it without
+        the engine lock. A failed sync raises CatalogIOError and makes the catalog refuse
+        every later write. A no-op under ``synchronous=NORMAL``, which promises no commit."""
+        if self.synchronous != "FULL":
+            return
+        try:
+            self.wal.wait(seq)
+        except CatalogIOError as exc:
+            self.fail(str(exc))
+            raise
 
     def _rollback(self) -> None:
         if self.conn.in_transaction:
@@ -300,6 +336,7 @@ class Catalog:
         effect that destroys data (unlink of a retired file) must not outrun them.
         """
         if self.synchronous == "FULL":
+            self.sync(self.wal.written)  # the grouped commits not synced yet
             return
         with self.reading() as conn:
             conn.execute("PRAGMA synchronous=FULL")
@@ -711,6 +748,7 @@ class Catalog:
         self.closed = True
         with suppress(sqlite3.Error):
             self.conn.close()
+        self.wal.close()
 
 
 # SQLite primary result codes of the catalog's I/O: READONLY (the file could only be

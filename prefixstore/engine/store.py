@@ -4,6 +4,7 @@ publish (a refill retires the row's old generation), or roll back."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -17,6 +18,7 @@ from prefixstore.engine import (
     degraded,
     health,
     journal,
+    publishing,
     replace,
     restore,
     space,
@@ -36,10 +38,12 @@ from prefixstore.engine.index import Index, Node
 from prefixstore.engine.journal import Ledger
 from prefixstore.engine.plan import Plan, count_skip
 from prefixstore.engine.plan import plan as plan_store
+from prefixstore.engine.publishing import Publishing
 from prefixstore.engine.readonly import Mode
 from prefixstore.engine.recency import Recency
 from prefixstore.engine.restore import Reader
 from prefixstore.engine.results import (
+    DUPLICATE,
     FAILED,
     REFILLED,
     REFUSED,
@@ -55,6 +59,10 @@ from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
 from prefixstore.statemachine.rows import NODE
+
+# The store's commits that share one sync of the catalog's log with the stores committed
+# meanwhile (``Catalog.txn(grouped=True)``): durable once ``Catalog.sync`` returns.
+GROUPED_COMMITS = ("store.intent", "store.publish")
 
 
 @attrs.define(eq=False)
@@ -72,6 +80,7 @@ class InFlight:
     protect: set[int]  # the parent and refilled row, fenced while the store is in flight
     needed: int
     txn: Txn | None = None  # the journaled transaction, once its intent committed
+    seq: int = 0  # its last grouped commit (``Catalog.sync``: durable once synced through it)
 
     @property
     def keys_span(self) -> slice:
@@ -116,6 +125,7 @@ class Storing:
     abort: Abort
     offers: Offers
     admit: Admit | None
+    publishing: Publishing = attrs.field(factory=Publishing)
 
 
 def plan(st: Storing, prefix: Prefix, held: frozenset[int] = frozenset()) -> Plan | StoreResult:
@@ -140,6 +150,8 @@ def store(
     with st.guard.lock:
         t = begin(st, prefix, segs, snaps, tokens_from, staged, held)
     if isinstance(t, StoreResult):
+        if t.status == DUPLICATE:  # the row it found may be a grouped publish not synced yet
+            st.catalog.sync(st.catalog.wal.written)
         return t
     try:
         return write_and_publish(st, prefix, t)
@@ -215,7 +227,7 @@ def begin(st: Storing, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
             count_skip(st.counters, res)
             return res
         t.txn = intent(st, t)
-        t.tid = t.txn.id
+        t.tid, t.seq = t.txn.id, st.catalog.wal.written
     except BaseException:
         staging.release(t.owned)
         raise
@@ -233,7 +245,7 @@ def intent(st: Storing, t: InFlight) -> Txn:
         "parent": p.parent.id if p.parent else None,
         "node": p.existing.id if p.existing else None,
     }
-    with st.catalog.txn("store.intent") as c:
+    with st.catalog.txn(GROUPED_COMMITS[0], grouped=True) as c:
         sized = [(d.size, d.checksum()) for d in t.datas]
         txn = journal.begin(st.ledger, c, "store", payload,
                             rows=lambda tid: st.catalog.add_writing(c, tid, t.name, t.gen, sized))
@@ -241,9 +253,12 @@ def intent(st: Storing, t: InFlight) -> Txn:
 
 
 def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
-    """Write every rank, then publish (or roll back a failed write, or a refill whose
-    row a restore keeps pinned)."""
+    """Once the intent is durable, write every rank, then publish (or roll back a failed
+    write, or a refill whose row a restore keeps pinned); acknowledged once the publish
+    is durable. Both waits are group commits: one sync of the catalog's log for every
+    store committed meanwhile (``Catalog.sync``)."""
     n = len(prefix)
+    st.catalog.sync(t.seq)
     errors = staging.write_all(st.writer, t.name, t.datas)
     if errors:
         why = staging.failure_reason(st.tiers, errors, t.datas)  # before the rollback frees room
@@ -258,10 +273,12 @@ def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
     existing = t.plan.existing
     deadline = time.monotonic() + st.settings.pin_wait_s
     while True:
+        if existing is None:  # no pin to wait for: queue the publish before taking the lock
+            res, offer = published(st, prefix, t)
+            break
         with st.guard.lock:
-            if existing is None or not st.holds.pins[existing.id]:
-                res = published(st, prefix, t)
-                offer = st.offers.prepare(t)
+            if not st.holds.pins[existing.id]:
+                res, offer = published(st, prefix, t)
                 break
             if time.monotonic() >= deadline or st.holds.request_pins[existing.id]:
                 journal.rollback(st.ledger, t.txn, "failed")
@@ -269,47 +286,66 @@ def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
                 count_skip(st.counters, res)
                 return res
         time.sleep(0.002)
+    acknowledge(st, t.seq)
     st.offers.send(offer)
     return res
 
 
-def published(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
-    """Publish the written store and count it. Lock held."""
+def acknowledge(st: Storing, seq: int) -> None:
+    """Return once the publish (commit ``seq``) is durable: under ``synchronous=FULL`` a
+    stored checkpoint is acknowledged only then. Engine lock not held."""
+    st.catalog.sync(seq)
+
+
+def published(st: Storing, prefix: Prefix, t: InFlight) -> tuple[StoreResult, Any]:
+    """Publish the written store and count it; its result, and its offer (prepared under
+    the lock right after the publish). ``t.seq``: the publish's commit."""
     p, n = t.plan, t.end
     digests = b"".join(prefix.digests[p.start:n])
     was_damaged = p.existing is not None and p.existing.state == "damaged"
-    node = publish(st, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed)
+    node, offer, t.seq = publish(st, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed,
+                                 then=lambda _node: st.offers.prepare(t))
     status = REFILLED if p.existing is not None else STORED
     if was_damaged:
         st.counters.inc("refills")
     st.counters.inc("stores", status)
     log.debug("stored", key=t.key.hex()[:12], blocks=n, node=node.id, bytes=t.needed)
-    return StoreResult(status, n, None, t.needed)
+    return StoreResult(status, n, None, t.needed), offer
 
 
 def publish(st: Storing, txn: Txn, plan: Plan, key: bytes, digests: bytes, start: int, end: int,
-            gen: int, needed: int) -> Node:
-    """Commit the store's publish, apply it to the index, then retire a refill's old files."""
-    now = st.recency.tick()
-    has_snap = st.layout.has_snapshot
-    tid = txn.id
-    with st.catalog.txn("store.publish") as c:
+            gen: int, needed: int, then: Callable[[Node], Any] = lambda node: None) -> tuple[Node, Any, int]:
+    """Commit the store's publish in the commit it shares with the publishes queued
+    meanwhile (``publishing.commit``), apply it to the index, retire a refill's old
+    files, then ``then(node)``, all under the engine lock; the node, what ``then``
+    returned, and the commit's sequence number (``Catalog.sync``)."""
+    def write(c: Any) -> tuple[int, int, tuple[str, ...]]:
+        now = st.recency.tick()
+        has_snap = st.layout.has_snapshot
         old = []
         if plan.existing is not None:
             nid = plan.existing.id
-            old = st.catalog.retire_live(c, tid, nid)
+            old = st.catalog.retire_live(c, txn.id, nid)
             st.catalog.refill_node(c, nid, gen, has_snap, now)
         else:
             nid = st.catalog.insert_node(c, key, plan.parent.id if plan.parent else None, start, end,
                                           digests, has_snap, gen, now)
-        st.catalog.publish_file(c, tid, txn.payload["name"], nid)
+        st.catalog.publish_file(c, txn.id, txn.payload["name"], nid)
         st.recency.flush(st.index, st.catalog, c)
         outs = journal.fire(st.ledger, c, txn, "durable")
         if not old:  # nothing to retire: done in the same commit
             outs = journal.skip(st.ledger, c, txn, "retire_old")
-    node = apply_publish(st, plan, nid, key, digests, start, end, gen, needed, now)
-    journal.run(st.ledger, txn, outs)
-    return node
+        return nid, now, outs
+
+    def apply(out: tuple[int, int, tuple[str, ...]]) -> tuple[Node, Any]:
+        nid, now, outs = out
+        node = apply_publish(st, plan, nid, key, digests, start, end, gen, needed, now)
+        journal.run(st.ledger, txn, outs)
+        return node, then(node)
+
+    job = publishing.Job(write, apply)
+    node, extra = publishing.commit(st.publishing, st.guard, st.catalog, GROUPED_COMMITS[1], job)
+    return node, extra, job.seq
 
 
 def apply_publish(st: Storing, plan: Plan, nid: int, key: bytes, digests: bytes, start: int, end: int,

@@ -69,6 +69,7 @@ from prefixstore.engine.api import Engine
 from prefixstore.engine.driver import DEBUG_ENV, InvariantViolation
 from prefixstore.engine.remote import SOURCE as remote_source
 from prefixstore.engine.results import Match
+from prefixstore.engine.store import GROUPED_COMMITS
 from prefixstore.fuzz import faultfs
 from prefixstore.fuzz.cluster import Cluster
 from prefixstore.fuzz.faultfs import OPS, ChainHook, CrashAt, FaultFS, FaultPlan, FaultRule
@@ -184,7 +185,9 @@ class Driver:
         self.plan = FaultPlan(seed=cfg.seed)
         self.fs = FaultFS(self.plan, seed=cfg.seed)
         self.observer = CatalogObserver(
-            root, lost_commits=cfg.synchronous == "NORMAL", on_removed=self._removed
+            root, lost_commits=cfg.synchronous == "NORMAL",
+            volatile=frozenset(GROUPED_COMMITS) if cfg.synchronous == "FULL" else frozenset(),
+            on_removed=self._removed,
         )
         self.gate = Gate()
         self.hook = ChainHook(self.observer, self.gate)
@@ -295,10 +298,11 @@ class Driver:
         self.counts["power_losses"] += 1
         self.counts[f"power_loss:{mode}"] += 1
         self.fs.crash(mode)  # type: ignore[arg-type]
-        if self.observer.lost_commits:
+        if self.observer.keeps_images:
             image = self.observer.lose_commits(snap)
-            ready = {k for k, row in image.nodes.items() if row.state == "ready"}
-            self.must &= ready
+            if self.observer.lost_commits:  # under FULL an acknowledged store was durable
+                ready = {k for k, row in image.nodes.items() if row.state == "ready"}
+                self.must &= ready
 
     # ------------------------------------------------------------------ ops
 

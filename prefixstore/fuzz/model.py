@@ -18,6 +18,11 @@ the catalog as durable at each ``barrier`` commit (and at the images it restored
 at a power loss the driver picks one image among the durable base and the commits
 after it (the last ``keep`` of them). Checkpoints SQLite may run on its own are
 ignored, which only ever loses more than a real power loss could.
+
+Under ``synchronous=FULL`` every commit is durable when it returns except the grouped
+ones (``volatile``: the store's intent and publish, ``store.GROUPED_COMMITS``), which
+become durable at the next sync of the log (op ``sync`` of the hook, the group commit)
+or the next commit SQLite syncs itself; a power loss may take those, and only those.
 """
 
 from __future__ import annotations
@@ -205,12 +210,14 @@ class CatalogObserver(FaultHook):
         root: str,
         *,
         lost_commits: bool,
+        volatile: frozenset[str] = frozenset(),
         keep: int = 64,
         on_removed: Callable[[bytes, NodeRow, str, bool], None] | None = None,
     ) -> None:
         self.root = root
         self.path = os.path.join(root, CATALOG_NAME)
         self.lost_commits = lost_commits
+        self.volatile = volatile
         self.keep = keep
         self.on_removed = on_removed
         self.conn: sqlite3.Connection | None = None
@@ -220,7 +227,14 @@ class CatalogObserver(FaultHook):
 
     # -- hook -------------------------------------------------------------------------
 
+    @property
+    def keeps_images(self) -> bool:
+        """Whether a power loss may take commits (NORMAL, or FULL's grouped commits)."""
+        return self.lost_commits or bool(self.volatile)
+
     def after(self, op: str, target: str, rank: int | None) -> None:
+        if op == "sync" and self.images:
+            self.images = self.images[-1:]  # the group commit: every commit so far is durable
         if op == "commit":
             self.commits += 1
             self.refresh(target)
@@ -251,9 +265,10 @@ class CatalogObserver(FaultHook):
             if (cur is None or cur.id != row.id) and self.on_removed is not None:
                 self.on_removed(key, row, label, legit)
         self.nodes = new
-        if self.lost_commits:
+        if self.keeps_images:
             image = Image(label, self._connect().serialize(), new)
-            if label == "barrier" or not self.images:
+            durable = label == "barrier" if self.lost_commits else label not in self.volatile
+            if durable or not self.images:
                 self.images = [image]  # durable: every earlier commit is synced
             else:
                 self.images.append(image)
@@ -264,7 +279,7 @@ class CatalogObserver(FaultHook):
         """Begin a run: the catalog as it is now is durable."""
         self.nodes = self.read_nodes()
         self.images = []
-        if self.lost_commits:
+        if self.keeps_images:
             self.images = [Image("start", self._connect().serialize(), self.nodes)]
 
     def by_id(self) -> dict[int, NodeRow]:
@@ -289,7 +304,7 @@ class CatalogObserver(FaultHook):
         ``pick`` in [0, 1) chooses among the durable base and the later images. Only in
         lost-commit mode; the engine must be dead. The chosen image becomes durable.
         """
-        assert self.lost_commits and self.images
+        assert self.keeps_images and self.images
         image = self.images[min(len(self.images) - 1, int(pick * len(self.images)))]
         self.detach()
         for suffix in ("-wal", "-shm"):

@@ -426,6 +426,18 @@ def _trusting_remote() -> Iterator[None]:
         yield
 
 
+# -- acknowledge a store before its group commit is durable ------------------------------------
+
+
+class _AckBeforeGroupSync(Engine):
+    """Its stores return once their publish is written to the catalog's log, before the
+    sync that makes their group durable (``_ack_before_group_sync``)."""
+
+
+def _ack_before_group_sync() -> contextlib.AbstractContextManager[None]:
+    return _patched(store, "acknowledge", lambda st, seq: None)
+
+
 # -- the registry ------------------------------------------------------------------------------
 
 _SNAP_RETIRE = {"snapshot": True, "policy": "prefixstore"}
@@ -530,6 +542,14 @@ PLANTS: dict[str, Plant] = {
             engine_cls=_TrustingRemote,
             patch=_trusting_remote,
             config={"remote": "redis"},
+        ),
+        Plant(
+            "ack-before-group-sync",
+            "a store is acknowledged once its publish is written, before its group's log sync",
+            "power loss takes the publish back: an acknowledged store is not in the catalog",
+            engine_cls=_AckBeforeGroupSync,
+            patch=_ack_before_group_sync,
+            config={"synchronous": "FULL"},
         ),
         Plant(
             "skip-barrier",

@@ -252,7 +252,8 @@ class OsFS:
 class FaultHook:
     """Called before and after every effect; the default does nothing.
 
-    ``op`` is one of: write, fsync, rename, fsync_dir, unlink, read, commit.
+    ``op`` is one of: write, fsync, rename, fsync_dir, unlink, read, commit, sync (the
+    catalog log's sync that makes grouped commits durable, ``engine/walsync.py``).
     ``rank`` is the rank the effect belongs to (None for the catalog).
     Tests subclass this to crash (raise) or inject errors at chosen points.
     """
