@@ -17,7 +17,7 @@ import pytest
 from conftest import BT, assert_restores, make_layout, store_tokens, tokens_for
 from prometheus_client import generate_latest
 
-from prefixstore.base.errors import InvalidArgumentError, RepairNeedsDirsError, SimulatedCrash
+from prefixstore.base.errors import InvalidArgumentError, SimulatedCrash
 from prefixstore.base.keys import Prefix
 from prefixstore.cli import main
 from prefixstore.engine import lifecycle
@@ -180,23 +180,62 @@ def test_audit_repair_through_rank_servers(tmp_path, capsys):
     assert after.ok and len(after.damaged_nodes) == 1, after.to_dict()
 
 
-def test_audit_ranks_refuses_a_rebuild_and_rank_dirs(tmp_path, capsys):
-    for extra in (["--repair", "--rebuild"], ["--rank-dir", str(tmp_path)]):
+def test_audit_ranks_refuses_rank_dirs_and_a_bad_rank_count(tmp_path, capsys):
+    for extra, said in ((["--rank-dir", str(tmp_path)], "not with --rank-dir"),
+                        (["--rank-count", "0"], "--rank-count needs --ranks and a positive")):
         assert main(["audit", str(tmp_path), "--ranks", "tcp://127.0.0.1:1", *extra]) == 2
-        assert "not with --rank-dir or --rebuild" in capsys.readouterr().err
+        assert said in capsys.readouterr().err
+    assert main(["audit", str(tmp_path), "--rank-count", "2"]) == 2
+    assert "--rank-count needs --ranks" in capsys.readouterr().err
 
 
-def test_repair_through_ranks_refuses_a_lost_catalog(tmp_path):
-    """A catalog to rebuild from the shards' headers needs the rank directories: the
-    repair through rank objects refuses it before anything is changed."""
-    root = tmp_path / "cache"
-    with Engine.open(str(root), make_layout(ranks=1), CAP) as eng:
-        assert store_tokens(eng, tokens_for(91, 2)).status == "stored"
-    os.unlink(root / "catalog.sqlite")
-    before = sorted(os.listdir(root / "rank0"))
-    with pytest.raises(RepairNeedsDirsError, match="rank directories themselves"):
-        repair(str(root), ranks=[LocalRank(0, str(root / "rank0"))])
-    assert sorted(os.listdir(root / "rank0")) == before and not os.path.exists(root / "catalog.sqlite")
+def test_a_lost_catalog_is_rebuilt_through_the_rank_servers(tmp_path, capsys):
+    """The catalog is lost (empty) and a shard on rank 1 is cut short: ``audit --ranks ... --repair
+    --rebuild --rank-count 2`` (the rank directories are not beside the catalog, so it is
+    not taken as lost by itself) rebuilds the catalog from the shards' headers read through the rank
+    servers (the short shard quarantined by its rank server), the same JSON as a local
+    rebuild of a copy; every checkpoint with all its shards restores afterwards."""
+    root = str(tmp_path / "cache")
+    layout = make_layout(ranks=2)
+    convs = [tokens_for(s, b) for s, b in ((96, 4), (97, 3), (98, 2))]
+    group = new_group()
+    servers = [serve(tmp_path, r, group.port) for r in range(2)]
+    with Engine.open(root, layout, CAP, ranks=group.connect(range(2), timeout=20)) as eng:
+        for t in convs:
+            assert store_tokens(eng, t).status == "stored"
+    group.close()
+    for t in servers:
+        t.join(20)
+    for name in os.listdir(root):
+        if name.startswith("catalog.sqlite-"):
+            os.unlink(os.path.join(root, name))
+    os.truncate(os.path.join(root, "catalog.sqlite"), 0)  # lost: an empty catalog beside the shards
+    victim = sorted(os.listdir(rank_dir(tmp_path, 1)))[0]
+    path = os.path.join(rank_dir(tmp_path, 1), victim)
+    os.truncate(path, os.path.getsize(path) - 8)  # cut short: it no longer verifies against its header
+    copy = tmp_path / "copy"
+    for r in range(2):
+        shutil.copytree(rank_dir(tmp_path, r), rank_dir(copy, r))
+    shutil.copytree(root, copy / "cache")
+    fix, rep = repair(str(copy / "cache"), rank_dirs=[rank_dir(copy, r) for r in range(2)], rebuild_catalog=True)
+    want = {**without_dirs(rep.to_dict()), "repair": fix.to_dict()}
+    assert fix.rebuilt is not None and fix.rebuilt.nodes >= 2 and fix.rebuilt.quarantined, want
+
+    port = free_port()
+    for r in range(2):
+        serve(tmp_path, r, port)
+    assert main(["audit", root, "--json", "--repair", "--ranks", f"tcp://127.0.0.1:{port}",
+                 "--rebuild", "--rank-count", "2", "--rank-timeout", "20"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert without_dirs(got) == want
+    assert victim in os.listdir(os.path.join(tmp_path, "host1", "lost+found", "rank1"))
+    after = audit_dir(root, rank_dirs=[rank_dir(tmp_path, r) for r in range(2)])
+    assert after.ok, after.to_dict()
+    with Engine.open(root, layout, CAP, ranks=[LocalRank(r, rank_dir(tmp_path, r)) for r in range(2)]) as eng:
+        restored = [t for t in convs if eng.restore(eng.lookup(Prefix.from_tokens(t, BT))) is not None]
+        assert len(restored) >= 2
+        for t in restored:
+            assert_restores(eng, t)
 
 
 def test_audit_through_rank_servers_reports_a_rank_that_does_not_come(tmp_path, capsys):

@@ -132,11 +132,6 @@ class RankDirMissingError(NotACacheError):
     """A rank directory holding cataloged shards is missing (kept elsewhere?): name it explicitly."""
 
 
-class RepairNeedsDirsError(NotACacheError):
-    """A repair through rank servers needs what only the rank directories give (a
-    catalog rebuilt from the shards' headers): run it where they are visible."""
-
-
 class BackingContradictionError(CatalogCorruptError):
     """The catalog's recorded backing contradicts the files (e.g. ``memory`` while its shards are on disk)."""
 

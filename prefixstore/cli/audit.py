@@ -78,8 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "listing, sizes and shards over the network (no rank directory is read locally; a "
                         "rank that does not come within --rank-timeout is reported unavailable, not checked; "
                         "the cache at rest: no engine may be serving these rank servers); with --repair, "
-                        "every unlink, quarantine and fsync the repair decides is done by the rank servers "
-                        "(a catalog to rebuild from the shards' headers needs --rank-dir instead)")
+                        "every listing, read, unlink, quarantine and fsync the repair decides is done by the "
+                        "rank servers, a catalog rebuilt from the shards' headers included (--rank-count)")
+    p.add_argument("--rank-count", type=int, default=None, metavar="N",
+                   help="with --ranks: how many ranks to wait for (default: the catalog's layout; give it "
+                        "when the catalog is lost and --repair rebuilds it from the shards' headers)")
     p.add_argument("--rank-timeout", type=float, default=60.0, metavar="S",
                    help="with --ranks: seconds to wait for each rank server, and for each request (default 60)")
     add_token_arguments(p)
@@ -103,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
     if args.capacity is not None and args.capacity <= 0:
         print(f"--capacity must be a positive number of bytes, got {args.capacity}", file=sys.stderr)
         return 2
-    if args.ranks and (args.rank_dir or args.rebuild):
-        print("--ranks reads the ranks through their rank servers: not with --rank-dir or --rebuild", file=sys.stderr)
+    if args.ranks and args.rank_dir:
+        print("--ranks reads the ranks through their rank servers: not with --rank-dir", file=sys.stderr)
+        return 2
+    if args.rank_count is not None and (not args.ranks or args.rank_count <= 0):
+        print("--rank-count needs --ranks and a positive number of ranks", file=sys.stderr)
         return 2
     try:
         if args.ranks:
@@ -139,7 +145,8 @@ def audit_remote(args: argparse.Namespace) -> tuple[RepairReport | None, AuditRe
     """The audit (or with ``--repair`` the repair, then the audit) with every rank read
     and changed through its rank server (``--ranks``)."""
     host, port = parse_init_method(args.ranks)
-    ranks = Layout.from_json(read_catalog(args.dir).meta.get("layout", "")).ranks
+    ranks = args.rank_count if args.rank_count is not None else \
+        Layout.from_json(read_catalog(args.dir).meta.get("layout", "")).ranks
     group = RankGroup(host, port, token=load_token(args.token_file, args.token_env),
                       op_timeout=args.rank_timeout, connect_timeout=args.rank_timeout,
                       gloo_host=None if host in ("0.0.0.0", "::") else host)
@@ -149,7 +156,7 @@ def audit_remote(args: argparse.Namespace) -> tuple[RepairReport | None, AuditRe
         # reports a rank that does not come as unavailable
         remotes = group.connect(range(ranks), missing_ok=not args.repair)
         if args.repair:
-            return repair(args.dir, ranks=remotes, capacity=args.capacity)
+            return repair(args.dir, ranks=remotes, capacity=args.capacity, rebuild_catalog=args.rebuild)
         return None, audit_dir(args.dir, rank_dirs=remotes, checksums=not args.quick)
     finally:
         for rr in remotes:

@@ -143,18 +143,30 @@ def _chains(p: shards.Provenance) -> list[bytes] | None:
     return keys if keys[-1] == p.key else None
 
 
-def _scan(ranks: Sequence[LocalRank], bad: list[tuple[LocalRank, str, str]]) -> list[Piece]:
+def _header(rank: Any, entry: str) -> tuple[bytes, int] | str:
+    """The first bytes of ``entry`` (its header, at least) and its modification time, or
+    why it is no shard. A rank object that is not a local directory (a rank server) is
+    read through ``read_shard``, the whole file; it reports no modification time (0)."""
+    if not isinstance(rank, LocalRank):
+        return rank.read_shard(entry), 0  # a rank server reads regular files only: NotRegularFileError
+    st = os.lstat(rank.path(entry))
+    if not rank.is_file(entry):
+        return "not a regular file"
+    return _head(rank.path(entry)), st.st_mtime_ns
+
+
+def _scan(ranks: Sequence[Any], bad: list[tuple[Any, str, str]]) -> list[Piece]:
     """Every shard whose header names itself consistently; the rest into ``bad``."""
     out = []
     for rank in ranks:
         for entry in sorted(rank.listdir()):
-            path = rank.path(entry)
             try:
-                st = os.lstat(path)
-                if not rank.is_file(entry):
-                    bad.append((rank, entry, "not a regular file"))
+                got = _header(rank, entry)
+                if isinstance(got, str):
+                    bad.append((rank, entry, got))
                     continue
-                prov = shards.read_provenance(_head(path))
+                head, mtime = got
+                prov = shards.read_provenance(head)
             except (ShardError, NotRegularFileError) as exc:
                 bad.append((rank, entry, str(exc)))
                 continue
@@ -170,7 +182,7 @@ def _scan(ranks: Sequence[LocalRank], bad: list[tuple[LocalRank, str, str]]) -> 
             if why:
                 bad.append((rank, entry, why))
             else:
-                out.append(Piece(rank.rank, entry, prov, st.st_mtime_ns))
+                out.append(Piece(rank.rank, entry, prov, mtime))
     return out
 
 
@@ -190,8 +202,8 @@ def _layout(pieces: Sequence[Piece], known: Layout | None) -> Layout:
                        "a new cache here, move catalog.sqlite and lost+found/ out of the directory")
 
 
-def _verified(ranks: dict[int, LocalRank], layout: Layout, pieces: Sequence[Piece],
-              bad: list[tuple[LocalRank, str, str]]) -> list[Piece]:
+def _verified(ranks: dict[int, Any], layout: Layout, pieces: Sequence[Piece],
+              bad: list[tuple[Any, str, str]]) -> list[Piece]:
     """The pieces whose whole file verifies against its header and ``layout``."""
     out = []
     for piece in pieces:
@@ -204,8 +216,9 @@ def _verified(ranks: dict[int, LocalRank], layout: Layout, pieces: Sequence[Piec
             bad.append((rank, piece.name, "its header names another layout"))
             continue
         try:
-            data = read_shard_bytes(rank.path(piece.name))
-        except OSError as exc:
+            data = read_shard_bytes(rank.path(piece.name)) if isinstance(rank, LocalRank) else \
+                rank.read_shard(piece.name)
+        except (OSError, NotRegularFileError) as exc:
             bad.append((rank, piece.name, f"unreadable: {exc}"))
             continue
         ck = shards.checksum(data)
@@ -288,7 +301,7 @@ def _ranks(root: str, rank_dirs: Sequence[str] | None, hook: Any, fs: Any) -> li
             if os.path.isdir(os.path.join(root, rank_dir_name(r)))]
 
 
-def _check_ranks(root: str, ranks: Sequence[LocalRank], layout: Layout, named: bool) -> None:
+def _check_ranks(root: str, ranks: Sequence[Any], layout: Layout, named: bool) -> None:
     """Refuse (nothing changed) unless every rank of ``layout`` has its directory:
     rebuilding without one would leave every node without its shards there."""
     if named and len(ranks) != layout.ranks:
@@ -325,16 +338,20 @@ def _move_old_catalog(root: str) -> list[str]:
 
 
 def rebuild(root: str, why: str, *, rank_dirs: Sequence[str] | None = None, layout: Layout | None = None,
-            capacity: int | None = None, hook: Any = None, fs: Any = None) -> RebuildReport:
+            capacity: int | None = None, hook: Any = None, fs: Any = None,
+            ranks: Sequence[Any] | None = None) -> RebuildReport:
     """Rebuild the catalog of ``root`` from its shards (the caller holds the directory
     lock); ``why``: what was wrong with the old one. ``layout`` / ``capacity``: what a
-    readable old catalog recorded, or the caller's. Raises RebuildError (nothing changed)
-    when no layout can be found."""
-    ranks = _ranks(root, rank_dirs, hook, fs)
-    bad: list[tuple[LocalRank, str, str]] = []
+    readable old catalog recorded, or the caller's. ``ranks``: the ranks as connected
+    rank objects (rank servers: every listing, read and quarantine asked of them)
+    instead of directories. Raises RebuildError (nothing changed) when no layout can be
+    found."""
+    named = bool(rank_dirs) or ranks is not None
+    ranks = list(ranks) if ranks is not None else _ranks(root, rank_dirs, hook, fs)
+    bad: list[tuple[Any, str, str]] = []
     pieces = _scan(ranks, bad)
     L = _layout(pieces, layout)
-    _check_ranks(root, ranks, L, bool(rank_dirs))
+    _check_ranks(root, ranks, L, named)
     by_rank = {r.rank: r for r in ranks}
     pieces = _verified(by_rank, L, pieces, bad)
     misfits: list[tuple[int, str, str]] = []

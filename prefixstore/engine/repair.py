@@ -48,7 +48,6 @@ from prefixstore.base.errors import (
     PrefixStoreError,
     RankDirMissingError,
     RankUnavailableError,
-    RepairNeedsDirsError,
     SimulatedCrash,
 )
 from prefixstore.base.keys import ROOT
@@ -320,9 +319,8 @@ def repair(
     ``ranks``: the ranks as ``RankIO`` objects instead of directories (rank servers,
     ``gpu/distributed.RemoteRank``, each connected): every listing, read, unlink,
     quarantine and directory fsync the repair decides is asked of them, none is done
-    here. A catalog to rebuild from the shards' headers needs the rank directories
-    (``rank_dirs``): with ``ranks`` it is refused (RepairNeedsDirsError, nothing changed);
-    so is a rank that cannot serve (RankUnavailableError, before anything is written).
+    here, a catalog rebuilt from the shards' headers included. A rank that cannot serve
+    refuses the repair (RankUnavailableError, before anything is written).
 
     A catalog that is missing, empty or never initialized beside the cache's files
     (``engine/trust.py``) is rebuilt from the shards' own headers (``engine/rebuild.py``);
@@ -342,9 +340,10 @@ def repair(
     rep = RepairReport()
     lost = _lost(root)
     if ranks is not None:
-        _check_remote(root, lost or ("asked for with --rebuild" if rebuild_catalog else None), ranks)
+        _check_remote(ranks)
     if lost is not None or rebuild_catalog:
-        layout, recorded = _rebuild(root, rep, lost or "asked for with --rebuild", rank_dirs, capacity, hook, fs)
+        layout, recorded = _rebuild(root, rep, lost or "asked for with --rebuild", rank_dirs, capacity, hook, fs,
+                                    ranks)
     else:
         layout, recorded = _fix_catalog(root, rep, rank_dirs, hook, ranks)
     if ranks is None and rank_dirs:
@@ -396,15 +395,9 @@ def _lost(root: str) -> str | None:
     return None
 
 
-def _check_remote(root: str, rebuild_why: str | None, ranks: Sequence[Any]) -> None:
-    """Before anything is written, for a repair through rank objects: refuse a catalog to
-    rebuild (``rebuild_why``: RepairNeedsDirsError), and a rank that does not list its
-    files (RankUnavailableError)."""
-    if rebuild_why is not None:
-        raise RepairNeedsDirsError(
-            f"{root}: the catalog must be rebuilt from the shards' own headers ({rebuild_why}), which reads "
-            "the rank directories themselves: run the repair where they are visible (--rank-dir); "
-            "nothing was changed")
+def _check_remote(ranks: Sequence[Any]) -> None:
+    """Before anything is written, for a repair through rank objects: refuse a rank
+    that does not list its files (RankUnavailableError)."""
     for rk in ranks:
         rk.listdir()
 
@@ -471,7 +464,7 @@ def fix_schema(root: str) -> schema.SchemaFix:
 
 
 def _rebuild(root: str, rep: RepairReport, why: str, rank_dirs: Sequence[str] | None, capacity: int | None,
-             hook: FaultHook | None, fs: FileSystem | None) -> tuple[Layout, int]:
+             hook: FaultHook | None, fs: FileSystem | None, ranks: Sequence[Any] | None) -> tuple[Layout, int]:
     """Rebuild the catalog from the shards' headers under the directory lock (what a
     readable old catalog records is kept: its layout and capacity)."""
     held = dirlock.acquire(root, "is open in an engine; stop it before repairing")
@@ -481,7 +474,7 @@ def _rebuild(root: str, rep: RepairReport, why: str, rank_dirs: Sequence[str] | 
             layout, old_capacity = _recorded(read_catalog(root, live=False), root)
         rep.rebuilt = rebuild.rebuild(root, why, rank_dirs=rank_dirs, layout=layout,
                                       capacity=capacity if capacity is not None else old_capacity,
-                                      hook=hook, fs=fs)
+                                      hook=hook, fs=fs, ranks=ranks)
     finally:
         held.release()
     return Layout.from_json(rep.rebuilt.layout), rep.rebuilt.capacity
