@@ -8,7 +8,7 @@ from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import Layout
 from prefixstore.engine.counters import Counters
 from prefixstore.engine.index import Index, Node
-from prefixstore.engine.results import Match
+from prefixstore.engine.results import Match, new_match
 from prefixstore.engine.settings import Settings
 from prefixstore.statemachine.cost import choose
 
@@ -37,28 +37,28 @@ def lookup(lk: Looking, prefix: Prefix, gpu_blocks: int, total_tokens: int | Non
     p = index.deepest_block(keys, n)
     owner = index.owner(keys, p)
     if owner is None:
-        return Match("miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
+        return new_match("miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
     # Without snapshots a request that leaves a node inside its span can still use
     # the node's leading rows (a partial hit at block p); with snapshots it stops at
     # the deepest whole checkpoint (the recurrent state exists only at a node's end).
     partial = owner.end != p and not L.has_snapshot
     node = owner if owner.end == p or partial else index.get(owner.parent) if owner.parent is not None else None
     if node is None:
-        return Match("miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
+        return new_match("miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
     reach = p if partial else node.end  # blocks the deepest candidate covers
     if reach <= gpu_blocks:
-        return Match("gpu_resident", n, L.block_tokens, gpu_blocks, reach, node.id, cache=lk.cache_id)
+        return new_match("gpu_resident", n, L.block_tokens, gpu_blocks, reach, node.id, cache=lk.cache_id)
     usable, damaged_below = usable_path(index, node, gpu_blocks)
     if lk.settings.cost is None:  # the deepest candidate always wins: only it is sized
         j = deepest_candidate(L, usable)
         if j is None:
-            return Match("damaged" if damaged_below else "miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
+            return new_match("damaged" if damaged_below else "miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
         x = usable[j]
         blocks = x.end if x.end < reach else reach
         return hit(lk, n, usable, j, blocks, candidate_bytes(L, usable, j, gpu_blocks), gpu_blocks, None, None)
     cands = candidates(L, usable, gpu_blocks, reach)
     if not cands:
-        return Match("damaged" if damaged_below else "miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
+        return new_match("damaged" if damaged_below else "miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
     total = total_tokens if total_tokens is not None else n * L.block_tokens
     return decide(lk, prefix, cands, usable, gpu_blocks, total)
 
@@ -135,7 +135,7 @@ def decide(lk: Looking, prefix: Prefix, cands: list[Candidate], usable: list[Nod
             estimates=[list(e) for e in decision.estimates],
         )
     if decision.chosen is None:
-        return Match("rejected_cost", len(prefix), bt, gpu_blocks, cache=lk.cache_id,
+        return new_match("rejected_cost", len(prefix), bt, gpu_blocks, cache=lk.cache_id,
                      transfer_s=est[1], prefill_s=est[2])
     _, blocks, nbytes, k = cands[decision.chosen]
     transfer_s, prefill_s = (est[1], est[2]) if est else (None, None)
@@ -151,7 +151,7 @@ def hit(lk: Looking, n: int, usable: list[Node], j: int, blocks: int, nbytes: in
     path = tuple([(x.id, x.generation) for x in usable[j:]][::-1])
     if blocks < chosen.end:  # a partial hit: only the rows up to `blocks` are uploaded
         nbytes = L.ranks * L.payload_bytes((blocks - gpu_blocks) * L.block_tokens, False)
-    return Match("hit", n, L.block_tokens, gpu_blocks, blocks, chosen.id, path, nbytes, transfer_s, prefill_s,
+    return new_match("hit", n, L.block_tokens, gpu_blocks, blocks, chosen.id, path, nbytes, transfer_s, prefill_s,
                  lk.cache_id, chosen.key)
 
 

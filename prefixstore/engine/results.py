@@ -32,17 +32,11 @@ class StoreResult:
         return self.status in (STORED, REFILLED, DUPLICATE)
 
 
-@attrs.frozen
-class Match:
-    """The result of a lookup: the deepest checkpoint worth restoring, if any.
-
-    ``outcome`` is one of: hit, gpu_resident, miss, rejected_cost, damaged.
-    ``path`` holds ``(node_id, generation)`` root-first for the nodes to read, and
-    ``node_key`` the key of the last one. ``cache`` identifies the engine that made it
-    (an engine refuses another's Match with ``ForeignMatchError``). ``source`` says
-    which tier answers: 'local', or 'remote' (then ``remote`` holds what to fetch and
-    ``path`` is empty: nothing local is read, pinned or held).
-    """
+@attrs.define(slots=True, eq=False, repr=False)
+class MatchFields:
+    """The fields of a ``Match``, in a plain slotted class: its ``__init__`` stores each
+    field directly, without the per-field ``object.__setattr__`` call of a frozen class.
+    ``new_match`` builds one and turns it into a ``Match``; nothing else uses it."""
 
     outcome: str
     prefix_blocks: int
@@ -59,6 +53,19 @@ class Match:
     source: str = "local"
     remote: Any = attrs.field(default=None, repr=False)
 
+
+@attrs.frozen
+class Match(MatchFields):
+    """The result of a lookup: the deepest checkpoint worth restoring, if any.
+
+    ``outcome`` is one of: hit, gpu_resident, miss, rejected_cost, damaged.
+    ``path`` holds ``(node_id, generation)`` root-first for the nodes to read, and
+    ``node_key`` the key of the last one. ``cache`` identifies the engine that made it
+    (an engine refuses another's Match with ``ForeignMatchError``). ``source`` says
+    which tier answers: 'local', or 'remote' (then ``remote`` holds what to fetch and
+    ``path`` is empty: nothing local is read, pinned or held).
+    """
+
     @property
     def hit(self) -> bool:
         return self.outcome == "hit"
@@ -71,6 +78,18 @@ class Match:
     @property
     def gpu_tokens(self) -> int:
         return self.gpu_blocks * self.block_tokens
+
+
+_set_class = object.__setattr__
+
+
+def new_match(*args: Any, **kwargs: Any) -> Match:
+    """``Match(*args, **kwargs)`` at the cost of a plain slotted class (the request
+    path): the fields are filled in a ``MatchFields``, which then becomes the
+    (frozen) ``Match``; both share one slot layout."""
+    m = MatchFields(*args, **kwargs)
+    _set_class(m, "__class__", Match)
+    return m  # type: ignore[return-value]
 
 
 @attrs.frozen(eq=False)
