@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import secrets
 import signal
@@ -40,8 +39,8 @@ from collections.abc import Iterator
 
 import pytest
 
-CLONE_NEWNET = 0x40000000
-_LIBC = ctypes.CDLL(None, use_errno=True)
+from prefixstore.fuzz import netns
+
 _LIVE: set[NetnsHosts] = set()
 
 
@@ -78,16 +77,6 @@ HAS_NETEM = _probe_netem()
 """Whether this kernel has ``sch_netem`` (some VM kernels ship without it)."""
 
 
-def _setns(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _LIBC.setns(fd, CLONE_NEWNET) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e), path)
-    finally:
-        os.close(fd)
-
-
 class NetnsHosts:
     """N hosts and a coordinator on one private bridge (see the module docstring)."""
 
@@ -116,16 +105,10 @@ class NetnsHosts:
     # -- building -------------------------------------------------------------------
 
     def _netns(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self._made.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
+        netns.add_namespace(name, self._made)
 
     def _attach(self, ns: str, port: str, addr: str) -> None:
-        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("-n", self.switch, "link", "set", port, "master", "br0")
-        _ip("-n", self.switch, "link", "set", port, "up")
-        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
+        netns.attach(self.switch, ns, port, addr)
 
     def _build(self) -> None:
         self._netns(self.switch)
@@ -160,12 +143,11 @@ class NetnsHosts:
         """Run the block with this thread in the coordinator's namespace (or ``ns``)."""
         home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         try:
-            _setns(f"/run/netns/{ns or self.coord_ns}")
+            netns.join(f"/run/netns/{ns or self.coord_ns}")
             try:
                 yield
             finally:
-                if _LIBC.setns(home, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "cannot return to the original network namespace")
+                netns.join_fd(home, "the original network namespace")
         finally:
             os.close(home)
 

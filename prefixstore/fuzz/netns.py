@@ -32,11 +32,34 @@ def join(path: str) -> None:
     """Move the calling thread into the network namespace at ``path``."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        if _LIBC.setns(fd, CLONE_NEWNET) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e), path)
+        join_fd(fd, path)
     finally:
         os.close(fd)
+
+
+def join_fd(fd: int, what: str = "network namespace") -> None:
+    """Move the calling thread into the network namespace open at ``fd``."""
+    if _LIBC.setns(fd, CLONE_NEWNET) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), what)
+
+
+def add_namespace(name: str, made: list[str]) -> None:
+    """Add network namespace ``name`` (recorded in ``made`` for the teardown) with its
+    loopback up."""
+    _ip("netns", "add", name)
+    made.append(name)
+    _ip("-n", name, "link", "set", "lo", "up")
+
+
+def attach(switch: str, ns: str, port: str, addr: str) -> None:
+    """Join namespace ``ns`` to the bridge ``br0`` of namespace ``switch`` by a veth pair
+    (``port`` on the switch, ``eth0`` with ``addr``/24 inside ``ns``), both ends up."""
+    _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+    _ip("-n", switch, "link", "set", port, "master", "br0")
+    _ip("-n", switch, "link", "set", port, "up")
+    _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+    _ip("-n", ns, "link", "set", "eth0", "up")
 
 
 def unavailable() -> str | None:
@@ -82,16 +105,10 @@ class Network:
             raise
 
     def _netns(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self._made.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
+        add_namespace(name, self._made)
 
     def _attach(self, ns: str, port: str, addr: str) -> None:
-        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("-n", self.switch, "link", "set", port, "master", "br0")
-        _ip("-n", self.switch, "link", "set", port, "up")
-        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
+        attach(self.switch, ns, port, addr)
 
     def host_path(self, rank: int) -> str:
         return f"/run/netns/{self.host_ns[rank]}"
@@ -106,8 +123,7 @@ class Network:
         if self._home is not None:
             home, self._home = self._home, None
             try:
-                if _LIBC.setns(home, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "cannot return to the original network namespace")
+                join_fd(home, "the original network namespace")
             finally:
                 os.close(home)
 
