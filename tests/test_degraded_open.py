@@ -49,6 +49,8 @@ def new_group() -> RankGroup:
 
 
 class CrashBeforePublish(FaultHook):
+    """Process death just before a store's publish commit (every shard written), once armed."""
+
     armed = False
 
     def before(self, op: str, target: str, rank: int | None) -> None:

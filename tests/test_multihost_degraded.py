@@ -18,6 +18,7 @@ import pytest
 from conftest import BT, assert_restores, make_layout, store_tokens, tokens_for
 from netns_hosts import NetnsHosts, netns_leftovers, require_netns
 from prometheus_client import generate_latest
+from test_degraded_open import CrashBeforePublish
 
 from prefixstore.base.errors import SimulatedCrash
 from prefixstore.base.keys import Prefix
@@ -26,7 +27,6 @@ from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir
 from prefixstore.engine.repair import repair
 from prefixstore.gpu.distributed import RankGroup
-from prefixstore.gpu.fileio import FaultHook
 
 pytestmark = pytest.mark.skipif(os.environ.get("PREFIXSTORE_MULTIHOST_FULL") != "1",
                                 reason="PREFIXSTORE_MULTIHOST_FULL=1 runs the rank processes on namespace hosts")
@@ -71,17 +71,6 @@ def token_file(hosts: NetnsHosts) -> str:
 
 def group_in(hosts: NetnsHosts) -> RankGroup:
     return RankGroup(hosts.coord_ip, 0, gloo_host=hosts.coord_ip, op_timeout=3, connect_timeout=15, token=TOKEN)
-
-
-class CrashBeforePublish(FaultHook):
-    """Process death just before a store's publish commit (every shard written), once armed."""
-
-    armed = False
-
-    def before(self, op: str, target: str, rank: int | None) -> None:
-        if self.armed and op == "commit" and target == "store.publish":
-            self.armed = False
-            raise SimulatedCrash(target)
 
 
 def wait_until(cond, timeout: float, what) -> None:
