@@ -12,7 +12,7 @@ instead, retires the snapshots at 3, 6 and 9, and runs a compaction pass armed: 
 compact-replace merging the chain into one row (``RESULT merges=n``). With ``recover``
 the points are armed before the open: the recovery of what ROOT holds (``RESULT
 recovered`` once the open returned). The coordinator's effects are its
-catalog commits and the requests that change a rank (``write_shard``, ``remove``,
+catalog commits, the syncs of the catalog's log (group commit) and the requests that change a rank (``write_shard``, ``remove``,
 ``remove_temp``, ``quarantine``, ``sync_dir``), each a point before it is sent and one
 after its answer came back. KILL_AT names one point as JSON ``[when, op, target, rank,
 k]`` (its k-th occurrence, from 0: a point is named, not numbered, because the ranks

@@ -236,7 +236,7 @@ def test_coordinator_killed_at_effects_of_a_multihost_store(fleet):
     name."""
     points, acked_at = counted(fleet)
     ops = {p[1] for p in points[:acked_at]}
-    assert {"write_shard", "commit"} <= ops <= {*RANK_EFFECTS, "commit"}, ops
+    assert {"write_shard", "commit"} <= ops <= {*RANK_EFFECTS, "commit", "sync"}, ops
     writes = [p for p in points[:acked_at] if p[1] == "write_shard"]
     assert sorted(p[3] for p in writes if p[0] == "after") == [0, 1, 2, 3], points  # one shard a rank
     if FULL:
@@ -266,7 +266,7 @@ def test_coordinator_killed_at_every_effect_of_a_multihost_merge(fleet):
     points, acked_at = counted(fleet, "merge")
     assert acked_at == len(points)
     ops = {p[1] for p in points}
-    assert {"write_shard", "remove", "commit"} <= ops <= {*RANK_EFFECTS, "commit"}, ops
+    assert {"write_shard", "remove", "commit"} <= ops <= {*RANK_EFFECTS, "commit", "sync"}, ops
     cases = []
     for i, kill in enumerate(points):
         run = Run(fleet.hosts, f"merge-kill{i}")
