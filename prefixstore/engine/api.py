@@ -316,11 +316,16 @@ class Engine(Parts):
             prefix, gpu_blocks, total_tokens = prefix.prefix, prefix.gpu_blocks, prefix.total_tokens
         validate.lookup_args(self.layout, prefix, gpu_blocks, total_tokens)
         flows, guard = self.flows, self.guard
+        down = flows.reviving.tiers.down  # the poll and the screen act only while a rank is down
         with guard:
-            self._poll_ranks()
+            if down.why:
+                self._poll_ranks()
             with guard.lock:
-                match = degraded.screen(flows.reviving, lookup.lookup(flows.looking, prefix, gpu_blocks, total_tokens))
-            match = remote.extend(flows.remote_reads, prefix, match, gpu_blocks, total_tokens)  # outside the lock
+                match = lookup.lookup(flows.looking, prefix, gpu_blocks, total_tokens)
+                if down.why:
+                    match = degraded.screen(flows.reviving, match)
+            if flows.remote_reads.link.tier is not None:  # outside the lock
+                match = remote.extend(flows.remote_reads, prefix, match, gpu_blocks, total_tokens)
         self.counters.inc("lookups", match.outcome)
         return match
 

@@ -114,6 +114,22 @@ class Index:
                 hi = mid - 1
         return lo
 
+    def deepest_owner(self, keys: tuple[bytes, ...], limit: int) -> tuple[int, Node | None]:
+        """``deepest_block(keys, limit)`` and the node whose span holds that block (None
+        at 0): the search's last hit is that block, so its owner costs no second probe."""
+        blocks = self.blocks
+        hi = limit if limit < len(keys) else len(keys)
+        lo = 0
+        nid = None
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            got = blocks.get(keys[mid - 1])
+            if got is None:
+                hi = mid - 1
+            else:
+                lo, nid = mid, got
+        return lo, None if nid is None else self.nodes.get(nid)
+
     def owner(self, keys: tuple[bytes, ...], p: int) -> Node | None:
         """The node whose span holds block p (1-based) of the prefix."""
         if p <= 0:

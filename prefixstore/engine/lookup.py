@@ -34,8 +34,7 @@ def lookup(lk: Looking, prefix: Prefix, gpu_blocks: int, total_tokens: int | Non
     index = lk.index
     keys = prefix.keys
     n = len(keys)
-    p = index.deepest_block(keys, n)
-    owner = index.owner(keys, p)
+    p, owner = index.deepest_owner(keys, n)
     if owner is None:
         return new_match("miss", n, L.block_tokens, gpu_blocks, cache=lk.cache_id)
     # Without snapshots a request that leaves a node inside its span can still use
@@ -48,6 +47,8 @@ def lookup(lk: Looking, prefix: Prefix, gpu_blocks: int, total_tokens: int | Non
     reach = p if partial else node.end  # blocks the deepest candidate covers
     if reach <= gpu_blocks:
         return new_match("gpu_resident", n, L.block_tokens, gpu_blocks, reach, node.id, cache=lk.cache_id)
+    if lk.settings.cost is None and not L.has_snapshot:
+        return deepest_hit(lk, n, node, reach, gpu_blocks)
     usable, damaged_below = usable_path(index, node, gpu_blocks)
     if lk.settings.cost is None:  # the deepest candidate always wins: only it is sized
         j = deepest_candidate(L, usable)
@@ -63,6 +64,41 @@ def lookup(lk: Looking, prefix: Prefix, gpu_blocks: int, total_tokens: int | Non
     return decide(lk, prefix, cands, usable, gpu_blocks, total)
 
 
+def deepest_hit(lk: Looking, n: int, node: Node, reach: int, gpu_blocks: int) -> Match:
+    """Without a cost rule or snapshots: the deepest usable node of ``node``'s path wins
+    (as ``usable_path``, then ``hit``), found in one walk up that also collects the
+    Match's path. Its bytes are the rows from ``gpu_blocks`` to the blocks it covers:
+    the path's nodes tile that span (each starts at its parent's end)."""
+    L = lk.layout
+    nodes = lk.index.nodes
+    path: list[tuple[int, int]] = []
+    chosen = None
+    damaged = False
+    x = node
+    while x.end > gpu_blocks:  # ends fall going up: the rest is GPU-resident
+        if x.state == "ready":
+            if chosen is None:
+                chosen = x
+            path.append((x.id, x.generation))
+        else:  # a node not ready drops every node below it
+            path.clear()
+            chosen = None
+            damaged = True
+        parent = x.parent
+        if parent is None:
+            break
+        x = nodes[parent]
+    bt = L.block_tokens
+    if chosen is None:
+        return new_match("damaged" if damaged else "miss", n, bt, gpu_blocks, cache=lk.cache_id)
+    path.reverse()
+    end = chosen.end
+    blocks = end if end < reach else reach
+    return new_match("hit", n, bt, gpu_blocks, blocks, chosen.id, tuple(path),
+                     L.ranks * L.payload_bytes((blocks - gpu_blocks) * bt, False), None, None, lk.cache_id,
+                     chosen.key)
+
+
 def usable_path(index: Index, node: Node, gpu_blocks: int) -> tuple[list[Node], bool]:
     """The nodes of ``node``'s path below the GPU-resident part, up to the first one not
     ready (the deepest usable endpoint is above it), *deepest first*; and whether there
@@ -71,17 +107,17 @@ def usable_path(index: Index, node: Node, gpu_blocks: int) -> tuple[list[Node], 
     damaged = False
     nodes = index.nodes
     x = node
-    while True:
-        if x.end > gpu_blocks:
-            if x.state == "ready":
-                usable.append(x)
-            else:
-                usable.clear()
-                damaged = True
+    while x.end > gpu_blocks:  # ends fall going up: the rest is GPU-resident
+        if x.state == "ready":
+            usable.append(x)
+        else:
+            usable.clear()
+            damaged = True
         parent = x.parent
         if parent is None:
-            return usable, damaged
+            break
         x = nodes[parent]
+    return usable, damaged
 
 
 def deepest_candidate(L: Layout, usable: list[Node]) -> int | None:
