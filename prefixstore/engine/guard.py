@@ -5,9 +5,9 @@ Lock discipline: ``CallGuard.lock`` (re-entrant) is the engine lock: it guards t
 index, the catalog connection, the holds, the space account, the recency and the
 retry queue. File reads and writes run outside it, with the nodes involved fenced or
 pinned. ``settled`` (on the same lock) is notified when a store or replacement ends,
-so a store waiting for an overlapping one re-plans. The count of calls in flight has
-its own small lock (``calls_lock``, with the condition ``calls_cv`` on it), so ``close``
-can wait for them without the engine lock.
+so a store waiting for an overlapping one re-plans. The calls in flight are counted
+without a lock (``CallGuard.inflight``), so ``close`` can wait for them without the
+engine lock (on ``calls_cv``, notified as they end once it waits).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import attrs
 
 from prefixstore.base.errors import EngineClosedError, PrefixStoreError, SimulatedCrash
 from prefixstore.base.log import log
+
+_ident = threading.get_ident
 
 
 class _Closes(Protocol):
@@ -83,8 +85,10 @@ class CallGuard:
     counted in flight for ``close``; a ``SimulatedCrash`` abandons the engine; an
     untyped error from a resource closed under the call becomes ``EngineClosedError``.
 
-    One reusable object per engine (cheaper than a generator on the request path);
-    the per-call state is the thread's nesting depth (``local.depth``).
+    One reusable object per engine (cheaper than a generator on the request path).
+    A call is counted in first and checks ``closing`` after; ``close`` sets ``closing``
+    first and counts after: whatever the interleaving, either close sees the call (and
+    waits for it) or the call sees close (and is refused). Both orders must stay so.
     """
 
     life: Lifetime
@@ -94,14 +98,12 @@ class CallGuard:
     """Notified (under ``lock``) when a store or replacement ends."""
     closing: bool = False
     """``close`` started: new public calls are refused."""
-    calls: int = 0
-    """Public calls in flight, all threads (``close`` waits for them)."""
-    calls_lock: Any = attrs.field(factory=threading.Lock)
-    """Guards ``calls`` (taken directly on the request path: cheaper than the condition)."""
-    calls_cv: threading.Condition = attrs.field(
-        default=attrs.Factory(lambda self: threading.Condition(self.calls_lock), takes_self=True))
-    local: threading.local = attrs.field(factory=threading.local)
-    """``depth``: this thread's nested public calls."""
+    inflight: list[int] = attrs.field(factory=list)
+    """The thread id of each public call in flight (nested ones too), all threads:
+    appended and removed without a lock (one list operation each is atomic), so
+    ``close`` counts them all and each thread its own."""
+    calls_cv: threading.Condition = attrs.field(factory=threading.Condition)
+    """``close`` waits on it (``quiesce``); notified when a call ends while closing."""
 
     @property
     def closed(self) -> bool:
@@ -109,21 +111,27 @@ class CallGuard:
         return self.life.closed
 
     @property
+    def calls(self) -> int:
+        """Public calls in flight, all threads (``close`` waits for them)."""
+        return len(self.inflight)
+
+    @property
     def depth(self) -> int:
         """How many public calls this thread is inside."""
-        return getattr(self.local, "depth", 0)
+        return self.inflight.count(_ident())
 
     def held(self) -> bool:
         """Whether this thread holds the engine lock (for assertions)."""
         return self.lock._is_owned()
 
     def __enter__(self) -> None:
-        depth = getattr(self.local, "depth", 0)
-        with self.calls_lock:
-            if self.life.closed or (self.closing and not depth):
-                raise EngineClosedError("engine is closed")
-            self.calls += 1
-        self.local.depth = depth + 1
+        me = _ident()
+        inflight = self.inflight
+        inflight.append(me)  # counted before the check (see the class docstring)
+        # refused once closed, or while closing unless nested in a call of this thread
+        if (self.closing or self.life.closed) and (self.life.closed or inflight.count(me) == 1):
+            self._leave(me)
+            raise EngineClosedError("engine is closed")
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         try:
@@ -135,21 +143,25 @@ class CallGuard:
                     raise EngineClosedError(f"engine closed during the call ({kind.__name__})") from exc
             return False
         finally:
-            self.local.depth -= 1
-            with self.calls_lock:
-                self.calls -= 1
-                if self.closing:
-                    self.calls_cv.notify_all()
+            self._leave(_ident())
+
+    def _leave(self, me: int) -> None:
+        """One call of thread ``me`` ends (uncounted before ``closing`` is read: see
+        ``quiesce``)."""
+        self.inflight.remove(me)
+        if self.closing:
+            with self.calls_cv:
+                self.calls_cv.notify_all()
 
     def quiesce(self, deadline: float) -> None:
         """Refuse new public calls; wait until those in flight on other threads end (or
         ``deadline``, a ``time.monotonic()`` value, passes)."""
         mine = self.depth  # close() called from inside a call
         with self.calls_cv:
-            self.closing = True
-            while self.calls > mine:
+            self.closing = True  # before counting (see the class docstring)
+            while len(self.inflight) > mine:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("close_timeout", in_flight=self.calls - mine)
+                    log.warning("close_timeout", in_flight=len(self.inflight) - mine)
                     return
                 self.calls_cv.wait(left)
