@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from prefixstore.base.errors import InvalidArgumentError, SimulatedCrash
 from prefixstore.base.keys import Prefix
 from prefixstore.cli import main
-from prefixstore.engine import lifecycle
+from prefixstore.engine import degraded, lifecycle
 from prefixstore.engine.api import Engine
 from prefixstore.engine.audit import audit_dir
 from prefixstore.engine.repair import repair
@@ -257,3 +257,21 @@ def test_audit_through_rank_servers_reports_a_rank_that_does_not_come(tmp_path, 
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [("unavailable" in r, r["files"]) for r in got["ranks"]] == [(False, 1), (True, 0)], got
     assert any("rank 1 is unavailable" in n for n in got["notes"]), got
+
+
+def test_a_lookup_alone_brings_a_rank_back_that_serves_again(cache_dir) -> None:
+    """The lookup asks the down ranks' tiers itself (once ``PROBE_S`` has passed): a rank
+    marked down whose tier serves is brought back by the next lookup, and until then
+    its hits miss."""
+    layout = make_layout(ranks=2)
+    tokens = tokens_for(76, 2)
+    with Engine.open(cache_dir, layout, CAP) as eng:
+        assert store_tokens(eng, tokens).ok
+        prefix = Prefix.from_tokens(tokens, BT)
+        down = eng.flows.reviving.tiers.down
+        down.why[1] = "marked down by the test"
+        down.probed = time.monotonic()  # just asked: the next lookup does not ask again
+        assert eng.lookup(prefix).outcome == "miss" and eng.degraded is not None
+        down.probed = time.monotonic() - 2 * degraded.PROBE_S
+        assert eng.lookup(prefix).hit and eng.degraded is None
+        assert eng.stats()["counters"]["degraded.revived"] == 1
