@@ -8,6 +8,7 @@ settings a plant needs to show at all, e.g. synchronous=NORMAL for lost commits)
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import make_layout, node_at, store_tokens, tokens_for
@@ -45,9 +46,17 @@ CAUGHT_BY = {
 }
 
 
+# Plants the campaign finds too late for the CI budget above, each with the reproducer it
+# found and shrank (``tests/plant_reproducers/``): that reproducer must catch the plant,
+# by one of these kinds, and replay clean against the real engine.
+REPRODUCED_BY = {
+    "stale-prestaged": ("stale-prestaged.json", {"audit:1", "damaged", "miss"}),  # seed 0: op 1524, ~10 s
+}
+
+
 def test_every_plant_is_listed_and_has_an_expected_catch():
     # the plants in the rank-server and remote-tier paths are found in test_fuzz_cluster.py
-    assert set(plants.PLANTS) == set(CAUGHT_BY) | set(CLUSTER_CAUGHT_BY)
+    assert set(plants.PLANTS) == set(CAUGHT_BY) | set(CLUSTER_CAUGHT_BY) | set(REPRODUCED_BY)
     assert len(plants.PLANTS) >= 7
 
 
@@ -61,6 +70,19 @@ def test_plant_is_found_within_budget(name, checks, monkeypatch):
     assert res.violations, f"plant {name} not found in {res.steps} ops with the checks {checks}"
     v = res.violations[0]
     assert v["kind"] in (CAUGHT_BY[name] if checks == "on" else CAUGHT_BY[name] - {"invariant"}), v
+
+
+@pytest.mark.parametrize("name", sorted(REPRODUCED_BY))
+def test_plant_is_caught_by_its_reproducer(name):
+    """The campaign's shrunk reproducer of the plant catches it, and replays clean
+    against the real engine."""
+    path, kinds = REPRODUCED_BY[name]
+    cfg, ops, plant, doc = load_reproducer(os.path.join(os.path.dirname(__file__), "plant_reproducers", path))
+    assert plant.name == name and doc["note"]
+    v, _ = replay_in_tmp(ops, cfg, plant)
+    assert v is not None and v.kind in kinds, v
+    clean, n = replay_in_tmp(ops, cfg, None)
+    assert clean is None and n == len(ops), clean
 
 
 def test_async_plant_is_found_in_the_async_path_and_shrinks(tmp_path):

@@ -95,6 +95,9 @@ class Catalog:
     """Whether the write that failed (``failed``) found the catalog not as the engine wrote it."""
     cookie: int
     """The schema cookie when the schema was last checked (``schema.cookie``)."""
+    level: str | None
+    """The connection's ``PRAGMA synchronous`` as the last write transaction set it
+    (``txn``; None: unknown, set again before the next)."""
     wal: WalSync
     """The log's durability point: group commits (``txn(grouped=True)``, ``sync``)."""
 
@@ -114,6 +117,7 @@ class Catalog:
         self.path, self.root = catalog_path(root), root
         self.read_only, self.closed, self.failed_corrupt, self.cookie = None, False, False, 0
         self.synchronous = synchronous.upper()
+        self.level = None
         self.hook = hook or FaultHook()
         self.wal = WalSync(self.path + "-wal", self.hook)
         self.before_write = before_write or (lambda: None)
@@ -156,7 +160,7 @@ class Catalog:
         self.path, self.synchronous, self.hook, self.root = path, "FULL", hook or FaultHook(), root
         self.wal = WalSync(path + "-wal", self.hook)
         self.before_write, self.failed, self.read_only = (lambda: None), None, reason
-        self.closed, self.failed_corrupt, self.cookie = False, False, 0
+        self.closed, self.failed_corrupt, self.cookie, self.level = False, False, 0, None
         try:
             self.conn = sqlite3.connect(f"file:{quote(path)}?{mode}", uri=True, isolation_level=None,
                                         check_same_thread=False, timeout=30)
@@ -187,6 +191,7 @@ class Catalog:
                                     else f"{CATALOG_NAME} holds no schema")
         c.execute("PRAGMA journal_mode=WAL")
         c.execute(f"PRAGMA synchronous={self.synchronous}")
+        self.level = self.synchronous
         c.execute("PRAGMA foreign_keys=ON")
         c.execute("PRAGMA trusted_schema=OFF")  # no function with side effects from the schema
         # a bounded log: checkpointed every ~1 MiB and truncated back to that size
@@ -248,7 +253,9 @@ class Catalog:
         ``grouped``: under ``synchronous=FULL`` the commit is written without a sync of
         the log; it is durable once ``sync(wal.written)`` (read under the engine lock
         right after it) returns, together with the others written meanwhile (group
-        commit, ``walsync.py``). Any other commit under FULL is synced by SQLite itself.
+        commit, ``walsync.py``). Any other commit under FULL is synced by SQLite itself:
+        the connection's ``PRAGMA synchronous`` is set before the transaction when it
+        is not the level this one needs (``level``), and left there for the next.
 
         An I/O error (or full disk) from SQLite inside it raises CatalogIOError and
         makes the catalog refuse every later write (sticky, as SQLite's pager ERROR
@@ -266,9 +273,12 @@ class Catalog:
         c = self.conn
         self.before_write()
         deferred = grouped and self.synchronous == "FULL"
+        level = "NORMAL" if deferred else self.synchronous
         try:
-            if deferred:
-                c.execute("PRAGMA synchronous=NORMAL")
+            if self.level != level:  # left as the last transaction set it: grouped ones run in a row
+                self.level = None  # unknown until the pragma returns
+                c.execute(f"PRAGMA synchronous={level}")
+                self.level = level
             c.execute("BEGIN IMMEDIATE")
             try:
                 self._schema_unchanged(c)
@@ -299,12 +309,6 @@ class Catalog:
                 f"schema refuse the engine's statement; reopen the engine (`prefixstore audit {self.root}` "
                 "says what is wrong)"
             ) from exc
-        finally:
-            if deferred:
-                try:
-                    c.execute(f"PRAGMA synchronous={self.synchronous}")
-                except sqlite3.Error as exc:  # later commits would not be synced: refuse them
-                    self.fail(f"{label}: cannot restore synchronous={self.synchronous}: {exc}")
         if deferred:
             self.wal.wrote()
         elif self.synchronous == "FULL":

@@ -108,6 +108,14 @@ def on_store(
     return _result(sp, out, len(prefix), ok_status or STORED)
 
 
+def ordinary(sp: Spans, prefix: Prefix, tokens_from: int, held: frozenset[int] = frozenset()) -> bool:
+    """Whether ``on_store`` would let the ordinary store run at once: no damaged
+    ancestor to refill and no compact-replace to route to (the common store, decided
+    in one hold of the lock). Raises InvalidInputError as ``on_store`` does. Lock held."""
+    check_tokens_from(sp, prefix, tokens_from)
+    return not _refill_candidates(sp, prefix, tokens_from, held) and route(sp, prefix, tokens_from) is None
+
+
 def route(sp: Spans, prefix: Prefix, tokens_from: int) -> tuple[Callable, Node, int] | None:
     """The compact-replace a store of ``prefix`` takes: (its action, the ready row it
     replaces, the prefix's deepest stored block); None: the ordinary store. Lock held."""

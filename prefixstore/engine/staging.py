@@ -46,6 +46,22 @@ class Writer:
     mode: Mode
 
 
+@attrs.frozen(slots=True, eq=False)
+class Prestaged:
+    """A store's shards staged (and checksummed) before the lock hold that decides the
+    store, for the header metadata and token rows it foresaw; that hold takes them when
+    it decides the same, else stages again (``store.begin``)."""
+
+    meta: dict[str, str]
+    lo: int
+    hi: int
+    datas: list[Staged]
+
+    def fits(self, meta: dict[str, str], lo: int, hi: int) -> bool:
+        """Whether these shards are the ones a store of ``meta`` over rows ``[lo, hi)`` writes."""
+        return self.lo == lo and self.hi == hi and self.meta == meta
+
+
 def stage_store(
     sg: Staging,
     staged: list[Staged] | None,

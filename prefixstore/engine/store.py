@@ -54,7 +54,7 @@ from prefixstore.engine.results import (
 from prefixstore.engine.settings import Settings
 from prefixstore.engine.space import Room
 from prefixstore.engine.spans import Admit, Spans
-from prefixstore.engine.staging import Staging, Writer
+from prefixstore.engine.staging import Prestaged, Staging, Writer
 from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards
 from prefixstore.gpu.ranks import shard_name
@@ -81,6 +81,8 @@ class InFlight:
     needed: int
     txn: Txn | None = None  # the journaled transaction, once its intent committed
     seq: int = 0  # its last grouped commit (``Catalog.sync``: durable once synced through it)
+    plan_keys: tuple[bytes, ...] = ()  # the keys of its blocks, marked in flight
+    settled: bool = False  # its in-flight marks and fences are gone (``settle``)
 
     @property
     def keys_span(self) -> slice:
@@ -145,11 +147,20 @@ def store(
     if (res := degraded.refused(st.tiers, len(prefix))) is not None:  # opened without a rank
         count_skip(st.counters, res)
         return res
-    if (res := spans.on_store(st.spans, prefix, segs, snaps, tokens_from, held)) is not None:
+    with st.guard.lock:  # the common store (no compact-replace) is told in one hold, its plan peeked
+        common = spans.ordinary(st.spans, prefix, tokens_from, held)
+        peek = plan(st, prefix, held) if common and staged is None else None
+    if not common and (res := spans.on_store(st.spans, prefix, segs, snaps, tokens_from, held)) is not None:
         return res
-    with st.guard.lock:
-        t = begin(st, prefix, segs, snaps, tokens_from, staged, held)
+    pre = prestage(st, prefix, peek, segs, snaps, tokens_from) if staged is None else None
+    try:
+        with st.guard.lock:
+            t = begin(st, prefix, segs, snaps, tokens_from, staged, held, pre)
+    except BaseException:
+        staging.release(pre.datas if pre else [])
+        raise
     if isinstance(t, StoreResult):
+        staging.release(pre.datas if pre else [])
         if t.status == DUPLICATE:  # the row it found may be a grouped publish not synced yet
             st.catalog.sync(st.catalog.wal.written)
         return t
@@ -160,10 +171,20 @@ def store(
         raise
     finally:
         staging.release(t.owned)
-        with st.guard.lock:
-            st.holds.clear_inflight(prefix.keys[t.keys_span], t.tid)
-            st.holds.unfence(t.protect)
-            st.guard.settled.notify_all()
+        staging.release(pre.datas if pre else [])
+        if not t.settled:  # settled by its publish, under the lock that applied it, else here
+            with st.guard.lock:
+                settle(st, t)
+
+
+def settle(st: Storing, t: InFlight) -> None:
+    """End the store's hold on its rows, once: its blocks no longer in flight, its
+    parent and refilled row unfenced, the stores waiting on them woken. Lock held."""
+    if not t.settled:
+        t.settled = True
+        st.holds.clear_inflight(t.plan_keys, t.tid)
+        st.holds.unfence(t.protect)
+        st.guard.settled.notify_all()
 
 
 def settled_plan(st: Storing, prefix: Prefix, held: frozenset[int]) -> Plan | StoreResult:
@@ -202,9 +223,40 @@ def refusal(st: Storing, prefix: Prefix, p: Plan | StoreResult, tokens_from: int
     return None
 
 
-def begin(st: Storing, prefix: Prefix, segs, snaps, tokens_from: int, staged, held) -> InFlight | StoreResult:
-    """Plan, stage, make space and commit the intent; the store in flight (its blocks
-    marked, its parent and refilled row fenced), or why not. Lock held."""
+def prestage(st: Storing, prefix: Prefix, p: Plan | StoreResult | None, segs, snaps,
+             tokens_from: int) -> Prestaged | None:
+    """Stage and checksum the shards of the store that plan ``p`` (peeked) foresees,
+    before the lock hold that decides it, so the copies and checksums run outside the
+    engine lock. The generation is guessed (the refilled row's next, else the first);
+    ``begin`` takes these shards only if it decides the same header metadata and rows.
+    None when there is no plan to stage for. Engine lock not held."""
+    if not isinstance(p, Plan) or tokens_from > p.start * st.layout.block_tokens:
+        return None  # no store, or one ``refusal`` rejects
+    meta, lo, hi = header(st, prefix, p, (p.existing.generation if p.existing else 0) + 1, tokens_from)
+    datas = staging.stage_store(st.staging, None, meta, segs, snaps, lo, hi)
+    try:
+        for d in datas:
+            d.checksum()
+    except BaseException:
+        staging.release(datas)
+        raise
+    return Prestaged(meta, lo, hi, datas)
+
+
+def header(st: Storing, prefix: Prefix, p: Plan, gen: int, tokens_from: int) -> tuple[dict[str, str], int, int]:
+    """The shards' metadata of a store on plan ``p`` at generation ``gen``, and the rows
+    ``[lo, hi)`` of its segments it writes."""
+    L, n = st.layout, len(prefix)
+    meta = {**shards.meta(prefix.keys[-1], gen, p.start, n, L.has_snapshot),
+            **shards.span_provenance(L, prefix.keys, prefix.digests, p.start, n)}
+    return meta, p.start * L.block_tokens - tokens_from, n * L.block_tokens - tokens_from
+
+
+def begin(st: Storing, prefix: Prefix, segs, snaps, tokens_from: int, staged, held,
+          pre: Prestaged | None = None) -> InFlight | StoreResult:
+    """Plan, stage (or take ``pre``, staged for the same header), make space and commit
+    the intent; the store in flight (its blocks marked, its parent and refilled row
+    fenced), or why not. Lock held."""
     L = st.layout
     n = len(prefix)
     p = settled_plan(st, prefix, held)
@@ -212,13 +264,14 @@ def begin(st: Storing, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
         return res
     key = prefix.keys[-1]
     gen = replace.next_generation(st.catalog, L.ranks, key, p.existing.generation if p.existing else 0)
-    meta = {**shards.meta(key, gen, p.start, n, L.has_snapshot),
-            **shards.span_provenance(L, prefix.keys, prefix.digests, p.start, n)}
-    lo, hi = p.start * L.block_tokens - tokens_from, n * L.block_tokens - tokens_from
-    # Zero-copy: each rank's tensors go straight into a buffer laid out as its file.
-    datas = staging.stage_store(st.staging, staged, meta, segs, snaps, lo, hi)
+    meta, lo, hi = header(st, prefix, p, gen, tokens_from)
+    if pre is not None and pre.fits(meta, lo, hi):
+        datas = pre.datas  # released by the caller, as ``staged`` is
+    else:  # zero-copy: each rank's tensors go straight into a buffer laid out as its file
+        datas = staging.stage_store(st.staging, staged, meta, segs, snaps, lo, hi)
     protect = {x.id for x in (p.parent, p.existing) if x is not None}
-    t = InFlight(p, 0, key, gen, shard_name(key, gen), n, datas, [] if datas is staged else datas,
+    caller_owned = datas is staged or (pre is not None and datas is pre.datas)
+    t = InFlight(p, 0, key, gen, shard_name(key, gen), n, datas, [] if caller_owned else datas,
                  protect, sum(d.size for d in datas))
     try:  # a failed space step or intent commit must not strand the buffers
         if (why := space.room_for(st.room, t.needed, protect)) is not None:
@@ -232,7 +285,8 @@ def begin(st: Storing, prefix: Prefix, segs, snaps, tokens_from: int, staged, he
         staging.release(t.owned)
         raise
     st.account.charged += t.needed
-    st.holds.mark_inflight(prefix.keys[t.keys_span], t.tid)
+    t.plan_keys = prefix.keys[t.keys_span]
+    st.holds.mark_inflight(t.plan_keys, t.tid)
     st.holds.fence(protect)
     return t
 
@@ -304,13 +358,22 @@ def published(st: Storing, prefix: Prefix, t: InFlight) -> tuple[StoreResult, An
     digests = b"".join(prefix.digests[p.start:n])
     was_damaged = p.existing is not None and p.existing.state == "damaged"
     node, offer, t.seq = publish(st, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed,
-                                 then=lambda _node: st.offers.prepare(t))
+                                 then=lambda _node: published_then(st, t))
     status = REFILLED if p.existing is not None else STORED
     if was_damaged:
         st.counters.inc("refills")
     st.counters.inc("stores", status)
     log.debug("stored", key=t.key.hex()[:12], blocks=n, node=node.id, bytes=t.needed)
     return StoreResult(status, n, None, t.needed), offer
+
+
+def published_then(st: Storing, t: InFlight) -> Any:
+    """Right after the publish is applied (lock held): the offer of the checkpoint, and
+    the store's rows settled (``settle``): the index now holds its node, so nothing
+    needs its marks and fences, and no further hold of the lock is taken for them."""
+    offer = st.offers.prepare(t)
+    settle(st, t)
+    return offer
 
 
 def publish(st: Storing, txn: Txn, plan: Plan, key: bytes, digests: bytes, start: int, end: int,

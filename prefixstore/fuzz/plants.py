@@ -31,6 +31,7 @@ from prefixstore.engine import (
     replace,
     restore,
     space,
+    staging,
     store,
     transfers,
 )
@@ -438,6 +439,18 @@ def _ack_before_group_sync() -> contextlib.AbstractContextManager[None]:
     return _patched(store, "acknowledge", lambda st, seq: None)
 
 
+# -- take shards staged for a guessed generation ----------------------------------------------
+
+
+class _StalePrestaged(Engine):
+    """Its stores take the shards staged before the lock hold whatever generation that
+    hold decides (``_stale_prestaged``): the file's header names the guessed one."""
+
+
+def _stale_prestaged() -> contextlib.AbstractContextManager[None]:
+    return _patched(staging.Prestaged, "fits", lambda self, meta, lo, hi: True)
+
+
 # -- the registry ------------------------------------------------------------------------------
 
 _SNAP_RETIRE = {"snapshot": True, "policy": "prefixstore"}
@@ -550,6 +563,14 @@ PLANTS: dict[str, Plant] = {
             engine_cls=_AckBeforeGroupSync,
             patch=_ack_before_group_sync,
             config={"synchronous": "FULL"},
+        ),
+        Plant(
+            "stale-prestaged",
+            "a store writes the shards staged for its guessed generation when the catalog gave another",
+            "a key stored again while an older generation's rows remain: the shard's header names "
+            "another generation, so the acknowledged node restores as damaged",
+            engine_cls=_StalePrestaged,
+            patch=_stale_prestaged,
         ),
         Plant(
             "skip-barrier",
