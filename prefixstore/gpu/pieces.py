@@ -24,26 +24,75 @@ PIECE = 1 << 19
 read) is short, large enough that the hand-off costs little against its copy."""
 
 
+PROBE_S = 0.5
+"""Seconds a mode's measured speed stands before a read tries that mode again."""
+
+_WEIGHT = 0.5
+"""Weight of a new measurement in a mode's average speed."""
+
+
+@attrs.define(eq=False, slots=True)
+class Pace:
+    """The measured speed of recent reads in pieces with helpers and without (wall
+    seconds per byte, an exponential average of each) and when each was last
+    measured (``time.perf_counter``): what decides whether the next read takes
+    helpers. The current load decides through the measurements themselves: on a busy
+    machine a helper waits for a CPU while the hashing thread waits for its piece,
+    and the read with helpers is the slower one."""
+
+    alone: float | None = None
+    helped: float | None = None
+    alone_at: float = float("-inf")
+    helped_at: float = float("-inf")
+
+    def helps(self, now: float) -> bool:
+        """Whether the next read takes helpers: a mode not measured within ``PROBE_S``
+        is tried (the read alone first), else the faster one."""
+        if self.alone is None or now - self.alone_at > PROBE_S:
+            return False
+        if self.helped is None or now - self.helped_at > PROBE_S:
+            return True
+        return self.helped < self.alone
+
+    def record(self, helped: bool, seconds: float, nbytes: int, now: float) -> None:
+        """One read of ``nbytes`` took ``seconds``, with helpers or without."""
+        if nbytes <= 0:
+            return
+        rate = seconds / nbytes
+        if helped:
+            self.helped = rate if self.helped is None else self.helped + _WEIGHT * (rate - self.helped)
+            self.helped_at = now
+        else:
+            self.alone = rate if self.alone is None else self.alone + _WEIGHT * (rate - self.alone)
+            self.alone_at = now
+
+
 @attrs.frozen(eq=False)
 class Helpers:
     """Threads that read pieces for ``read_hashed``: ``count`` tasks at most per read,
     on ``pool`` (which must not be the pool whose threads call ``read_hashed`` and wait:
     a helper task never waits, so any pool of its own is safe).
 
-    With ``when_idle`` a read takes only as many helpers as the machine has idle CPUs
-    (by the one-minute load average): on a busy machine a helper waits for a CPU while
-    the hashing thread waits for its piece, and one thread alone is faster."""
+    With ``when_faster`` a read takes helpers only while reads with them are measured
+    faster than reads without (``Pace``): each mode is measured again at least every
+    ``PROBE_S``, so a change of load turns helpers on or off within a second, and a
+    busy machine costs at most one slower read per ``PROBE_S``."""
 
     pool: Executor
     count: int
-    when_idle: bool = True
+    when_faster: bool = True
+    pace: Pace = attrs.field(factory=Pace)
 
     def now(self) -> int:
         """How many helpers a read takes now."""
-        if not self.when_idle or self.count < 1:
+        if not self.when_faster or self.count < 1:
             return self.count
-        idle = _idle_cpus()
-        return self.count if idle is None else max(0, min(self.count, int(idle)))
+        return self.count if self.pace.helps(time.perf_counter()) else 0
+
+    def took(self, helped: bool, seconds: float, nbytes: int) -> None:
+        """Record a read in pieces (``Pace.record``) when the pace decides."""
+        if self.when_faster and self.count >= 1:
+            self.pace.record(helped, seconds, nbytes, time.perf_counter())
 
 
 def usable_cpus() -> int:
@@ -52,23 +101,6 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity on this system
         return os.cpu_count() or 1
-
-
-_LOAD: list[float | None] = [None, float("-inf")]
-"""The last idle-CPU estimate and when it was taken (``time.monotonic``)."""
-
-
-def _idle_cpus() -> float | None:
-    """CPUs the one-minute load average leaves idle, read at most every 0.2 s (the
-    average moves slower than that); None where the system has no load average."""
-    now = time.monotonic()
-    if not 0.0 <= now - (_LOAD[1] or 0.0) <= 0.2:
-        try:
-            _LOAD[0] = usable_cpus() - os.getloadavg()[0]
-        except OSError:
-            _LOAD[0] = None
-        _LOAD[1] = now
-    return _LOAD[0]
 
 
 def read_full(fd: int, pos: int, out: memoryview) -> int:
@@ -140,17 +172,30 @@ def read_hashed(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpe
     n = len(pieces)
     flags = shared if shared is not None else [False] * n
     parallel = n - sum(flags)
-    count = 0 if helpers is None or parallel < 2 else helpers.now()
-    if count < 1:
-        total = 0
-        for pos, out in pieces:
-            k = read_full(fd, pos, out)
-            hasher.update(out[:k])
-            total += k
-            if k < len(out):
-                break
-        return total
-    assert helpers is not None
+    if helpers is None or parallel < 2:
+        return _read_alone(fd, pieces, hasher)
+    count = helpers.now()
+    t0 = time.perf_counter()
+    total = _read_alone(fd, pieces, hasher) if count < 1 else _read_helped(fd, pieces, hasher, helpers, count,
+                                                                            flags, parallel)
+    helpers.took(count >= 1, time.perf_counter() - t0, total)
+    return total
+
+
+def _read_alone(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher) -> int:
+    total = 0
+    for pos, out in pieces:
+        k = read_full(fd, pos, out)
+        hasher.update(out[:k])
+        total += k
+        if k < len(out):
+            break
+    return total
+
+
+def _read_helped(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpers: Helpers, count: int,
+                 flags: Sequence[bool], parallel: int) -> int:
+    n = len(pieces)
     claims = _Claims(pieces, flags, [threading.Event() for _ in range(n)], [0] * n, [None] * n)
     tasks: list[Future] = []
     try:
