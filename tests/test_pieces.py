@@ -19,7 +19,7 @@ from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import flip_bit
 from prefixstore.gpu import pieces
-from prefixstore.gpu.pieces import PROBE_S, Helpers, Pace
+from prefixstore.gpu.pieces import PROBE_S, SAMPLE_S, Helpers, Pace, Spare
 
 MIB = 1 << 20
 
@@ -149,11 +149,41 @@ def test_the_pace_tries_each_mode_then_keeps_the_faster():
     assert not p.helps(0.8)
 
 
-def test_helpers_forced_or_none_ignore_the_pace():
-    slow = Pace(alone=1.0, helped=9.0, alone_at=time.perf_counter() + 60, helped_at=time.perf_counter() + 60)
-    assert Helpers(None, 4, pace=slow).now() == 0  # type: ignore[arg-type]
-    assert Helpers(None, 4, when_faster=False, pace=slow).now() == 4  # type: ignore[arg-type]
+def _spare(cpus: float) -> Spare:
+    """A reading of ``cpus`` spare CPUs that stands for the whole test."""
+    return Spare(at=time.perf_counter() + 60, value=cpus)
+
+
+def _pace(alone: float, helped: float) -> Pace:
+    later = time.perf_counter() + 60  # both measurements fresh for the whole test
+    return Pace(alone=alone, helped=helped, alone_at=later, helped_at=later)
+
+
+def test_helpers_forced_or_none_ignore_the_pace_and_the_spare_cpus():
+    slow = _pace(1.0, 9.0)
+    assert Helpers(None, 4, pace=slow, spare=_spare(4)).now() == 0  # type: ignore[arg-type]
+    assert Helpers(None, 4, when_faster=False, pace=slow, spare=_spare(0)).now() == 4  # type: ignore[arg-type]
     assert Helpers(None, 0, pace=Pace()).now() == 0  # type: ignore[arg-type]
+
+
+def test_as_many_helpers_as_spare_cpus_and_none_on_a_busy_machine():
+    fast = _pace(9.0, 1.0)
+    assert Helpers(None, 4, pace=fast, spare=_spare(0.3)).now() == 0  # type: ignore[arg-type]
+    assert Helpers(None, 4, pace=fast, spare=_spare(1.6)).now() == 2  # type: ignore[arg-type]
+    assert Helpers(None, 4, pace=fast, spare=_spare(7)).now() == 4  # type: ignore[arg-type]
+    assert Helpers(None, 2, pace=fast, spare=Spare(stat=lambda: None)).now() == 2  # type: ignore[arg-type]
+
+
+def test_spare_cpus_from_idle_ticks_and_own_cpu_time():
+    """Two CPUs (ticks of 10 ms): over one second, 0.5 s idle and this process's own
+    0.5 s of CPU leave one CPU for it: none beyond the reading thread."""
+    readings = iter([(1000, 5000, 2), (1050, 5200, 2), (1250, 5400, 2)])
+    own = iter([3.0, 3.5, 3.5])
+    s = Spare(stat=lambda: next(readings), own=lambda: next(own), hz=100)
+    assert s.now(0.0) is None  # one reading: nothing to compare yet
+    assert s.now(1.0) == pytest.approx(0.0)
+    assert s.now(1.0 + SAMPLE_S / 2) == pytest.approx(0.0)  # within the interval: not read again
+    assert s.now(2.0) == pytest.approx(1.0)  # then both idle: one CPU spare
 
 
 @pytest.mark.parametrize("faster", ["helped", "alone"])
@@ -161,16 +191,15 @@ def test_a_read_takes_helpers_only_while_they_are_measured_faster(tmp_path, fast
     """A read follows its pace (no helper task when reads alone were faster) and
     records how long it took in the mode it used; the bytes and digest are the same."""
     path, data = _file(tmp_path, 2 * MIB + 5)
-    later = time.perf_counter() + 60  # both measurements fresh for the whole test
     rates = (1.0, 5.0) if faster == "helped" else (5.0, 1.0)
-    pace = Pace(helped=rates[0], alone=rates[1], helped_at=later, alone_at=later)
+    pace = _pace(rates[1], rates[0])
     pool = CountingPool(max_workers=2)
     try:
         out = bytearray(len(data))
         h = xxhash.xxh3_128()
         fd = os.open(path, os.O_RDONLY)
         try:
-            n = pieces.read_hashed(fd, _split(memoryview(out), 256 << 10), h, Helpers(pool, 2, pace=pace))
+            n = pieces.read_hashed(fd, _split(memoryview(out), 256 << 10), h, Helpers(pool, 2, pace=pace, spare=_spare(4)))
         finally:
             os.close(fd)
     finally:

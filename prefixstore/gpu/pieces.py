@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 
 import attrs
@@ -29,6 +29,13 @@ PROBE_S = 0.5
 
 _WEIGHT = 0.5
 """Weight of a new measurement in a mode's average speed."""
+
+_MARGIN = 0.9
+"""Reads with helpers are taken only while measured faster than this share of the
+time of reads alone (a helper's hand-off has a cost the average may not show yet)."""
+
+SAMPLE_S = 0.1
+"""Seconds between two readings of the CPUs' idle time (``/proc/stat``)."""
 
 
 @attrs.define(eq=False, slots=True)
@@ -52,7 +59,7 @@ class Pace:
             return False
         if self.helped is None or now - self.helped_at > PROBE_S:
             return True
-        return self.helped < self.alone
+        return self.helped < _MARGIN * self.alone
 
     def record(self, helped: bool, seconds: float, nbytes: int, now: float) -> None:
         """One read of ``nbytes`` took ``seconds``, with helpers or without."""
@@ -67,27 +74,96 @@ class Pace:
             self.alone_at = now
 
 
+def _proc_stat() -> tuple[int, int, int] | None:
+    """(idle, total) clock ticks since boot of the CPUs this process may run on, and
+    how many they are, from ``/proc/stat`` (idle counts I/O wait); None where there is
+    none."""
+    cpus = {f"cpu{c}" for c in _affinity()}
+    idle = total = seen = 0
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if not line.startswith(b"cpu") or line.startswith(b"cpu "):
+                    continue
+                name, *ticks = line.split()
+                if name.decode() in cpus:
+                    t = [int(x) for x in ticks]
+                    idle += t[3] + t[4]
+                    total += sum(t[:8])  # user..steal (guest time is inside user)
+                    seen += 1
+    except (OSError, ValueError, IndexError):
+        return None
+    return (idle, total, seen) if total else None
+
+
+def _affinity() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@attrs.define(eq=False, slots=True)
+class Spare:
+    """CPUs left to this process beyond the thread that reads, over the last reading
+    interval (at least ``SAMPLE_S``): the idle CPU time of the CPUs it may run on
+    (``/proc/stat``) plus its own CPU time, per second, less one. What other processes
+    run now, not the one-minute load average (which lags a burst by a minute)."""
+
+    stat: Callable[[], tuple[int, int, int] | None] = _proc_stat
+    own: Callable[[], float] = time.process_time
+    hz: float = _HZ
+    last: tuple[int, int, float] | None = None
+    at: float = float("-inf")
+    value: float | None = None
+
+    def now(self, t: float) -> float | None:
+        """The spare CPUs (None until two readings, or where ``/proc/stat`` is missing)."""
+        if t - self.at < SAMPLE_S:
+            return self.value
+        got = self.stat()
+        if got is None:
+            self.value = None
+            return None
+        cur = (got[0], got[1], self.own())
+        prev, self.last, self.at = self.last, cur, t
+        if prev is not None and cur[1] > prev[1]:
+            ncpu = got[2]
+            wall = (cur[1] - prev[1]) / self.hz / ncpu
+            free = (cur[0] - prev[0]) / self.hz + max(0.0, cur[2] - prev[2])
+            self.value = min(float(ncpu), free / wall) - 1.0
+        return self.value
+
+
 @attrs.frozen(eq=False)
 class Helpers:
     """Threads that read pieces for ``read_hashed``: ``count`` tasks at most per read,
     on ``pool`` (which must not be the pool whose threads call ``read_hashed`` and wait:
     a helper task never waits, so any pool of its own is safe).
 
-    With ``when_faster`` a read takes helpers only while reads with them are measured
-    faster than reads without (``Pace``): each mode is measured again at least every
-    ``PROBE_S``, so a change of load turns helpers on or off within a second, and a
-    busy machine costs at most one slower read per ``PROBE_S``."""
+    With ``when_faster`` a read takes helpers only while other processes leave CPUs
+    spare (``Spare``, from ``/proc/stat`` over the last tenth of a second: as many
+    helpers as spare CPUs, rounded) and reads with them are measured faster than reads
+    without (``Pace``; each mode is measured again at least every ``PROBE_S``). A
+    change of load turns helpers on or off within a second."""
 
     pool: Executor
     count: int
     when_faster: bool = True
     pace: Pace = attrs.field(factory=Pace)
+    spare: Spare = attrs.field(factory=Spare)
 
     def now(self) -> int:
         """How many helpers a read takes now."""
         if not self.when_faster or self.count < 1:
             return self.count
-        return self.count if self.pace.helps(time.perf_counter()) else 0
+        t = time.perf_counter()
+        spare = self.spare.now(t)
+        n = self.count if spare is None else min(self.count, int(spare + 0.5))
+        return n if n >= 1 and self.pace.helps(t) else 0
 
     def took(self, helped: bool, seconds: float, nbytes: int) -> None:
         """Record a read in pieces (``Pace.record``) when the pace decides."""
