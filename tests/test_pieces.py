@@ -19,7 +19,7 @@ from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import flip_bit
 from prefixstore.gpu import pieces
-from prefixstore.gpu.pieces import PROBE_S, SAMPLE_S, Helpers, Pace, Spare
+from prefixstore.gpu.pieces import PROBE_S, SAMPLE_S, WINDOW_S, Helpers, Pace, Spare
 
 MIB = 1 << 20
 
@@ -175,15 +175,17 @@ def test_as_many_helpers_as_spare_cpus_and_none_on_a_busy_machine():
 
 
 def test_spare_cpus_from_idle_ticks_and_own_cpu_time():
-    """Two CPUs (ticks of 10 ms): over one second, 0.5 s idle and this process's own
-    0.5 s of CPU leave one CPU for it: none beyond the reading thread."""
-    readings = iter([(1000, 5000, 2), (1050, 5200, 2), (1250, 5400, 2)])
-    own = iter([3.0, 3.5, 3.5])
+    """Two CPUs (ticks of 10 ms): a first reading, or one after a pause, counts the
+    threads runnable now; then over one second, 0.5 s idle and this process's own 0.5 s
+    of CPU leave one CPU for it: none beyond the reading thread."""
+    readings = iter([(1000, 5000, 2, 1), (1050, 5200, 2, 5), (1250, 5400, 2, 5), (9000, 9000, 2, 4)])
+    own = iter([3.0, 3.5, 3.5, 9.0])
     s = Spare(stat=lambda: next(readings), own=lambda: next(own), hz=100)
-    assert s.now(0.0) is None  # one reading: nothing to compare yet
+    assert s.now(0.0) == 1.0  # only this thread runnable: one CPU spare
     assert s.now(1.0) == pytest.approx(0.0)
     assert s.now(1.0 + SAMPLE_S / 2) == pytest.approx(0.0)  # within the interval: not read again
     assert s.now(2.0) == pytest.approx(1.0)  # then both idle: one CPU spare
+    assert s.now(2.0 + WINDOW_S + 0.1) == -2.0  # after a pause: four runnable on two CPUs
 
 
 @pytest.mark.parametrize("faster", ["helped", "alone"])

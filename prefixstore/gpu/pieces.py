@@ -37,6 +37,9 @@ time of reads alone (a helper's hand-off has a cost the average may not show yet
 SAMPLE_S = 0.1
 """Seconds between two readings of the CPUs' idle time (``/proc/stat``)."""
 
+WINDOW_S = 1.0
+"""The longest interval between two readings whose idle time still says what runs now."""
+
 
 @attrs.define(eq=False, slots=True)
 class Pace:
@@ -74,15 +77,17 @@ class Pace:
             self.alone_at = now
 
 
-def _proc_stat() -> tuple[int, int, int] | None:
-    """(idle, total) clock ticks since boot of the CPUs this process may run on, and
-    how many they are, from ``/proc/stat`` (idle counts I/O wait); None where there is
-    none."""
+def _proc_stat() -> tuple[int, int, int, int] | None:
+    """(idle, total) clock ticks since boot of the CPUs this process may run on, how
+    many they are, and the threads runnable now on the whole machine, from
+    ``/proc/stat`` (idle counts I/O wait); None where there is none."""
     cpus = {f"cpu{c}" for c in _affinity()}
-    idle = total = seen = 0
+    idle = total = seen = running = 0
     try:
         with open("/proc/stat", "rb") as f:
             for line in f:
+                if line.startswith(b"procs_running"):
+                    running = int(line.split()[1])
                 if not line.startswith(b"cpu") or line.startswith(b"cpu "):
                     continue
                 name, *ticks = line.split()
@@ -93,7 +98,7 @@ def _proc_stat() -> tuple[int, int, int] | None:
                     seen += 1
     except (OSError, ValueError, IndexError):
         return None
-    return (idle, total, seen) if total else None
+    return (idle, total, seen, running) if total else None
 
 
 def _affinity() -> list[int]:
@@ -108,12 +113,14 @@ _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 @attrs.define(eq=False, slots=True)
 class Spare:
-    """CPUs left to this process beyond the thread that reads, over the last reading
-    interval (at least ``SAMPLE_S``): the idle CPU time of the CPUs it may run on
-    (``/proc/stat``) plus its own CPU time, per second, less one. What other processes
-    run now, not the one-minute load average (which lags a burst by a minute)."""
+    """CPUs left to this process beyond the thread that reads: over the interval since
+    the last reading (``SAMPLE_S`` to ``WINDOW_S``), the idle CPU time of the CPUs it
+    may run on (``/proc/stat``) plus its own CPU time, per second, less one; at a first
+    reading or after a longer pause, the CPUs less the threads runnable at that moment
+    (this one among them). What other processes run now, not the one-minute load
+    average (which lags a burst by a minute)."""
 
-    stat: Callable[[], tuple[int, int, int] | None] = _proc_stat
+    stat: Callable[[], tuple[int, int, int, int] | None] = _proc_stat
     own: Callable[[], float] = time.process_time
     hz: float = _HZ
     last: tuple[int, int, float] | None = None
@@ -121,17 +128,19 @@ class Spare:
     value: float | None = None
 
     def now(self, t: float) -> float | None:
-        """The spare CPUs (None until two readings, or where ``/proc/stat`` is missing)."""
+        """The spare CPUs (None where ``/proc/stat`` is missing)."""
         if t - self.at < SAMPLE_S:
             return self.value
         got = self.stat()
         if got is None:
             self.value = None
             return None
+        ncpu = got[2]
         cur = (got[0], got[1], self.own())
-        prev, self.last, self.at = self.last, cur, t
-        if prev is not None and cur[1] > prev[1]:
-            ncpu = got[2]
+        prev, prev_at, self.last, self.at = self.last, self.at, cur, t
+        if prev is None or t - prev_at > WINDOW_S:
+            self.value = float(ncpu - got[3])
+        elif cur[1] > prev[1]:
             wall = (cur[1] - prev[1]) / self.hz / ncpu
             free = (cur[0] - prev[0]) / self.hz + max(0.0, cur[2] - prev[2])
             self.value = min(float(ncpu), free / wall) - 1.0
