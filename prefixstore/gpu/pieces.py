@@ -45,10 +45,9 @@ WINDOW_S = 1.0
 class Pace:
     """The measured speed of recent reads in pieces with helpers and without (wall
     seconds per byte, an exponential average of each) and when each was last
-    measured (``time.perf_counter``): what decides whether the next read takes
-    helpers. The current load decides through the measurements themselves: on a busy
-    machine a helper waits for a CPU while the hashing thread waits for its piece,
-    and the read with helpers is the slower one."""
+    measured (``time.perf_counter``): whether helpers, where CPUs are spare, make
+    reads faster (a helper that waits for a CPU while the hashing thread waits for its
+    piece makes them slower)."""
 
     alone: float | None = None
     helped: float | None = None
@@ -102,9 +101,10 @@ def _proc_stat() -> tuple[int, int, int, int] | None:
 
 
 def _affinity() -> list[int]:
+    """The CPUs this process may run on."""
     try:
         return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
+    except (AttributeError, OSError):  # no affinity on this system
         return list(range(os.cpu_count() or 1))
 
 
@@ -154,8 +154,8 @@ class Helpers:
     a helper task never waits, so any pool of its own is safe).
 
     With ``when_faster`` a read takes helpers only while other processes leave CPUs
-    spare (``Spare``, from ``/proc/stat`` over the last tenth of a second: as many
-    helpers as spare CPUs, rounded) and reads with them are measured faster than reads
+    spare (``Spare``, from ``/proc/stat`` over the last tenth of a second to a second:
+    as many helpers as spare CPUs, rounded) and reads with them are measured faster than reads
     without (``Pace``; each mode is measured again at least every ``PROBE_S``). A
     change of load turns helpers on or off within a second."""
 
@@ -181,11 +181,8 @@ class Helpers:
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity on this system
-        return os.cpu_count() or 1
+    """How many CPUs this process may run on."""
+    return len(_affinity())
 
 
 def read_full(fd: int, pos: int, out: memoryview) -> int:
