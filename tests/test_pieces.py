@@ -5,11 +5,9 @@ destination, and a restore that uses it still refuses every damaged byte."""
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import threading
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,7 +19,7 @@ from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import flip_bit
 from prefixstore.gpu import pieces
-from prefixstore.gpu.pieces import Helpers
+from prefixstore.gpu.pieces import PROBE_S, SAMPLE_S, WINDOW_S, Helpers, Pace, Spare
 
 MIB = 1 << 20
 
@@ -37,7 +35,7 @@ class CountingPool(ThreadPoolExecutor):
 @pytest.fixture
 def helpers():
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="piece-test")
-    yield Helpers(pool, 3, when_idle=False)
+    yield Helpers(pool, 3, when_faster=False)
     pool.shutdown(wait=True)
 
 
@@ -129,20 +127,90 @@ def test_a_shut_down_pool_leaves_the_read_to_the_hashing_thread(tmp_path):
     h = xxhash.xxh3_128()
     fd = os.open(path, os.O_RDONLY)
     try:
-        n = pieces.read_hashed(fd, _split(memoryview(out), 256 << 10), h, Helpers(pool, 1, when_idle=False))
+        n = pieces.read_hashed(fd, _split(memoryview(out), 256 << 10), h, Helpers(pool, 1, when_faster=False))
     finally:
         os.close(fd)
     assert n == len(data) and bytes(out) == data and h.hexdigest() == xxhash.xxh3_128(data).hexdigest()
 
 
-def test_no_helper_on_a_busy_machine(monkeypatch):
-    clock = itertools.count(0, 10)  # every estimate is taken afresh
-    monkeypatch.setattr(pieces, "time", types.SimpleNamespace(monotonic=lambda: float(next(clock))))
-    monkeypatch.setattr(pieces.os, "getloadavg", lambda: (float(pieces.usable_cpus()), 0.0, 0.0))
-    assert Helpers(None, 4).now() == 0  # type: ignore[arg-type]
-    assert Helpers(None, 4, when_idle=False).now() == 4  # type: ignore[arg-type]
-    monkeypatch.setattr(pieces.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert Helpers(None, 4).now() == min(4, pieces.usable_cpus())  # type: ignore[arg-type]
+def test_the_pace_tries_each_mode_then_keeps_the_faster():
+    p = Pace()
+    assert not p.helps(0.0)  # nothing measured: alone first
+    p.record(False, 2.0, 1, 0.0)
+    assert p.helps(0.1)  # then with helpers
+    p.record(True, 1.0, 1, 0.1)
+    assert p.helps(0.2)  # helpers measured faster
+    p.record(True, 4.0, 1, 0.2)  # the machine got busy: helped now averages 2.5
+    assert not p.helps(0.3)
+    assert p.helps(0.0 + PROBE_S + 0.01) is False  # alone is stale: measured again
+    p.record(False, 2.0, 1, 0.6)
+    assert p.helps(0.2 + PROBE_S + 0.01)  # helpers stale: tried again, once
+    p.record(True, 8.0, 1, 0.75)
+    assert not p.helps(0.8)
+
+
+def _spare(cpus: float) -> Spare:
+    """A reading of ``cpus`` spare CPUs that stands for the whole test."""
+    return Spare(at=time.perf_counter() + 60, value=cpus)
+
+
+def _pace(alone: float, helped: float) -> Pace:
+    later = time.perf_counter() + 60  # both measurements fresh for the whole test
+    return Pace(alone=alone, helped=helped, alone_at=later, helped_at=later)
+
+
+def test_helpers_forced_or_none_ignore_the_pace_and_the_spare_cpus():
+    slow = _pace(1.0, 9.0)
+    assert Helpers(None, 4, pace=slow, spare=_spare(4)).now() == 0  # type: ignore[arg-type]
+    assert Helpers(None, 4, when_faster=False, pace=slow, spare=_spare(0)).now() == 4  # type: ignore[arg-type]
+    assert Helpers(None, 0, pace=Pace()).now() == 0  # type: ignore[arg-type]
+
+
+def test_as_many_helpers_as_spare_cpus_and_none_on_a_busy_machine():
+    fast = _pace(9.0, 1.0)
+    assert Helpers(None, 4, pace=fast, spare=_spare(0.3)).now() == 0  # type: ignore[arg-type]
+    assert Helpers(None, 4, pace=fast, spare=_spare(1.6)).now() == 2  # type: ignore[arg-type]
+    assert Helpers(None, 4, pace=fast, spare=_spare(7)).now() == 4  # type: ignore[arg-type]
+    assert Helpers(None, 2, pace=fast, spare=Spare(stat=lambda: None)).now() == 2  # type: ignore[arg-type]
+
+
+def test_spare_cpus_from_idle_ticks_and_own_cpu_time():
+    """Two CPUs (ticks of 10 ms): a first reading, or one after a pause, counts the
+    threads runnable now; then over one second, 0.5 s idle and this process's own 0.5 s
+    of CPU leave one CPU for it: none beyond the reading thread."""
+    readings = iter([(1000, 5000, 2, 1), (1050, 5200, 2, 5), (1250, 5400, 2, 5), (9000, 9000, 2, 4)])
+    own = iter([3.0, 3.5, 3.5, 9.0])
+    s = Spare(stat=lambda: next(readings), own=lambda: next(own), hz=100)
+    assert s.now(0.0) == 1.0  # only this thread runnable: one CPU spare
+    assert s.now(1.0) == pytest.approx(0.0)
+    assert s.now(1.0 + SAMPLE_S / 2) == pytest.approx(0.0)  # within the interval: not read again
+    assert s.now(2.0) == pytest.approx(1.0)  # then both idle: one CPU spare
+    assert s.now(2.0 + WINDOW_S + 0.1) == -2.0  # after a pause: four runnable on two CPUs
+
+
+@pytest.mark.parametrize("faster", ["helped", "alone"])
+def test_a_read_takes_helpers_only_while_they_are_measured_faster(tmp_path, faster):
+    """A read follows its pace (no helper task when reads alone were faster) and
+    records how long it took in the mode it used; the bytes and digest are the same."""
+    path, data = _file(tmp_path, 2 * MIB + 5)
+    rates = (1.0, 5.0) if faster == "helped" else (5.0, 1.0)
+    pace = _pace(rates[1], rates[0])
+    pool = CountingPool(max_workers=2)
+    try:
+        out = bytearray(len(data))
+        h = xxhash.xxh3_128()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            n = pieces.read_hashed(fd, _split(memoryview(out), 256 << 10), h, Helpers(pool, 2, pace=pace, spare=_spare(4)))
+        finally:
+            os.close(fd)
+    finally:
+        pool.shutdown(wait=True)
+    assert n == len(data) and bytes(out) == data and h.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+    assert (pool.submitted >= 1) == (faster == "helped")
+    measured, other = (pace.helped, pace.alone) if faster == "helped" else (pace.alone, pace.helped)
+    assert measured is not None and measured < rates[0 if faster == "helped" else 1]  # a real read: far below 1 s/byte
+    assert other == rates[1 if faster == "helped" else 0]
 
 
 @pytest.mark.parametrize("where", ["none", "first piece", "middle", "last byte"])
@@ -164,7 +232,7 @@ def test_a_restore_read_in_pieces_refuses_any_damaged_byte(tmp_path, where, into
         flip_bit(path, {"first piece": size // 2 - pieces.PIECE - 3, "middle": size // 2, "last byte": size - 1}[where])
     with Engine.open(root, L, 1 << 30) as eng:
         pool = CountingPool(max_workers=2)
-        eng.transfers.pieces = Helpers(pool, 2, when_idle=False)
+        eng.transfers.pieces = Helpers(pool, 2, when_faster=False)
         try:
             m = eng.lookup(Prefix.from_tokens(toks, bt))
             outs = [{s.name: torch.empty((m.tokens, *s.shape), dtype=s.torch_dtype) for s in L.segments}]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 
 import attrs
@@ -24,51 +24,165 @@ PIECE = 1 << 19
 read) is short, large enough that the hand-off costs little against its copy."""
 
 
+PROBE_S = 0.5
+"""Seconds a mode's measured speed stands before a read tries that mode again."""
+
+_WEIGHT = 0.5
+"""Weight of a new measurement in a mode's average speed."""
+
+_MARGIN = 0.9
+"""Reads with helpers are taken only while measured faster than this share of the
+time of reads alone (a helper's hand-off has a cost the average may not show yet)."""
+
+SAMPLE_S = 0.1
+"""Seconds between two readings of the CPUs' idle time (``/proc/stat``)."""
+
+WINDOW_S = 1.0
+"""The longest interval between two readings whose idle time still says what runs now."""
+
+
+@attrs.define(eq=False, slots=True)
+class Pace:
+    """The measured speed of recent reads in pieces with helpers and without (wall
+    seconds per byte, an exponential average of each) and when each was last
+    measured (``time.perf_counter``): whether helpers, where CPUs are spare, make
+    reads faster (a helper that waits for a CPU while the hashing thread waits for its
+    piece makes them slower)."""
+
+    alone: float | None = None
+    helped: float | None = None
+    alone_at: float = float("-inf")
+    helped_at: float = float("-inf")
+
+    def helps(self, now: float) -> bool:
+        """Whether the next read takes helpers: a mode not measured within ``PROBE_S``
+        is tried (the read alone first), else the faster one."""
+        if self.alone is None or now - self.alone_at > PROBE_S:
+            return False
+        if self.helped is None or now - self.helped_at > PROBE_S:
+            return True
+        return self.helped < _MARGIN * self.alone
+
+    def record(self, helped: bool, seconds: float, nbytes: int, now: float) -> None:
+        """One read of ``nbytes`` took ``seconds``, with helpers or without."""
+        if nbytes <= 0:
+            return
+        rate = seconds / nbytes
+        if helped:
+            self.helped = rate if self.helped is None else self.helped + _WEIGHT * (rate - self.helped)
+            self.helped_at = now
+        else:
+            self.alone = rate if self.alone is None else self.alone + _WEIGHT * (rate - self.alone)
+            self.alone_at = now
+
+
+def _proc_stat() -> tuple[int, int, int, int] | None:
+    """(idle, total) clock ticks since boot of the CPUs this process may run on, how
+    many they are, and the threads runnable now on the whole machine, from
+    ``/proc/stat`` (idle counts I/O wait); None where there is none."""
+    cpus = {f"cpu{c}" for c in _affinity()}
+    idle = total = seen = running = 0
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"procs_running"):
+                    running = int(line.split()[1])
+                if not line.startswith(b"cpu") or line.startswith(b"cpu "):
+                    continue
+                name, *ticks = line.split()
+                if name.decode() in cpus:
+                    t = [int(x) for x in ticks]
+                    idle += t[3] + t[4]
+                    total += sum(t[:8])  # user..steal (guest time is inside user)
+                    seen += 1
+    except (OSError, ValueError, IndexError):
+        return None
+    return (idle, total, seen, running) if total else None
+
+
+def _affinity() -> list[int]:
+    """The CPUs this process may run on."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this system
+        return list(range(os.cpu_count() or 1))
+
+
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@attrs.define(eq=False, slots=True)
+class Spare:
+    """CPUs left to this process beyond the thread that reads: over the interval since
+    the last reading (``SAMPLE_S`` to ``WINDOW_S``), the idle CPU time of the CPUs it
+    may run on (``/proc/stat``) plus its own CPU time, per second, less one; at a first
+    reading or after a longer pause, the CPUs less the threads runnable at that moment
+    (this one among them). What other processes run now, not the one-minute load
+    average (which lags a burst by a minute)."""
+
+    stat: Callable[[], tuple[int, int, int, int] | None] = _proc_stat
+    own: Callable[[], float] = time.process_time
+    hz: float = _HZ
+    last: tuple[int, int, float] | None = None
+    at: float = float("-inf")
+    value: float | None = None
+
+    def now(self, t: float) -> float | None:
+        """The spare CPUs (None where ``/proc/stat`` is missing)."""
+        if t - self.at < SAMPLE_S:
+            return self.value
+        got = self.stat()
+        if got is None:
+            self.value = None
+            return None
+        ncpu = got[2]
+        cur = (got[0], got[1], self.own())
+        prev, prev_at, self.last, self.at = self.last, self.at, cur, t
+        if prev is None or t - prev_at > WINDOW_S:
+            self.value = float(ncpu - got[3])
+        elif cur[1] > prev[1]:
+            wall = (cur[1] - prev[1]) / self.hz / ncpu
+            free = (cur[0] - prev[0]) / self.hz + max(0.0, cur[2] - prev[2])
+            self.value = min(float(ncpu), free / wall) - 1.0
+        return self.value
+
+
 @attrs.frozen(eq=False)
 class Helpers:
     """Threads that read pieces for ``read_hashed``: ``count`` tasks at most per read,
     on ``pool`` (which must not be the pool whose threads call ``read_hashed`` and wait:
     a helper task never waits, so any pool of its own is safe).
 
-    With ``when_idle`` a read takes only as many helpers as the machine has idle CPUs
-    (by the one-minute load average): on a busy machine a helper waits for a CPU while
-    the hashing thread waits for its piece, and one thread alone is faster."""
+    With ``when_faster`` a read takes helpers only while other processes leave CPUs
+    spare (``Spare``, from ``/proc/stat`` over the last tenth of a second to a second:
+    as many helpers as spare CPUs, rounded) and reads with them are measured faster than reads
+    without (``Pace``; each mode is measured again at least every ``PROBE_S``). A
+    change of load turns helpers on or off within a second."""
 
     pool: Executor
     count: int
-    when_idle: bool = True
+    when_faster: bool = True
+    pace: Pace = attrs.field(factory=Pace)
+    spare: Spare = attrs.field(factory=Spare)
 
     def now(self) -> int:
         """How many helpers a read takes now."""
-        if not self.when_idle or self.count < 1:
+        if not self.when_faster or self.count < 1:
             return self.count
-        idle = _idle_cpus()
-        return self.count if idle is None else max(0, min(self.count, int(idle)))
+        t = time.perf_counter()
+        spare = self.spare.now(t)
+        n = self.count if spare is None else min(self.count, int(spare + 0.5))
+        return n if n >= 1 and self.pace.helps(t) else 0
+
+    def took(self, helped: bool, seconds: float, nbytes: int) -> None:
+        """Record a read in pieces (``Pace.record``) when the pace decides."""
+        if self.when_faster and self.count >= 1:
+            self.pace.record(helped, seconds, nbytes, time.perf_counter())
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity on this system
-        return os.cpu_count() or 1
-
-
-_LOAD: list[float | None] = [None, float("-inf")]
-"""The last idle-CPU estimate and when it was taken (``time.monotonic``)."""
-
-
-def _idle_cpus() -> float | None:
-    """CPUs the one-minute load average leaves idle, read at most every 0.2 s (the
-    average moves slower than that); None where the system has no load average."""
-    now = time.monotonic()
-    if not 0.0 <= now - (_LOAD[1] or 0.0) <= 0.2:
-        try:
-            _LOAD[0] = usable_cpus() - os.getloadavg()[0]
-        except OSError:
-            _LOAD[0] = None
-        _LOAD[1] = now
-    return _LOAD[0]
+    """How many CPUs this process may run on."""
+    return len(_affinity())
 
 
 def read_full(fd: int, pos: int, out: memoryview) -> int:
@@ -140,17 +254,30 @@ def read_hashed(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpe
     n = len(pieces)
     flags = shared if shared is not None else [False] * n
     parallel = n - sum(flags)
-    count = 0 if helpers is None or parallel < 2 else helpers.now()
-    if count < 1:
-        total = 0
-        for pos, out in pieces:
-            k = read_full(fd, pos, out)
-            hasher.update(out[:k])
-            total += k
-            if k < len(out):
-                break
-        return total
-    assert helpers is not None
+    if helpers is None or parallel < 2:
+        return _read_alone(fd, pieces, hasher)
+    count = helpers.now()
+    t0 = time.perf_counter()
+    total = _read_alone(fd, pieces, hasher) if count < 1 else _read_helped(fd, pieces, hasher, helpers, count,
+                                                                            flags, parallel)
+    helpers.took(count >= 1, time.perf_counter() - t0, total)
+    return total
+
+
+def _read_alone(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher) -> int:
+    total = 0
+    for pos, out in pieces:
+        k = read_full(fd, pos, out)
+        hasher.update(out[:k])
+        total += k
+        if k < len(out):
+            break
+    return total
+
+
+def _read_helped(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpers: Helpers, count: int,
+                 flags: Sequence[bool], parallel: int) -> int:
+    n = len(pieces)
     claims = _Claims(pieces, flags, [threading.Event() for _ in range(n)], [0] * n, [None] * n)
     tasks: list[Future] = []
     try:
