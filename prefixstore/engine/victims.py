@@ -3,11 +3,12 @@
 A pass takes its victims from the policy's heap one at a time, but evicts them
 together: one evict transaction (one commit of their removal, one of their reclaim)
 for up to ``Batch.limit`` nodes; a victim with more nodes than the batch has room for
-(a subtree) is batched in parts, leaves first (``space.add_victim``). Until that transaction runs, the heap is asked about
-the tree as it will be (``Batch.lookup``): a chosen node is gone, and a node whose
-children are all chosen is a leaf (``AsLeaf``), offered to the heap as soon as its
-last child is chosen, so the order of victims is the one a victim-at-a-time pass
-takes. The batch itself changes nothing but the heap's entries.
+(a subtree) is batched in parts, leaves first (``space.add_victim``). Until that
+transaction runs, the heap is asked about the tree as it will be (``Batch.lookup``): a
+chosen node is gone, and a node whose children are all chosen is a leaf (``AsLeaf``),
+offered to the heap as soon as its last child is chosen, so the order of victims is
+the one a victim-at-a-time pass takes. The batch itself changes nothing but the heap's
+entries.
 """
 
 from __future__ import annotations
