@@ -41,6 +41,7 @@ from conftest import make_layout, store_tokens, tokens_for  # noqa: E402
 
 from prefixstore.engine.api import Engine  # noqa: E402
 from prefixstore.engine.catalog import catalog_path  # noqa: E402
+from prefixstore.engine.journal import GROUPED_COMMITS as GROUPED_RECLAIMS  # noqa: E402
 from prefixstore.engine.store import GROUPED_COMMITS  # noqa: E402
 from prefixstore.fuzz import plants  # noqa: E402
 from prefixstore.gpu.fileio import FaultHook  # noqa: E402
@@ -110,7 +111,7 @@ class GroupPoint(FaultHook):
         if not self.armed:
             return
         if op == "commit":
-            if target in GROUPED_COMMITS:
+            if target in GROUPED_COMMITS + GROUPED_RECLAIMS:
                 with self.lock:
                     self.pending.append(target)
             else:

@@ -11,11 +11,19 @@ store kind the store's parent is fenced. After each crash the directory is reope
 recovery must leave the audit clean and the journal empty, the pinned and fenced
 checkpoints must be untouched, every acknowledged checkpoint that was not a victim must
 restore bit-identically, and each victim is wholly there or wholly gone.
+
+The batch kind is also cut by a power loss at each of its points, and once it returned:
+the catalog goes back to its last durability point (an evict's reclaim commit is
+grouped, ``journal.GROUPED_COMMITS``, and may be lost; its removal may not, once its
+unlinks began). The plant ``evict-removal-unsynced`` (the removal grouped too, the
+unlinks not waiting for it) brings its victims back damaged there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sqlite3
 
 import pytest
 from conftest import Gate, assert_restores, key_at, make_layout, node_at, store_tokens, tokens_for
@@ -23,7 +31,10 @@ from conftest import Gate, assert_restores, key_at, make_layout, node_at, store_
 from prefixstore.base.errors import SimulatedCrash
 from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
-from prefixstore.fuzz.faultfs import CountingHook, CrashAt
+from prefixstore.engine.catalog import catalog_path
+from prefixstore.fuzz import plants
+from prefixstore.fuzz.faultfs import ChainHook, CountingHook, CrashAt
+from prefixstore.gpu.fileio import FaultHook
 
 CAP = 16 << 20
 PINNED = tokens_for(40, 2)
@@ -50,7 +61,37 @@ def _store_cap(ranks: int, root: str) -> int:
     return charged + need - 1
 
 
-def _scenario(root: str, ranks: int, hook, kind: str, cap: int):
+class DurableCatalog(FaultHook):
+    """The catalog as a power loss would leave it: its database and log copied at each
+    durability point (a commit after which every commit is durable, as the catalog's
+    log sync records it, or a sync of the log), put back by ``lose_power``."""
+
+    def __init__(self, root: str) -> None:
+        self.root, self.wal, self.saved = root, None, {}
+
+    def arm(self, eng: Engine) -> None:
+        self.wal = eng.catalog.wal
+        self.save()
+
+    def save(self) -> None:
+        for suffix in ("", "-wal"):
+            path = catalog_path(self.root) + suffix
+            with open(path, "rb") as f:
+                self.saved[path] = f.read()
+
+    def after(self, op, target, rank):
+        if op == "sync" or (op == "commit" and self.wal.synced == self.wal.written):
+            self.save()
+
+    def lose_power(self) -> None:
+        for path, data in self.saved.items():
+            with open(path, "wb") as f:
+                f.write(data)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(catalog_path(self.root) + "-shm")
+
+
+def _scenario(root: str, ranks: int, hook, kind: str, cap: int, armed=None):
     L = make_layout(ranks=ranks)
     gate = Gate()
     policy = {"subtree": "lru", "batch": "leaf-lru"}.get(kind, "prefixstore")
@@ -59,6 +100,8 @@ def _scenario(root: str, ranks: int, hook, kind: str, cap: int):
     if kind == "batch":
         assert store_tokens(eng, D).ok
         victims = sum(node_at(eng, t).nbytes for t in (A, A[:8], B))
+    if armed is not None:
+        armed(eng)
     gate.arm(hook)
     try:
         if kind == "leaf":
@@ -110,6 +153,51 @@ def _check(root: str, L, policy: str, kind: str, cap: int) -> None:
             assert_restores(eng, A, blocks=8)  # through a[:8], with or without its snapshot
         if present["b"]:
             assert_restores(eng, B, blocks=3)
+    return present
+
+
+def _power_cut(root: str, point: int | None) -> CrashAt:
+    """The batch kind crashed at ``point`` (None: not at all), then a power loss."""
+    saver, crash = DurableCatalog(root), CrashAt(point)
+    _scenario(root, 1, ChainHook(saver, crash), "batch", CAP, armed=saver.arm)
+    saver.lose_power()
+    return crash
+
+
+def test_power_loss_at_every_point_of_a_batch_loses_at_most_its_reclaim(tmp_path):
+    """Its removal is durable before its first unlink; its reclaim commit (grouped) is
+    lost with the power after it returned, and recovery reclaims again."""
+    counter = CountingHook()
+    _scenario(str(tmp_path / "count"), 1, counter, "batch", CAP)
+    commits = [(i, t) for i, (w, op, t, _) in enumerate(counter.points) if op == "commit" and w == "after"]
+    assert [t for _, t in commits] == ["evict.remove", "evict.reclaimed"], commits
+    removed = commits[0][0]  # the point after the removal commit: durable from there on
+    L = make_layout()
+    for i in [*range(counter.count), None]:
+        root = str(tmp_path / f"p{i}")
+        crash = _power_cut(root, i)
+        assert (crash.fired is None) == (i is None), f"point {i} not reached"
+        if i is None:  # returned: the grouped reclaim commit was not durable yet
+            with contextlib.closing(sqlite3.connect(catalog_path(root))) as conn:
+                assert conn.execute("SELECT kind, state FROM journal").fetchall() == [("evict", "REMOVED")]
+        present = _check(root, L, "leaf-lru", "batch", CAP)
+        assert present["a"] == (i is not None and i < removed), (i, present)
+
+
+def test_unlinks_before_the_removal_is_durable_are_caught_by_a_power_loss(tmp_path):
+    """The plant ``evict-removal-unsynced``: a power loss after its first unlink takes
+    its removal back, and its victims come back damaged."""
+    counter = CountingHook()
+    _scenario(str(tmp_path / "count"), 1, counter, "batch", CAP)
+    first_unlink = next(i for i, (w, op, _, _) in enumerate(counter.points) if op == "unlink" and w == "after")
+    root = str(tmp_path / "planted")
+    with plants.get("evict-removal-unsynced").active():
+        _power_cut(root, first_unlink)
+    with pytest.raises(AssertionError):
+        _check(root, make_layout(), "leaf-lru", "batch", CAP)
+    with Engine.open(root, make_layout(), CAP, policy="leaf-lru") as eng:
+        back = [node_at(eng, t) for t in (A, A[:8], B)]
+        assert any(n is not None and n.state == "damaged" for n in back), back
 
 
 @pytest.mark.parametrize(

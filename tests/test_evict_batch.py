@@ -206,3 +206,29 @@ def test_a_victim_held_by_the_time_its_batch_is_evicted_stays_with_its_parent(tm
         eng.holds.unpin([leaf])
         assert_restores(eng, chain, blocks=2)
         assert eng.audit().ok
+
+
+def test_a_subtree_victim_larger_than_a_batch_goes_in_bounded_transactions(tmp_path, monkeypatch):
+    """Plain LRU's interior victim takes its subtree (a root and 19 children): with a
+    batch of 8 nodes, in three evict transactions (8 + 8 + 4), leaves first; counted as
+    one victim with every byte it freed."""
+    monkeypatch.setattr(space, "EVICT_BATCH", 8)
+    hook = Commits()
+    root_t = tokens_for(8000, 1)
+    kids = [root_t + tokens_for(8100 + i, 1) for i in range(19)]
+    young = tokens_for(8200, 1)
+    with Engine.open(str(tmp_path / "c"), make_layout(snapshot=False), CAP, policy="lru", hook=hook) as eng:
+        for t in (root_t, *kids, young):
+            assert store_tokens(eng, t).ok
+        want = sum(_nbytes(eng, t) for t in (root_t, *kids))
+        before = eng.counters.snapshot()
+        hook.on = True
+        assert eng.evict(1) == want  # the oldest node is the root: its whole subtree goes
+        hook.on = False
+        after = eng.counters.snapshot()
+        assert hook.labels.count("evict.remove") == 3, hook.labels
+        assert after["evictions.evict_subtree"] - before.get("evictions.evict_subtree", 0) == 1
+        assert after["evicted_bytes.evict_subtree"] - before.get("evicted_bytes.evict_subtree", 0) == want
+        assert list(eng.index.by_key) == [key_at(young)]
+        assert_restores(eng, young, blocks=1)
+        assert eng.audit().ok and not eng.catalog.journal()

@@ -28,7 +28,8 @@ class Evicting:
 
 def evict_nodes(ev: Evicting, nodes: list[Node], offered: Set[int] = frozenset()) -> None:
     """One evict transaction removing ``nodes`` (each after its descendants: leaves
-    first), in one commit of their removal and one of their reclaim; each parent it
+    first), in one commit of their removal (FULL: durable before any file goes) and
+    one of their reclaim (grouped, ``journal.GROUPED_COMMITS``); each parent it
     leaves without a child is offered to the victim heap, unless in ``offered``
     (offered as a leaf already).
 

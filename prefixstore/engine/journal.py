@@ -62,6 +62,14 @@ def open_ledger(catalog: Catalog, tiers: Tiers, account: Account, counters: Coun
 # Every output of the engine's tables unlinks the files its transaction owns.
 UNLINKING = {"store": ("retire_old", "clean_up"), "compact": ("retire_old", "clean_up"), "evict": ("reclaim",)}
 
+GROUPED_COMMITS = ("evict.reclaimed",)
+"""The commits of an unlinking output written without a sync of their own (group
+commit, ``Catalog.txn(grouped=True)``): an evict's reclaim. Its files are unlinked and
+their directories fsynced before it, and the removal it follows is durable (a FULL
+commit), so a power loss that takes it back leaves the evict in REMOVED with its
+garbage rows, and recovery re-runs the reclaim, whose unlinks find the files gone
+(success). It is durable with the next sync of the log or FULL commit."""
+
 
 def handlers(unlink: Callable[[Txn, str, str, bool], None]) -> dict[str, Mapping[str, Handler]]:
     """The output handlers per transaction kind, over ``unlink(txn, ok, failed, barrier)``
@@ -108,12 +116,14 @@ def run(led: Ledger, txn: Txn, outputs: tuple[str, ...]) -> None:
 def unlink_owned(led: Ledger, txn: Txn, ok: str, failed: str, *, barrier: bool) -> None:
     """Unlink the files ``txn`` owns, drop their rows (one left stays as loose
     garbage) and fire ``ok`` (``failed`` when one stayed); the old generation of a
-    published transaction is unlinked only after its commit is durable (``barrier``)."""
+    published transaction is unlinked only after its commit is durable (``barrier``).
+    The commit that settles the rows is grouped for the labels of ``GROUPED_COMMITS``."""
     rows = led.catalog.files_of_txn(txn.id)
     if barrier:
         led.catalog.barrier()
     left = unlink_rows(led, rows)
-    with led.catalog.txn(f"{txn.kind}.{ok}") as c:
+    label = f"{txn.kind}.{ok}"
+    with led.catalog.txn(label, grouped=label in GROUPED_COMMITS) as c:
         led.catalog.settle_files(c, rows, left)
         outs = led.driver.fire(c, txn, failed if left else ok)
     led.account.charged -= unlinked_bytes(rows, left)

@@ -227,12 +227,23 @@ def step(rm: Room, p: Pass) -> bool:
         elif not retire(rm, node):
             p.skipped.append(node)
     else:
-        nodes = [node] if action == pol.EVICT else subtree(rm, node, p.batch)
-        for leaf in p.batch.add(action, nodes):
+        add_victim(rm, p, action, [node] if action == pol.EVICT else subtree(rm, node, p.batch))
+    return True
+
+
+def add_victim(rm: Room, p: Pass, action: str, nodes: list[Node]) -> None:
+    """Batch ``nodes`` (leaves first) as one victim of ``action``, evicting the batch
+    whenever it is full: a subtree larger than the room left goes in parts, each in
+    its own evict transaction after the parts holding its descendants, so none takes
+    more than ``EVICT_BATCH`` nodes (a crash between two leaves the tree whole, the
+    subtree cut down from its leaves)."""
+    while nodes:
+        room = max(1, p.batch.room)
+        part, nodes = nodes[:room], nodes[room:]
+        for leaf in p.batch.add(action, part, last=not nodes):
             rm.recency.heap.offer(leaf)
         if p.batch.full:
             evict_batch(rm, p)
-    return True
 
 
 def next_victim(rm: Room, p: Pass) -> pol.Entry | None | bool:
@@ -265,16 +276,16 @@ def evict_batch(rm: Room, p: Pass) -> None:
     (still unheld, its children going before it), and credit each with what it freed."""
     victims, offered = p.batch.take()
     kept, gone, dropped = [], set(), []
-    for action, nodes in victims:
+    for action, nodes, last in victims:
         ids = {n.id for n in nodes}
         if any(untouchable(rm, n, pol.EVICT, p.protect) for n in nodes) \
                 or any(c not in gone and c not in ids for n in nodes for c in n.children):
             dropped += nodes
         else:
-            kept.append((action, nodes))
+            kept.append((action, nodes, last))
             gone |= ids
     p.skipped += dropped
-    nodes = [n for _, ns in kept for n in ns]
+    nodes = [n for _, ns, _ in kept for n in ns]
     if not nodes:
         return
     before = rm.account.charged
@@ -284,9 +295,12 @@ def evict_batch(rm: Room, p: Pass) -> None:
         p.skipped += nodes
         raise
     left = before - rm.account.charged
-    for action, ns in kept:
+    for action, ns, last in kept:
         freed = min(left, sum(n.nbytes for n in ns))
-        rm.counters.evicted(action, freed)
+        if last:
+            rm.counters.evicted(action, freed)
+        else:  # a part of a victim: its bytes now, the victim with its last part
+            rm.counters.inc("evicted_bytes", action, max(0, freed))
         left -= freed
     p.gone += len(nodes) * rm.layout.ranks
 
@@ -297,7 +311,7 @@ def put_back(rm: Room, p: Pass) -> None:
     heap = rm.recency.heap
     for entry in p.held + p.waiting:
         heap.push(entry)
-    for node in p.skipped + [n for _, ns in p.batch.take()[0] for n in ns]:
+    for node in p.skipped + [n for _, ns, _ in p.batch.take()[0] for n in ns]:
         for nid in (node.id, node.parent):
             if nid is not None and (again := rm.index.get(nid)) is not None:
                 heap.offer(again)

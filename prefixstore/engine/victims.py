@@ -2,11 +2,13 @@
 
 A pass takes its victims from the policy's heap one at a time, but evicts them
 together: one evict transaction (one commit of their removal, one of their reclaim)
-for up to ``Batch.limit`` nodes. Until that transaction runs, the heap is asked about
-the tree as it will be (``Batch.lookup``): a chosen node is gone, and a node whose
-children are all chosen is a leaf (``AsLeaf``), offered to the heap as soon as its
-last child is chosen, so the order of victims is the one a victim-at-a-time pass
-takes. The batch itself changes nothing but the heap's entries.
+for up to ``Batch.limit`` nodes; a victim with more nodes than the batch has room for
+(a subtree) is batched in parts, leaves first (``space.add_victim``). Until that
+transaction runs, the heap is asked about the tree as it will be (``Batch.lookup``): a
+chosen node is gone, and a node whose children are all chosen is a leaf (``AsLeaf``),
+offered to the heap as soon as its last child is chosen, so the order of victims is
+the one a victim-at-a-time pass takes. The batch itself changes nothing but the heap's
+entries.
 """
 
 from __future__ import annotations
@@ -57,13 +59,14 @@ class AsLeaf:
 
 @attrs.define(slots=True, eq=False)
 class Batch:
-    """Chosen victims, each ``(action, nodes)`` with its nodes leaves first, in the
-    order chosen (so every node comes after its chosen descendants)."""
+    """Chosen victims, each ``(action, nodes, last)`` with its nodes leaves first, in
+    the order chosen (so every node comes after its chosen descendants); ``last`` is
+    False for a part of a victim whose other nodes come in a later part."""
 
     index: Index
     limit: int
     """The most nodes one evict transaction takes."""
-    victims: list[tuple[str, list[Node]]] = attrs.field(factory=list)
+    victims: list[tuple[str, list[Node], bool]] = attrs.field(factory=list)
     chosen: dict[int, Node] = attrs.field(factory=dict)
     leafed: dict[int, AsLeaf] = attrs.field(factory=dict)
     """Nodes not chosen whose children all are."""
@@ -89,10 +92,16 @@ class Batch:
         """``node``'s children that are not chosen."""
         return [self.index.nodes[c] for c in node.children if c not in self.chosen]
 
-    def add(self, action: str, nodes: list[Node]) -> list[AsLeaf]:
-        """Choose ``nodes`` (leaves first) as one victim of ``action``; the parents they
-        leave without a child, to offer to the heap."""
-        self.victims.append((action, nodes))
+    @property
+    def room(self) -> int:
+        """How many more nodes the batch takes."""
+        return max(0, self.limit - len(self.chosen))
+
+    def add(self, action: str, nodes: list[Node], last: bool = True) -> list[AsLeaf]:
+        """Choose ``nodes`` (leaves first) as one victim of ``action`` (its last part,
+        unless ``last`` is False); the parents they leave without a child, to offer to
+        the heap."""
+        self.victims.append((action, nodes, last))
         for n in nodes:
             self.chosen[n.id] = n
             self.leafed.pop(n.id, None)
@@ -109,7 +118,7 @@ class Batch:
                 out.append(leaf)
         return out
 
-    def take(self) -> tuple[list[tuple[str, list[Node]]], set[int]]:
+    def take(self) -> tuple[list[tuple[str, list[Node], bool]], set[int]]:
         """The victims and the parents offered as leaves meanwhile; the batch is empty after."""
         victims, leafed = self.victims, set(self.leafed)
         self.victims, self.chosen, self.leafed, self.unchosen, self.nbytes = [], {}, {}, {}, 0

@@ -64,7 +64,7 @@ from typing import Any
 import attrs
 
 from prefixstore.base.errors import InvalidInputError, PinnedError, SimulatedCrash
-from prefixstore.engine import lifecycle
+from prefixstore.engine import journal, lifecycle
 from prefixstore.engine.api import Engine
 from prefixstore.engine.driver import DEBUG_ENV, InvariantViolation
 from prefixstore.engine.remote import SOURCE as remote_source
@@ -186,7 +186,7 @@ class Driver:
         self.fs = FaultFS(self.plan, seed=cfg.seed)
         self.observer = CatalogObserver(
             root, lost_commits=cfg.synchronous == "NORMAL",
-            volatile=frozenset(GROUPED_COMMITS) if cfg.synchronous == "FULL" else frozenset(),
+            volatile=frozenset(GROUPED_COMMITS + journal.GROUPED_COMMITS) if cfg.synchronous == "FULL" else frozenset(),
             on_removed=self._removed,
         )
         self.gate = Gate()

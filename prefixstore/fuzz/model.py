@@ -20,7 +20,8 @@ after it (the last ``keep`` of them). Checkpoints SQLite may run on its own are
 ignored, which only ever loses more than a real power loss could.
 
 Under ``synchronous=FULL`` every commit is durable when it returns except the grouped
-ones (``volatile``: the store's intent and publish, ``store.GROUPED_COMMITS``), which
+ones (``volatile``: the store's intent and publish, ``store.GROUPED_COMMITS``, and an
+evict's reclaim, ``journal.GROUPED_COMMITS``), which
 become durable at the next sync of the log (op ``sync`` of the hook, the group commit)
 or the next commit SQLite syncs itself; a power loss may take those, and only those.
 """

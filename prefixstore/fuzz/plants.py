@@ -451,6 +451,28 @@ def _stale_prestaged() -> contextlib.AbstractContextManager[None]:
     return _patched(staging.Prestaged, "fits", lambda self, meta, lo, hi: True)
 
 
+# -- an evict unlinks before its removal is durable -------------------------------------------
+
+
+class _EvictRemovalUnsynced(Engine):
+    """Its evict transactions write their removal commit grouped, like their reclaim, and
+    unlink the victims' files without waiting for the log sync (``_evict_removal_unsynced``)."""
+
+
+@contextlib.contextmanager
+def _evict_removal_unsynced() -> Iterator[None]:
+    txn, unlink_owned = Catalog.txn, journal.unlink_owned
+
+    def grouped_removal(self: Catalog, label: str, *, grouped: bool = False):
+        return txn(self, label, grouped=grouped or label == "evict.remove")
+
+    def no_wait(led, t, ok: str, failed: str, *, barrier: bool) -> None:
+        unlink_owned(led, t, ok, failed, barrier=barrier and t.kind != "evict")
+
+    with _patched(Catalog, "txn", grouped_removal), _patched(journal, "unlink_owned", no_wait):
+        yield
+
+
 # -- the registry ------------------------------------------------------------------------------
 
 _SNAP_RETIRE = {"snapshot": True, "policy": "prefixstore"}
@@ -571,6 +593,16 @@ PLANTS: dict[str, Plant] = {
             "another generation, so the acknowledged node restores as damaged",
             engine_cls=_StalePrestaged,
             patch=_stale_prestaged,
+        ),
+        Plant(
+            "evict-removal-unsynced",
+            "an evict's removal commit is grouped like its reclaim, and its files are unlinked "
+            "before the log sync that makes the removal durable",
+            "tests/test_crash_evict.py: a power loss after an unlink takes the removal back; the "
+            "victims return damaged (neither wholly there nor wholly gone)",
+            engine_cls=_EvictRemovalUnsynced,
+            patch=_evict_removal_unsynced,
+            config={"synchronous": "FULL"},
         ),
         Plant(
             "skip-barrier",
