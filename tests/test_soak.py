@@ -18,12 +18,25 @@ KILLS = 240 if os.environ.get("PREFIXSTORE_SOAK_FULL") == "1" else 120
 """SIGKILLs (half on 1 rank, half on 4) and acknowledged stores the soak must reach."""
 
 
-def _soak(tmp_path, *args: str) -> dict:
+def _start_soak(tmp_path, *args: str) -> subprocess.Popen:
+    """``prefixstore soak`` on ``tmp_path`` started in a process of its own."""
     cmd = [sys.executable, "-m", "prefixstore.cli", "soak", "--dir", str(tmp_path), "--json", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert lines, proc.stderr[-3000:]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    """The figures a soak started by _start_soak printed, and its exit status."""
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    lines = [x for x in out.splitlines() if x.startswith("{")]
+    assert lines, err[-3000:]
     return {"rc": proc.returncode, **json.loads(lines[-1])}
+
+
+def _soak(tmp_path, *args: str) -> dict:
+    return _result(_start_soak(tmp_path, *args))
 
 
 def test_sigkills_lose_no_acknowledged_store(tmp_path, capsys):
@@ -54,11 +67,14 @@ def test_soak_kills_on_until_enough_stores_were_acknowledged(tmp_path):
     the target was not met. Children long enough to reach an acknowledgement on a loaded
     machine, and a time budget, keep the test from depending on the machine's speed."""
     slow = ("--ranks", "1", "--max-delay", "0.3", "--effect-delay-ms", "25", "--seed", "0")
-    st = _soak(tmp_path / "on", "--kills", "1", "--min-acked", "2", "--max-seconds", "240", *slow)
+    # the two soaks side by side, each in its own process and directory
+    on = _start_soak(tmp_path / "on", "--kills", "1", "--min-acked", "2", "--max-seconds", "240", *slow)
+    out = _start_soak(tmp_path / "out", "--kills", "1", "--min-acked", "1000", "--max-seconds", "0", *slow)
+    st = _result(on)
     assert st["violations"] == [] and st["lost"] == 0 and st["rc"] == 0
     assert st["target_met"] and st["acked_by_ranks"] == {"1": st["acked_stores"]} and st["acked_stores"] >= 2
     assert st["extra_kills"] > 0 and st["kills"] == 1 + st["extra_kills"]
-    st = _soak(tmp_path / "out", "--kills", "1", "--min-acked", "1000", "--max-seconds", "0", *slow)
+    st = _result(out)
     assert st["rc"] == 0 and st["violations"] == [] and st["kills"] == 1
     assert not st["target_met"] and st["extra_kills"] == 0 and st["acked_stores"] < 1000
 
