@@ -32,9 +32,10 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
 
 def run_side_by_side(pieces: Sequence[Piece], workers: int | None = None) -> list[Any]:
     """What each ``(function, args)`` of ``pieces`` returns, in order; run in up to
-    ``workers`` (by default one per core) spawned processes, the first pieces first (put
+    ``workers`` (by default one per core this process may run on) spawned processes, the first pieces first (put
     the longest first), or here when there is one core or one piece."""
-    workers = min(len(pieces), workers or os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(len(pieces), workers or cores)
     t0 = time.monotonic()
     if workers <= 1:
         done = [_timed(fn, *args) for fn, args in pieces]
