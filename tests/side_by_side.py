@@ -23,6 +23,14 @@ Piece = tuple[Callable[..., Any], tuple[Any, ...]]
 TIMES = os.environ.get("PREFIXSTORE_SIDE_BY_SIDE_TIMES") == "1"
 
 
+def _one_thread() -> None:
+    """A worker's torch runs its ops on one thread: the workers already take every core,
+    and more threads than cores only contend (the pieces' tensors are small)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
     """``fn(*args)``, the CPU seconds of this process meanwhile and the wall seconds."""
     cpu, wall = time.process_time(), time.monotonic()
@@ -40,7 +48,8 @@ def run_side_by_side(pieces: Sequence[Piece], workers: int | None = None) -> lis
     if workers <= 1:
         done = [_timed(fn, *args) for fn, args in pieces]
     else:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_one_thread) as pool:
             futures = [pool.submit(_timed, fn, *args) for fn, args in pieces]
             done = [f.result() for f in futures]
     if TIMES:
