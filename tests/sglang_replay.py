@@ -76,11 +76,6 @@ def adapter_replay(requests, cfg: ReplayConfig, root: str, *, partial_page: bool
             "audit_ok": audit_ok, "counters": stats["counters"]}
 
 
-def engine_hit_ratio(requests, cfg: ReplayConfig) -> float:
-    """The engine replay's token hit ratio of ``requests``."""
-    return replay(requests, cfg).summary["hit_ratio_tokens"]
-
-
 def compare(requests, capacity: str = "10%", *, partial_page: bool = False) -> dict:
     """Both replays at the same capacity: the engine's and the adapter's token hit ratios."""
     cfg = ReplayConfig(capacity=capacity)
