@@ -59,6 +59,22 @@ class CrashBeforePublish(FaultHook):
             raise SimulatedCrash(target)
 
 
+def assert_revived(eng: Engine, rank: int, restorable: list[list[int]]) -> None:
+    """What holds once the down ``rank`` is back and its deferred recovery ran: no garbage
+    and no rank down (the stats and the gauge), one revival and one retried store, every
+    conversation in ``restorable`` restores bit for bit, the audit is clean without notes,
+    the charged bytes are the catalog's and its journal is empty."""
+    st = eng.stats()
+    assert st["garbage_bytes"] == 0 and st["ranks_down"] == {}, st
+    assert st["counters"]["degraded.revived"] == 1 and st["counters"]["retries.succeeded"] == 1, st
+    assert f'prefixstore_rank_down{{rank="{rank}"}} 0.0' in generate_latest(eng.counters.registry).decode()
+    for t in restorable:
+        assert_restores(eng, t, blocks=len(t) // BT)
+    rep = eng.audit()
+    assert rep.ok and not rep.notes, rep.to_dict()
+    assert eng.account.charged == eng.catalog.charged() and not eng.catalog.journal()
+
+
 def test_open_with_a_rank_down_then_reconnect(tmp_path):
     """Rank 1's server is not running when the cache (an unfinished store left by a
     crash, an orphan on rank 1) is opened: the open is degraded, not refused; lookups
@@ -113,16 +129,8 @@ def test_open_with_a_rank_down_then_reconnect(tmp_path):
         serve(tmp_path, 1, group.port)
         assert eng.reconnect_ranks(20) == ()
         assert eng.degraded is None
-        st = eng.stats()
-        assert st["garbage_bytes"] == 0 and st["ranks_down"] == {}, st
-        assert st["counters"]["degraded.revived"] == 1 and st["counters"]["retries.succeeded"] == 1, st
-        assert 'prefixstore_rank_down{rank="1"} 0.0' in generate_latest(eng.counters.registry).decode()
         assert not os.path.exists(orphan)
-        for t in [*acked, queued]:
-            assert_restores(eng, t, blocks=len(t) // BT)
-        rep = eng.audit()
-        assert rep.ok and not rep.notes, rep.to_dict()
-        assert eng.account.charged == eng.catalog.charged() and not eng.catalog.journal()
+        assert_revived(eng, 1, [*acked, queued])
     finally:
         eng.close()
         group.close()

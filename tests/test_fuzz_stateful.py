@@ -8,18 +8,31 @@ default ci under CI, dev elsewhere).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
+import logging
 import os
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import HYPOTHESIS_PROFILE
 from hypothesis import HealthCheck, Phase, settings
+from side_by_side import run_side_by_side
 
-from prefixstore.cli import main
+from prefixstore.base.log import stderr_logger, using
 from prefixstore.engine import replace
 from prefixstore.fuzz import plants
-from prefixstore.fuzz.campaign import load_reproducer, replay_in_tmp, run_campaign
+from prefixstore.fuzz.campaign import (
+    PROFILES,
+    CampaignResult,
+    load_reproducer,
+    merged,
+    replay_in_tmp,
+    run_campaign,
+)
 from prefixstore.fuzz.driver import Driver, RunConfig, Violation
 from prefixstore.fuzz.stateful import machine
 
@@ -34,14 +47,36 @@ def _settings(**kw) -> settings:
 
 # -- the state machines --------------------------------------------------------------------
 
-TestOneRankFull = machine(1, "FULL").TestCase
-TestOneRankFull.settings = _settings()
-TestTwoRanksNormal = machine(2, "NORMAL").TestCase
-TestTwoRanksNormal.settings = _settings()
-TestFourRanksFullNoSnapshot = machine(4, "FULL", snapshot=False).TestCase
-TestFourRanksFullNoSnapshot.settings = _settings()
-TestFourRanksNormal = machine(4, "NORMAL").TestCase
-TestFourRanksNormal.settings = _settings()
+MACHINES = {
+    "two-ranks-normal": (2, "NORMAL", True),
+    "four-ranks-normal": (4, "NORMAL", True),
+    "four-ranks-full-no-snapshot": (4, "FULL", False),
+    "one-rank-full": (1, "FULL", True),
+}
+"""The machines CI runs: (ranks, synchronous, snapshot); the longest (measured) first."""
+
+
+def run_machine(ranks: int, synchronous: str, snapshot: bool) -> str | None:
+    """Run one machine as its Hypothesis TestCase does, under this profile's settings:
+    None, or what it found (the traceback, with Hypothesis's falsifying steps)."""
+    case = machine(ranks, synchronous, snapshot=snapshot).TestCase("runTest")
+    case.settings = _settings()
+    try:
+        case.runTest()
+    except Exception:
+        return traceback.format_exc()
+    return None
+
+
+@pytest.fixture(scope="module")
+def machine_findings() -> dict[str, str | None]:
+    """Every machine of MACHINES run, two at a time side by side (tests/side_by_side.py)."""
+    return dict(zip(MACHINES, run_side_by_side([(run_machine, m) for m in MACHINES.values()]), strict=True))
+
+
+@pytest.mark.parametrize("name", MACHINES)
+def test_the_state_machine_holds(name, machine_findings):
+    assert machine_findings[name] is None, machine_findings[name]
 
 
 @pytest.mark.parametrize("name", ["evict-pinned", "skip-dir-fsync", "async-ack-before-publish"])
@@ -128,14 +163,27 @@ def test_bit_rot_is_detected_not_served(tmp_path):
         assert d.counts["store.refilled"] == 1 and d.counts["restore.ok"] == 1
 
 
+def campaign_parts(seed: int, steps: int, profile: str, run: Callable[..., CampaignResult] = run_campaign,
+                   **kw) -> list[tuple[Callable[..., Any], tuple]]:
+    """The ``steps`` of campaign ``seed`` as two parts of whole runs for side_by_side, each
+    ``run`` (a clean campaign is the ``merged`` parts: see ``run_campaign``'s ``first_run``)."""
+    run_ops = PROFILES[profile].run_ops
+    half = -(-steps // run_ops) // 2 * run_ops  # the first half of the runs, in steps
+    starts = [(0, half), (half // run_ops, steps - half)] if half else [(0, steps)]
+    return [(functools.partial(run, seed, steps=n, profile=profile, first_run=first, **kw), ())
+            for first, n in starts]
+
+
 def test_a_campaign_seed_replays_the_whole_campaign():
+    """The same seed, the same campaign: again, as the two parts that test_ci_campaign_is_clean
+    runs side by side (here one after the other)."""
     a = run_campaign(5, steps=300, shrink_s=0).to_dict()
-    b = run_campaign(5, steps=300, shrink_s=0).to_dict()
+    b = merged([part() for part, _ in campaign_parts(5, 300, "dev", shrink_s=0)]).to_dict()
     for d in (a, b):
         d.pop("elapsed_s")
         d.pop("steps_per_s")
     assert a == b
-    assert a["crashes"] > 0 and a["faults_total"] > 0
+    assert a["crashes"] > 0 and a["faults_total"] > 0 and a["runs"] == 5
 
 
 # -- regressions found by fuzzing, pinned ----------------------------------------------------------
@@ -167,13 +215,21 @@ def test_generation_regression_still_catches_the_bug(monkeypatch):
 # -- the CI-sized campaign ------------------------------------------------------------------------------
 
 
-def test_ci_campaign_is_clean(tmp_path, capsys):
+def quiet_campaign(*args, **kw) -> CampaignResult:
+    """``run_campaign`` with the engine's warnings silenced, as ``prefixstore fuzz`` runs it."""
+    with using(stderr_logger(logging.CRITICAL)):
+        return run_campaign(*args, **kw)
+
+
+def test_ci_campaign_is_clean(tmp_path):
+    """The campaign ``prefixstore fuzz --profile ci --steps 8000 --seed 2026`` runs, in two
+    parts side by side (the same runs, each from its own seed; campaign_parts)."""
     seed = int(os.environ.get("PREFIXSTORE_FUZZ_SEED", "2026"))
     steps = int(os.environ.get("PREFIXSTORE_FUZZ_STEPS", "8000"))
-    rc = main(["fuzz", "--profile", "ci", "--steps", str(steps), "--seed", str(seed), "--json", "--quiet",
-               "--out", str(tmp_path / "failures")])
-    d = json.loads(capsys.readouterr().out)
-    assert rc == 0 and d["violations"] == [], json.dumps(d["violations"], indent=1)
+    res = merged(run_side_by_side(campaign_parts(seed, steps, "ci", quiet_campaign,
+                                                 out=str(tmp_path / "failures"), watchdog_s=300)))
+    d = res.to_dict()
+    assert not res.interrupted and d["violations"] == [], json.dumps(d["violations"], indent=1)
     assert d["steps"] == steps
     assert d["crashes"] > 50 and d["power_losses"] > 20 and d["recoveries"] == d["crashes"]
     assert d["ops"]["store_async"] > 500 and d["crashes_by_op"]["store_async"] > 5, d["crashes_by_op"]

@@ -239,10 +239,12 @@ def test_a_sigkill_inside_a_batch_keeps_every_acknowledged_page_and_none_of_that
                 _, _, state = drv.fetch(rk, [], keys, end)
                 assert torch.equal(state, drv.page_data(rk.mamba, keys[end - 1], 0))
         assert all(a.ok for a in rk.backend.audit().values())
-        for pool in ("kv", "mamba") if hybrid else ("kv",):
-            audit = subprocess.run([sys.executable, "-m", "prefixstore.cli", "audit",
-                                    str(tmp_path / "tp0of1" / pool)], capture_output=True, cwd=repo, env=env)
-            assert audit.returncode == 0, audit.stdout
+        audits = [subprocess.Popen([sys.executable, "-m", "prefixstore.cli", "audit", str(tmp_path / "tp0of1" / pool)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=repo, env=env)
+                  for pool in (("kv", "mamba") if hybrid else ("kv",))]  # side by side
+        for audit in audits:
+            out, _ = audit.communicate(timeout=120)
+            assert audit.returncode == 0, out
     finally:
         rk.close()
 

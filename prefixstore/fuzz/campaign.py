@@ -366,6 +366,22 @@ class CampaignResult:
         }
 
 
+def merged(parts: list[CampaignResult]) -> CampaignResult:
+    """One result of campaign ``parts`` (of one seed and profile, in run order): their
+    counts added, their violations in turn, the longest elapsed time (run side by side)."""
+    first = parts[0]
+    out = CampaignResult(first.seed, first.profile, first.plant, runs=parts[-1].runs,
+                         elapsed_s=max(p.elapsed_s for p in parts),
+                         interrupted=any(p.interrupted for p in parts))
+    for p in parts:
+        out.steps += p.steps
+        out.counts.update(p.counts)
+        out.faults.update(p.faults)
+        out.configs.update(p.configs)
+        out.violations += p.violations
+    return out
+
+
 def run_campaign(
     seed: int = 0,
     *,
@@ -384,6 +400,7 @@ def run_campaign(
     rank_servers: int = 0,
     remote: str = "",
     netns: bool = False,
+    first_run: int = 0,
 ) -> CampaignResult:
     """Run fuzz runs until ``steps`` ops or ``minutes`` pass (or ``stop_after`` violations).
 
@@ -393,14 +410,21 @@ def run_campaign(
     thread's stack to stderr. ``rank_servers`` / ``remote``: every run with real servers
     (``draw_config``, ``cluster.py``). A KeyboardInterrupt ends the campaign early: the result
     so far comes back with ``interrupted`` set.
+
+    ``first_run``: start at that run of the seed's campaign (a run depends only on its
+    seed, drawn in turn from the campaign's): a campaign whose runs all end clean at the
+    profile's ``run_ops`` is the ``merged`` parts that start at multiples of it
+    (``tests/test_fuzz_stateful.py`` runs its CI campaign so, side by side).
     """
     prof = PROFILES[profile]
     if steps is None and minutes is None:
         steps = prof.steps
     deadline = None if minutes is None else time.monotonic() + minutes * 60
-    res = CampaignResult(seed, profile, None if plant is None else plant.name)
+    res = CampaignResult(seed, profile, None if plant is None else plant.name, runs=first_run)
     t0 = time.monotonic()
     master = random.Random(f"campaign/{seed}")
+    for _ in range(first_run):
+        master.getrandbits(32)
 
     def budget_left() -> bool:
         if steps is not None and res.steps >= steps:
