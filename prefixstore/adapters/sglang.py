@@ -49,7 +49,7 @@ import torch
 
 from prefixstore.adapters import sglang_input as check
 from prefixstore.adapters.sglang_chains import PageChains
-from prefixstore.adapters.sglang_pages import PageSlots
+from prefixstore.adapters.sglang_pages import PageSlots, copy_into
 from prefixstore.base.errors import CatalogIOError, InvalidInputError, PrefixStoreError
 from prefixstore.base.keys import DIGEST_SIZE, Prefix
 from prefixstore.base.layout import Layout, TensorSpec
@@ -563,10 +563,9 @@ class PrefixStoreHiCache(HiCacheStorage):
             page = data.view(p.dtype)
             target = targets[i]
             if target is None:
-                out[i] = page.clone()
-            else:
-                target.copy_(page.reshape(target.shape))
-                out[i] = target
+                target = torch.empty(page.shape, dtype=page.dtype, device=page.device)
+            copy_into(target, page)
+            out[i] = target
         self._tally(p, "prefetch", sum(o is not None for o in out), t0)
         return out
 

@@ -3,9 +3,9 @@
 A host pool's ``get_data_page(index, flat=False)`` is, for SGLang's MHA and MLA pools,
 a strided view of the pool's buffer whose C-order elements are the flat page the
 adapter stores (``get_data_page(index)`` is that view flattened). ``PageSlots`` checks
-this once per pool (``in_place``) and then gives, per page, a writable uint8 view of
-its memory (``page``) and, for pages that lie end to end in flat order, one contiguous
-tensor over all of them (``run``: a restore reads the shards straight into it).
+this once per pool (``in_place``); then pages that lie end to end in flat order get
+one contiguous tensor over all of them (``run``: a restore reads the shards straight
+into it), and any other page one memcpy into its memory (``put``).
 
 Pools whose pages are not views (a Mamba pool concatenates its state tensors into a
 new tensor) are written through ``set_from_flat_data_page`` as before. Every copy here
@@ -52,6 +52,15 @@ def views_pool_memory(host: Any, page_bytes: int) -> bool:
         return False
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` := the bytes of ``src`` (as many): numpy's memcpy for host tensors with
+    ``dst`` contiguous, torch's copy otherwise (a device tensor)."""
+    if dst.device.type == src.device.type == "cpu" and dst.is_contiguous():
+        np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.contiguous().view(-1).view(torch.uint8).numpy())
+    else:
+        dst.copy_(src.reshape(dst.shape))
+
+
 class PageSlots:
     """The memory of one host pool's pages, and a staging buffer reused across calls."""
 
@@ -62,41 +71,36 @@ class PageSlots:
         self._staging: torch.Tensor | None = None
         self._staging_lock = threading.Lock()
 
-    def page(self, index: int) -> np.ndarray:
-        """A writable byte view of page ``index``'s memory (C order: the flat page)."""
-        v = _view(self.host, index)
-        assert v is not None and self.in_place
-        return v.view(torch.uint8).numpy()
-
     def run(self, indices: Sequence[int]) -> torch.Tensor | None:
         """One contiguous uint8 tensor over the pages at ``indices`` when they lie end to
-        end in memory in that order (each page contiguous, each next one right after),
-        else None."""
+        end in memory in that order (each page contiguous, each next one right after,
+        all inside the first page's storage), else None."""
         if not self.in_place or not indices:
             return None
-        first = _view(self.host, indices[0])
-        if first is None or not first.is_contiguous():
+        view, pb = self.host.get_data_page, self.page_bytes
+        first = view(indices[0], flat=False)
+        if not first.is_contiguous():
             return None
-        storage = first.untyped_storage()
         start = first.data_ptr()
-        for k, index in enumerate(indices[1:], 1):
-            v = _view(self.host, index)
-            if (v is None or not v.is_contiguous() or v.data_ptr() != start + k * self.page_bytes
-                    or v.untyped_storage().data_ptr() != storage.data_ptr()):
+        for k in range(1, len(indices)):
+            v = view(indices[k], flat=False)
+            if v.data_ptr() != start + k * pb or not v.is_contiguous():
                 return None
-        offset = start - storage.data_ptr()
-        n = len(indices) * self.page_bytes
+        storage = first.untyped_storage()
+        offset, n = start - storage.data_ptr(), len(indices) * pb
         if offset + n > storage.nbytes():
             return None
         return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (n,))
 
     def put(self, index: int, data: torch.Tensor, dtype: torch.dtype) -> None:
-        """Page ``index`` := ``data`` (its flat bytes, a host tensor when ``in_place``)."""
-        if self.in_place and data.device.type == "cpu":
-            dst = self.page(index)
-            np.copyto(dst, data.contiguous().view(torch.uint8).numpy().reshape(dst.shape))
-        else:
+        """Page ``index`` := ``data`` (its flat bytes): one numpy memcpy into the page's
+        memory when it is written in place, else ``set_from_flat_data_page``."""
+        v = _view(self.host, index) if self.in_place and data.device.type == "cpu" else None
+        if v is None:
             self.host.set_from_flat_data_page(index, data.contiguous().view(dtype))
+            return
+        dst = v.view(torch.uint8).numpy()
+        np.copyto(dst, data.contiguous().view(torch.uint8).numpy().reshape(dst.shape))
 
     @contextmanager
     def staging(self, nbytes: int) -> Iterator[torch.Tensor | None]:
