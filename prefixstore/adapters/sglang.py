@@ -49,6 +49,7 @@ import torch
 
 from prefixstore.adapters import sglang_input as check
 from prefixstore.adapters.sglang_chains import PageChains
+from prefixstore.adapters.sglang_pages import PageSlots, copy_into
 from prefixstore.base.errors import CatalogIOError, InvalidInputError, PrefixStoreError
 from prefixstore.base.keys import DIGEST_SIZE, Prefix
 from prefixstore.base.layout import Layout, TensorSpec
@@ -168,6 +169,7 @@ class _Pool:
         self.broken = False
         self.engine = Engine.open(self.path, layout, self.capacity, **opts)
         self.chains = PageChains(self.path)
+        self.slots = PageSlots(host, self.page_bytes, self.engine.executor.host_outputs)
 
     def reopen(self) -> None:
         """After a failed catalog write the engine refuses more: reopen it (recovery runs)."""
@@ -200,7 +202,7 @@ class _Pool:
         return page.contiguous().view(torch.uint8).reshape(-1)
 
     def put_page(self, index: int, data: torch.Tensor) -> None:
-        self.host.set_from_flat_data_page(index, data.contiguous().view(self.dtype))
+        self.slots.put(index, data, self.dtype)
 
     def base_for(self, digests: Sequence[bytes], before: list[str] | None) -> list[bytes]:
         """The stored chain a run of new pages continues: the one its first page is on,
@@ -270,6 +272,53 @@ class _Pool:
             pos += got
             if got < run.pages or (pos < len(digests) and self.chains.continues(digests[pos], digests[pos - 1])):
                 return
+
+    def read_into(self, digests: Sequence[bytes], indices: Sequence[int]) -> int:
+        """Restore the verified leading pages of ``digests`` into the host slots at
+        ``indices`` (one per page): how many. Only pages of a restore that verified are
+        counted; after a failed one, the slots it was writing hold unspecified bytes."""
+        pos = 0
+        while pos < len(digests):
+            run = self.run_at(digests, pos)
+            got = 0 if run is None else self.restore_run(run, indices[pos:pos + run.pages])
+            pos += got
+            if run is None or got < run.pages or (
+                    pos < len(digests) and self.chains.continues(digests[pos], digests[pos - 1])):
+                return pos
+        return pos
+
+    def restore_run(self, run: Run, indices: Sequence[int]) -> int:
+        """``run``'s pages into the slots at ``indices``: how many; after a damaged
+        checkpoint, those of the pages before it (as ``rows_of``)."""
+        m = run.match
+        for _ in range(run.pages + 1):
+            got = self.restore_pages(m, run.base, indices)
+            if got is not None:
+                return got
+            m = self.engine.lookup(run.prefix, gpu_blocks=run.base)
+            if not m.hit or m.blocks <= run.base:
+                return 0
+        return 0
+
+    def restore_pages(self, m: Match, base: int, indices: Sequence[int]) -> int | None:
+        """Restore ``m`` (pages ``base..m.blocks``) into the slots at ``indices``: the
+        pages written, or None when the restore missed. Straight into the slots when they
+        lie end to end (``PageSlots.run``), else through the pool's staging buffer and one
+        memcpy per page."""
+        rows, skip = m.tokens - m.gpu_tokens, base * self.bt - m.gpu_tokens
+        n = min((rows - skip) // self.bt, len(indices))
+        rb = self.page_bytes // self.bt
+        direct = self.slots.run(indices[:n]) if skip == 0 and rows == n * self.bt else None
+        if direct is not None:
+            return n if self.engine.restore(m, into={"page": direct.view(rows, rb)}) is not None else None
+        with self.slots.staging(rows * rb) as stage:
+            r = self.engine.restore(m, into=None if stage is None else {"page": stage.view(rows, rb)})
+            if r is None:
+                return None
+            src = r.segments[0]["page"][skip:]
+            for i in range(n):
+                self.put_page(indices[i], src[i * self.bt:(i + 1) * self.bt])
+        return n
 
     def state_chains(self, digests: Sequence[bytes]) -> list[list[bytes] | None]:
         """For each page, the stored chain through it in this (trailing) pool, or None."""
@@ -514,10 +563,9 @@ class PrefixStoreHiCache(HiCacheStorage):
             page = data.view(p.dtype)
             target = targets[i]
             if target is None:
-                out[i] = page.clone()
-            else:
-                target.copy_(page.reshape(target.shape))
-                out[i] = target
+                target = torch.empty(page.shape, dtype=page.dtype, device=page.device)
+            copy_into(target, page)
+            out[i] = target
         self._tally(p, "prefetch", sum(o is not None for o in out), t0)
         return out
 
@@ -715,11 +763,8 @@ class PrefixStoreHiCache(HiCacheStorage):
         return self._read_into(p, keys, indices)
 
     def _read_into(self, p: _Pool, keys: list[str], indices: list[int]) -> list[bool]:
-        out = [False] * len(keys)
-        for i, data in p.read(digests_of(keys)):
-            p.put_page(indices[i], data)
-            out[i] = True
-        return out
+        got = p.read_into(digests_of(keys), indices)
+        return [i < got for i in range(len(keys))]
 
     def _set_states(self, p: _Pool, keys: list[str], indices: list[int], before: list[str] | None) -> list[bool]:
         digests = digests_of(keys)
