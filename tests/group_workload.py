@@ -145,15 +145,16 @@ def workload(root: str, point: str, plant_name: str | None) -> None:
         time.sleep(600)
 
 
-def kill_at(root: str, point: str, plant: str | None) -> dict:
-    """Fork the workload on ``root``, SIGKILL it once it says ``paused``; what it said."""
+def kill_at(root: str, point: str, plant: str | None, run=None) -> dict:
+    """Fork the workload (``run``, default ``workload``) on ``root``, SIGKILL it once it
+    says ``paused`` (or ``done``); what it said."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: nothing of the parent's runs past this
         try:
             os.close(r)
             os.dup2(w, 1)
-            workload(root, point, plant)
+            (run or workload)(root, point, plant)
         finally:
             os._exit(1)
     os.close(w)

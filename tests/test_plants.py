@@ -53,10 +53,12 @@ REPRODUCED_BY = {
     "stale-prestaged": ("stale-prestaged.json", {"audit:1", "damaged", "miss"}),  # seed 0: op 1524, ~10 s
 }
 
-
-# Plants shown by a crash-enumeration test of their own (the campaign's catalog model
-# tells grouped commits by label, so it never takes back a removal the plant groups).
-CRASH_TEST_CAUGHT = {
+# Plants that show only when stores run at once (the campaign runs one op at a time):
+# each is caught by the crash test named here, which runs it under a planned interleaving.
+CRASH_CAUGHT_BY = {
+    "dir-sync-stale-cover": "test_crash_dirsync.py::test_a_rename_taken_as_covered_by_a_fsync_begun_before_it_is_caught",
+    # the campaign's catalog model tells grouped commits by label, so it never takes back
+    # a removal this plant groups
     "evict-removal-unsynced": "test_crash_evict.py::test_unlinks_before_the_removal_is_durable_are_caught_by_a_power_loss",
 }
 
@@ -64,7 +66,11 @@ CRASH_TEST_CAUGHT = {
 def test_every_plant_is_listed_and_has_an_expected_catch():
     # the plants in the rank-server and remote-tier paths are found in test_fuzz_cluster.py
     assert set(plants.PLANTS) == (set(CAUGHT_BY) | set(CLUSTER_CAUGHT_BY) | set(REPRODUCED_BY)
-                                  | set(CRASH_TEST_CAUGHT))
+                                  | set(CRASH_CAUGHT_BY))
+    for test in CRASH_CAUGHT_BY.values():
+        path, _, name = test.partition("::")
+        with open(os.path.join(os.path.dirname(__file__), path)) as f:
+            assert f"def {name}(" in f.read(), test
     assert len(plants.PLANTS) >= 7
 
 
