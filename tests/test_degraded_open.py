@@ -250,7 +250,8 @@ def test_a_lost_catalog_is_rebuilt_through_the_rank_servers(tmp_path, capsys):
 
 def test_audit_through_rank_servers_reports_a_rank_that_does_not_come(tmp_path, capsys):
     """``audit --ranks``: a rank server that does not register within --rank-timeout is
-    reported unavailable (not checked), the others are audited."""
+    reported unavailable (not checked), the others are audited; no violation found, but
+    not shown sound: exit 3."""
     root = str(tmp_path / "cache")
     group = new_group()
     servers = [serve(tmp_path, r, group.port) for r in range(2)]
@@ -261,7 +262,7 @@ def test_audit_through_rank_servers_reports_a_rank_that_does_not_come(tmp_path, 
         t.join(20)
     port = free_port()
     serve(tmp_path, 0, port)
-    assert main(["audit", root, "--json", "--ranks", f"tcp://127.0.0.1:{port}", "--rank-timeout", "2"]) == 0
+    assert main(["audit", root, "--json", "--ranks", f"tcp://127.0.0.1:{port}", "--rank-timeout", "2"]) == 3
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [("unavailable" in r, r["files"]) for r in got["ranks"]] == [(False, 1), (True, 0)], got
     assert any("rank 1 is unavailable" in n for n in got["notes"]), got
