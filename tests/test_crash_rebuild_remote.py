@@ -7,7 +7,8 @@ conversation of its own); a checkpoint P whose rank-1 shard was lost, below whic
 stored whole (P is kept as C's damaged ancestor); V, whose rank-1 shard is cut short, and
 W, whose rank-1 header is corrupt (both quarantined on both ranks); on rank 1 an orphan
 that is no shard, a temporary of a live shard and a foreign file. Its catalog still
-reads (the engine that wrote it was SIGKILLed: its log and index lie beside it). A forked child runs the coordinator and both rank servers (threads) and SIGKILLs
+reads (the engine that wrote it was SIGKILLed: its log and index lie beside it), or, in the
+second variant, is lost (emptied). A forked child runs the coordinator and both rank servers (threads) and SIGKILLs
 itself at one effect point of the repair: a rank server's quarantine rename, the move of
 the old catalog into ``lost+found/catalog-N/``, a catalog commit or log sync, or an
 effect of the recovery that follows. What comes next (the rebuild again, or an open of
@@ -16,8 +17,8 @@ same rows, a clean audit, every acknowledged store restoring bit for bit, every 
 directory holding exactly the files the catalog names, and every entry that was there
 before (none unlinked) in its rank directory or in ``lost+found/``.
 
-CI kills at five points (``ci_points`` and the last point); ``PREFIXSTORE_MULTIHOST_FULL=1``
-at every point (24, each before and after its effect). After a kill before the rebuilt
+CI kills at five points of each variant (``ci_points`` and the last point);
+``PREFIXSTORE_MULTIHOST_FULL=1`` at every point (24 and 20, each before and after its effect). After a kill before the rebuilt
 catalog's commit the rebuild runs again; after it, the engine opens that catalog as it is.
 """
 
@@ -28,6 +29,7 @@ import os
 import re
 import signal
 
+import pytest
 from conftest import (
     BT,
     KillAt,
@@ -75,11 +77,16 @@ def store_then_die(root: str, base: str, out: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def build(base: str) -> str:
-    """The cache of the module docstring, closed; its root."""
+def build(base: str, lost: bool = False) -> str:
+    """The cache of the module docstring, closed; its root. ``lost``: its catalog emptied
+    (0 bytes, no log): the rebuild takes the layout and the capacity from the shards."""
     root = os.path.join(base, "cache")
     run_killed(functools.partial(store_then_die, root, base), [])
     assert os.path.getsize(os.path.join(root, "catalog.sqlite-wal")) > 0
+    if lost:
+        for suffix in ("-wal", "-shm"):
+            os.unlink(os.path.join(root, "catalog.sqlite" + suffix))
+        os.truncate(os.path.join(root, "catalog.sqlite"), 0)
     one = host_rank_dir(base, 1)
     os.unlink(os.path.join(one, name_of(P)))
     path = os.path.join(one, name_of(V))
@@ -171,15 +178,16 @@ def killed_then_redone(base: str, root: str, kill: list, committed: bool) -> Non
         run_child(base, root, None)
 
 
-def test_rebuild_through_rank_servers_killed_at_each_effect(tmp_path):
+@pytest.mark.parametrize("lost", [False, True], ids=["readable-catalog", "lost-catalog"])
+def test_rebuild_through_rank_servers_killed_at_each_effect(tmp_path, lost):
     """The child SIGKILLed at each point (CI: ``ci_points`` and the last one; with
     ``PREFIXSTORE_MULTIHOST_FULL=1``: every point, each before and after its effect);
     after each, ``killed_then_redone`` leaves what an uninterrupted rebuild leaves (``reopened``)."""
     base = str(tmp_path / "count")
-    root = build(base)
+    root = build(base, lost)
     before = entries(base)
     points = killed_points(run_child(base, root, None))
-    assert ["before", "rename", "catalog.sqlite-wal", None, 0] in points, points
+    assert (["before", "rename", "catalog.sqlite-wal", None, 0] in points) is not lost, points
     quarantines = [sum(p[1] == "rename" and p[3] == r for p in points) for r in range(2)]
     assert quarantines == [2 * 2, 2 * 5], points  # V's and W's shards; and the orphan, temporary, foreign file
     want = reopened(base, root, before)
@@ -187,7 +195,7 @@ def test_rebuild_through_rank_servers_killed_at_each_effect(tmp_path):
     assert all(p in points for p in chosen), points
     for i, kill in enumerate(chosen):
         base = str(tmp_path / f"kill{i}")
-        root = build(base)
+        root = build(base, lost)
         killed_then_redone(base, root, kill, points.index(kill) >= points.index(COMMIT))
         assert reopened(base, root, before) == want, kill
 
