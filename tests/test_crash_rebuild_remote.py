@@ -9,7 +9,8 @@ W, whose rank-1 header is corrupt (both quarantined on both ranks); on rank 1 an
 that is no shard, a temporary of a live shard and a foreign file. Its catalog still
 reads (the engine that wrote it was SIGKILLed: its log and index lie beside it), or, in the
 second variant, is lost (emptied). A forked child runs the coordinator and both rank servers (threads) and SIGKILLs
-itself at one effect point of the repair: a rank server's quarantine rename, the move of
+itself at one effect point of the repair: a rank server's quarantine rename or directory
+fsync, the move of
 the old catalog into ``lost+found/catalog-N/``, a catalog commit or log sync, or an
 effect of the recovery that follows. What comes next (the rebuild again, or an open of
 the catalog it committed) must then reach what an uninterrupted rebuild reaches: the
@@ -18,13 +19,14 @@ directory holding exactly the files the catalog names, and every entry that was 
 before (none unlinked) in its rank directory or in ``lost+found/``.
 
 CI kills at five points of each variant (``ci_points`` and the last point);
-``PREFIXSTORE_MULTIHOST_FULL=1`` at every point (24 and 20, each before and after its effect). After a kill before the rebuilt
+``PREFIXSTORE_MULTIHOST_FULL=1`` at every point (28 and 24, each before and after its effect). After a kill before the rebuilt
 catalog's commit the rebuild runs again; after it, the engine opens that catalog as it is.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import signal
@@ -99,10 +101,41 @@ def build(base: str, lost: bool = False) -> str:
     return root
 
 
+class Durable(KillAt):
+    """``KillAt`` that also records each rank directory's listing once its fsync returned
+    (``durable{R}.json`` in ``base``): what a power loss leaves of it."""
+
+    def __init__(self, spec: list | None, base: str) -> None:
+        super().__init__(spec)
+        self.base = base
+
+    def after(self, op: str, target: str, rank: int | None) -> None:
+        if op == "fsync_dir" and rank is not None and os.path.basename(target) == f"rank{rank}":
+            record_durable(self.base, rank)
+        super().after(op, target, rank)
+
+
+def record_durable(base: str, r: int) -> None:
+    with open(os.path.join(base, f"durable{r}.json"), "w") as f:
+        json.dump(sorted(os.listdir(host_rank_dir(base, r))), f)
+
+
+def lose_power(base: str) -> None:
+    """Each rank directory as a power loss leaves it: an entry moved into ``lost+found/``
+    since its directory's last fsync is back."""
+    for r in range(2):
+        with open(os.path.join(base, f"durable{r}.json")) as f:
+            durable = json.load(f)
+        d, found = host_rank_dir(base, r), os.path.join(base, f"host{r}", "lost+found", f"rank{r}")
+        for name in sorted(set(durable) - set(os.listdir(d))):
+            if os.path.lexists(os.path.join(found, name)):
+                os.rename(os.path.join(found, name), os.path.join(d, name))
+
+
 def rebuild_child(base: str, root: str, spec: list | None, out: int) -> None:
     """The child: both rank servers up, the repair with ``--rebuild`` through them, the
     points armed; writes the points seen to ``out``."""
-    hook = KillAt(spec)
+    hook = Durable(spec, base)
     report_quarantines(hook)
     group = RankGroup(op_timeout=5, connect_timeout=10, gloo_host="127.0.0.1")
     for r in range(2):
@@ -213,3 +246,24 @@ def test_a_rebuild_that_quarantines_after_its_commit_is_caught(tmp_path):
         pass
     lost = {r: sorted(set(before[r]) - set(e)) for r, e in entries(base).items()}
     assert lost[0] == sorted([name_of(V), name_of(W)]), lost  # V's and W's intact rank-0 shards, unlinked
+
+
+def test_a_power_loss_after_the_rebuild_commits_keeps_what_it_quarantined(tmp_path):
+    """Killed just after the rebuilt catalog's commit, then a power loss: each rank
+    directory is as its last fsync left it. The rebuild makes its quarantines durable
+    before it commits (a fsync of each rank directory it moved entries out of), so no
+    rejected shard is back beside a catalog that does not name it (where the next open
+    would unlink it as an orphan): the open after it leaves what an uninterrupted rebuild
+    leaves."""
+    base = str(tmp_path / "count")
+    root = build(base)
+    before = entries(base)
+    run_child(base, root, None)
+    want = reopened(base, root, before)
+    base = str(tmp_path / "cache")
+    root = build(base)
+    for r in range(2):
+        record_durable(base, r)
+    run_child(base, root, COMMIT)
+    lose_power(base)
+    assert reopened(base, root, before) == want

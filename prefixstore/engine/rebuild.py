@@ -24,9 +24,14 @@ Steps, with the directory lock held and no engine running:
    shards on some ranks is adopted damaged, and only as the ancestor of an adopted
    node (its descendants keep their links; a refill serves it again).
 4. Everything not adopted (what does not verify, superseded generations, temporaries,
-   foreign entries) moves to ``lost+found/``: nothing is unlinked.
+   foreign entries) moves to ``lost+found/``: nothing is unlinked. Each rank directory
+   moved out of is fsynced before step 5: an entry still there (or back after a power
+   loss) once the new catalog is committed would be an orphan to it, unlinked by the
+   next open.
 5. The old catalog files move to ``lost+found/catalog-N/``; a new catalog is written
-   in one commit. A crash anywhere leaves a directory the next repair rebuilds again.
+   in one commit. A crash before that commit leaves a directory the next repair
+   rebuilds again; after it, one the engine opens as it is
+   (``tests/test_crash_rebuild_remote.py``).
 
 Shard bytes are covered by their checksums only once a catalog records them: a bit flip
 inside a tensor's data that happened while the catalog was lost cannot be told from
@@ -377,12 +382,18 @@ def rebuild(root: str, why: str, *, rank_dirs: Sequence[str] | None = None, layo
 
 
 def quarantine_rejected(rep: RebuildReport, moves: Sequence[tuple[Any, str, str]], ranks: int) -> None:
-    """Move each (rank, entry, reason) of ``moves`` into ``lost+found/``, before the new
-    catalog is written: once it is, an entry left in a rank directory is an orphan to it."""
+    """Move each (rank, entry, reason) of ``moves`` into ``lost+found/`` and make the moves
+    durable (a fsync of each rank directory moved out of), before the new catalog is
+    written: once it is, an entry left in a rank directory (or brought back by a power
+    loss) is an orphan to it, which the next open unlinks."""
+    moved: dict[int, Any] = {}
     for rank, entry, reason in moves:
         if rank.rank < ranks:  # a directory beyond the layout's ranks is not the cache's: left alone
             rank.quarantine(entry)
             rep.quarantined.append(f"rank{rank.rank}/{entry} ({reason})")
+            moved[rank.rank] = rank
+    for rank in moved.values():
+        rank.sync_dir()
 
 
 def write_catalog(root: str, layout: Layout, capacity: int, adopted: Sequence[Candidate], hook: Any) -> None:
