@@ -1,12 +1,17 @@
-"""Shared fixtures and helpers: small layouts, deterministic tensors, node look-ups, fault hooks."""
+"""Shared fixtures and helpers: small layouts, deterministic tensors, node look-ups, fault hooks,
+and the SIGKILL harness of the crash tests through loopback rank servers."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import json
 import os
+import signal
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -19,7 +24,10 @@ from prefixstore.base.layout import Layout, TensorSpec
 from prefixstore.engine.api import Engine
 from prefixstore.engine.driver import DEBUG_ENV
 from prefixstore.engine.index import Node
+from prefixstore.fuzz.faultfs import CountingHook
 from prefixstore.gpu.fileio import FaultHook
+from prefixstore.gpu.rank_server import RankServer
+from prefixstore.gpu.ranks import LocalRank
 
 settings.register_profile("dev", max_examples=30, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -224,3 +232,94 @@ def small_fs(tmp_path) -> Iterator[str]:
     mnt.mkdir()
     with mounted_tmpfs(mnt) as path:
         yield path
+
+
+# SIGKILL at an effect point, through loopback rank servers (tests/test_crash_revive.py,
+# tests/test_crash_rebuild_remote.py): a forked child runs the coordinator and every rank
+# server (threads), one ``KillAt`` hook on all of them.
+RANK_EFFECTS = frozenset({"write", "fsync", "rename", "fsync_dir", "unlink", "commit", "sync"})
+
+
+def host_rank_dir(base: str, r: int) -> str:
+    """Rank ``r``'s directory on its own "host" below ``base`` (``lost+found/`` beside it)."""
+    return os.path.join(base, f"host{r}", f"rank{r}")
+
+
+class KillAt(CountingHook):
+    """Records effect points (named ``[when, op, entry, rank, k]``: the k-th such point,
+    the entry without its directory) while ``armed``; SIGKILLs this process at ``spec``."""
+
+    def __init__(self, spec: list | None) -> None:
+        super().__init__(ops=RANK_EFFECTS)
+        self.spec = spec
+        self.armed = False
+        self._lock = threading.Lock()
+
+    def _point(self, when: str, op: str, target: str, rank: int | None) -> None:
+        if not self.armed or not self._counts(op, rank):
+            return
+        with self._lock:
+            point = (when, op, os.path.basename(target), rank)
+            if self.spec is not None and list(point) + [self.points.count(point)] == self.spec:
+                os.kill(os.getpid(), signal.SIGKILL)
+            super()._point(*point)
+
+
+def report_quarantines(hook: FaultHook) -> None:
+    """Report each quarantine rename of a ``LocalRank`` to ``hook`` (op ``rename``):
+    ``LocalRank.quarantine`` renames by directory descriptors, not through its file system.
+    For a forked child only: it patches the class."""
+    real = LocalRank.quarantine
+
+    @functools.wraps(real)
+    def quarantine(self, entry: str) -> str:
+        hook.before("rename", entry, self.rank)
+        out = real(self, entry)
+        hook.after("rename", entry, self.rank)
+        return out
+
+    LocalRank.quarantine = quarantine
+
+
+def serve_rank(base: str, r: int, port: int, hook: FaultHook) -> None:
+    """A rank server (a daemon thread) for ``host_rank_dir(base, r)``, for the coordinator's store at ``port``."""
+    server = RankServer(r, host_rank_dir(base, r), "127.0.0.1", port, connect_timeout=20, gloo_host="127.0.0.1",
+                        hook=hook)
+    threading.Thread(target=server.serve, daemon=True, name=f"rank-server-{r}").start()
+
+
+def report_points(out: int, hook: CountingHook) -> None:
+    """The child's last word: the points ``hook`` saw, for ``killed_points``."""
+    os.write(out, ("POINTS " + json.dumps(hook.points) + "\n").encode())
+
+
+def run_killed(child: Callable[[int], None], spec: list | None) -> str:
+    """Fork and run ``child(out)`` (``out``: a pipe to write to); its output once it ended:
+    SIGKILLed when ``spec`` names a point, else exited 0."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the parent's runs past this
+        code = 1
+        try:
+            os.close(r)
+            child(w)
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+            os.write(w, f"CHILD FAILED {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    if spec is None:
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, out
+    else:
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (spec, out)
+    return out
+
+
+def killed_points(out: str) -> list[list]:
+    """The points a child reported (``report_points``), each named ``[when, op, entry, rank, k]``."""
+    points = [tuple(p) for p in json.loads(out.split("POINTS ")[1].splitlines()[0])]
+    return [[*p, points[:i].count(p)] for i, p in enumerate(points)]

@@ -21,38 +21,42 @@ CI kills at four points; ``PREFIXSTORE_MULTIHOST_FULL=1`` at every point.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import signal
 import sqlite3
-import threading
 
 import pytest
-from conftest import BT, assert_restores, key_at, make_layout, store_tokens, tokens_for
+from conftest import (
+    BT,
+    KillAt,
+    assert_restores,
+    host_rank_dir,
+    key_at,
+    killed_points,
+    make_layout,
+    report_points,
+    report_quarantines,
+    run_killed,
+    serve_rank,
+    store_tokens,
+    tokens_for,
+)
 
 from prefixstore.base.errors import SimulatedCrash
 from prefixstore.base.keys import Prefix
 from prefixstore.engine import lifecycle
 from prefixstore.engine.api import Engine
-from prefixstore.fuzz.faultfs import CountingHook
 from prefixstore.gpu.distributed import RankGroup
 from prefixstore.gpu.fileio import FaultHook
-from prefixstore.gpu.rank_server import RankServer
 from prefixstore.gpu.ranks import LocalRank, shard_name
 
 CAP = 16 << 20
 FULL = os.environ.get("PREFIXSTORE_MULTIHOST_FULL") == "1"
-EFFECTS = frozenset({"write", "fsync", "rename", "fsync_dir", "unlink", "commit", "sync"})
 A = tokens_for(61, 4)
 ACKED = [(A[:8], 2), (A, 4), (tokens_for(62, 3), 3)]
 V, W, X = tokens_for(63, 2), tokens_for(64, 2), tokens_for(65, 2)
 LOST = tokens_for(66, 2)  # the store that dies before its publish
 ORPHAN = "f" * 32 + "-g1.st"
 FOREIGN = "notes.txt"
-
-
-def rank_dir(base: str, r: int) -> str:
-    return os.path.join(base, f"host{r}", f"rank{r}")
 
 
 def name_of(tokens: list[int]) -> str:
@@ -74,7 +78,7 @@ def build(base: str) -> str:
     """The cache described in the module docstring, closed; its root."""
     root = os.path.join(base, "cache")
     hook = CrashBeforePublish()
-    ranks = [LocalRank(r, rank_dir(base, r)) for r in range(2)]
+    ranks = [LocalRank(r, host_rank_dir(base, r)) for r in range(2)]
     eng = Engine.open(root, make_layout(ranks=2), CAP, hook=hook, ranks=ranks)
     for t in [*(t for t, _ in ACKED), V, W, X]:
         assert store_tokens(eng, t).status == "stored"
@@ -82,7 +86,7 @@ def build(base: str) -> str:
     with pytest.raises(SimulatedCrash):
         store_tokens(eng, LOST)
     lifecycle.abandon(eng.life)
-    one = rank_dir(base, 1)
+    one = host_rank_dir(base, 1)
     path = os.path.join(one, name_of(V))
     os.truncate(path, os.path.getsize(path) - 8)
     with open(os.path.join(one, name_of(W)), "r+b") as f:
@@ -97,95 +101,28 @@ def build(base: str) -> str:
     return root
 
 
-class KillAt(CountingHook):
-    """Records effect points (named ``[when, op, entry, rank, k]``: the k-th such point,
-    the entry without its directory) while ``armed``; SIGKILLs this process at ``spec``."""
-
-    def __init__(self, spec: list | None) -> None:
-        super().__init__(ops=EFFECTS)
-        self.spec = spec
-        self.armed = False
-        self._lock = threading.Lock()
-
-    def _point(self, when: str, op: str, target: str, rank: int | None) -> None:
-        if not self.armed or not self._counts(op, rank):
-            return
-        with self._lock:
-            point = (when, op, os.path.basename(target), rank)
-            if self.spec is not None and list(point) + [self.points.count(point)] == self.spec:
-                os.kill(os.getpid(), signal.SIGKILL)
-            super()._point(*point)
-
-
-def report_quarantines(hook: FaultHook) -> None:
-    """Report each quarantine rename of a ``LocalRank`` to ``hook`` (op ``rename``):
-    ``LocalRank.quarantine`` renames by directory descriptors, not through its file system."""
-    real = LocalRank.quarantine
-
-    @functools.wraps(real)
-    def quarantine(self, entry: str) -> str:
-        hook.before("rename", entry, self.rank)
-        out = real(self, entry)
-        hook.after("rename", entry, self.rank)
-        return out
-
-    LocalRank.quarantine = quarantine
-
-
-def serve(base: str, r: int, port: int, hook: FaultHook) -> None:
-    server = RankServer(r, rank_dir(base, r), "127.0.0.1", port, connect_timeout=20, gloo_host="127.0.0.1",
-                        hook=hook)
-    threading.Thread(target=server.serve, daemon=True, name=f"rank-server-{r}").start()
-
-
 def revive(base: str, root: str, spec: list | None, out: int) -> None:
     """The child: open degraded without rank 1, bring it back with the points armed;
     writes the points seen to ``out``."""
     hook = KillAt(spec)
     report_quarantines(hook)
     group = RankGroup(op_timeout=5, connect_timeout=10, gloo_host="127.0.0.1")
-    serve(base, 0, group.port, hook)
+    serve_rank(base, 0, group.port, hook)
     ranks = [*group.connect([0], timeout=20), group.remote(1)]
     eng = Engine.open(root, make_layout(ranks=2), CAP, hook=hook, ranks=ranks)
     assert eng.degraded is not None and eng.degraded.ranks == (1,), eng.degraded
-    serve(base, 1, group.port, hook)
+    serve_rank(base, 1, group.port, hook)
     hook.armed = True
     left = eng.reconnect_ranks(20)
     hook.armed = False
     assert left == (), left
-    os.write(out, ("POINTS " + json.dumps(hook.points) + "\n").encode())
+    report_points(out, hook)
     eng.close()
     group.close()
 
 
 def run_child(base: str, root: str, spec: list | None) -> str:
-    """Fork the child; its output once it ended (SIGKILLed when ``spec`` names a point)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: nothing of the parent's runs past this
-        code = 1
-        try:
-            os.close(r)
-            revive(base, root, spec, w)
-            code = 0
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
-            os.write(w, f"CHILD FAILED {exc!r}\n".encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        out = f.read()
-    _, status = os.waitpid(pid, 0)
-    if spec is None:
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, out
-    else:
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (spec, out)
-    return out
-
-
-def named(out: str) -> list[list]:
-    points = [tuple(p) for p in json.loads(out.split("POINTS ")[1].splitlines()[0])]
-    return [[*p, points[:i].count(p)] for i, p in enumerate(points)]
+    return run_killed(functools.partial(revive, base, root, spec), spec)
 
 
 def rank_files(eng: Engine, r: int) -> list[str]:
@@ -195,7 +132,7 @@ def rank_files(eng: Engine, r: int) -> list[str]:
 def reopened(base: str, root: str) -> tuple:
     """A fresh open with both ranks up; the checks of the module docstring. Returns the
     rows (nodes' keys and statuses, file rows) for comparison between runs."""
-    with Engine.open(root, make_layout(ranks=2), CAP, ranks=[LocalRank(r, rank_dir(base, r)) for r in range(2)]) as eng:
+    with Engine.open(root, make_layout(ranks=2), CAP, ranks=[LocalRank(r, host_rank_dir(base, r)) for r in range(2)]) as eng:
         rep = eng.audit()
         assert rep.ok, rep.to_dict()
         assert not eng.catalog.journal()
@@ -209,7 +146,7 @@ def reopened(base: str, root: str) -> tuple:
         assert eng.stats()["garbage_bytes"] == 0
         assert eng.account.charged == eng.catalog.charged()
         for r in range(2):
-            assert sorted(os.listdir(rank_dir(base, r))) == rank_files(eng, r), r
+            assert sorted(os.listdir(host_rank_dir(base, r))) == rank_files(eng, r), r
         found = os.listdir(os.path.join(base, "host1", "lost+found", "rank1"))
         assert FOREIGN in found and name_of(W) in found, found
         nodes = sorted(tuple(r) for r in eng.catalog.query("SELECT key, state FROM nodes"))
@@ -232,7 +169,7 @@ def test_revival_killed_at_each_effect(tmp_path):
     holds the rows a revival that was not killed leaves."""
     base = str(tmp_path / "count")
     out = run_child(base, build(base), None)
-    points = named(out)
+    points = killed_points(out)
     ops = {p[1] for p in points}
     assert {"rename", "unlink", "fsync_dir", "commit"} <= ops, points
     want = reopened(base, os.path.join(base, "cache"))

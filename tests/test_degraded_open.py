@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import threading
@@ -17,7 +18,7 @@ import pytest
 from conftest import BT, assert_restores, make_layout, store_tokens, tokens_for
 from prometheus_client import generate_latest
 
-from prefixstore.base.errors import InvalidArgumentError, SimulatedCrash
+from prefixstore.base.errors import CatalogLostError, InvalidArgumentError, SimulatedCrash
 from prefixstore.base.keys import Prefix
 from prefixstore.cli import main
 from prefixstore.engine import degraded, lifecycle
@@ -250,7 +251,8 @@ def test_a_lost_catalog_is_rebuilt_through_the_rank_servers(tmp_path, capsys):
 
 def test_audit_through_rank_servers_reports_a_rank_that_does_not_come(tmp_path, capsys):
     """``audit --ranks``: a rank server that does not register within --rank-timeout is
-    reported unavailable (not checked), the others are audited."""
+    reported unavailable (not checked), the others are audited; no violation found, but
+    not shown sound: exit 3."""
     root = str(tmp_path / "cache")
     group = new_group()
     servers = [serve(tmp_path, r, group.port) for r in range(2)]
@@ -261,7 +263,7 @@ def test_audit_through_rank_servers_reports_a_rank_that_does_not_come(tmp_path, 
         t.join(20)
     port = free_port()
     serve(tmp_path, 0, port)
-    assert main(["audit", root, "--json", "--ranks", f"tcp://127.0.0.1:{port}", "--rank-timeout", "2"]) == 0
+    assert main(["audit", root, "--json", "--ranks", f"tcp://127.0.0.1:{port}", "--rank-timeout", "2"]) == 3
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [("unavailable" in r, r["files"]) for r in got["ranks"]] == [(False, 1), (True, 0)], got
     assert any("rank 1 is unavailable" in n for n in got["notes"]), got
@@ -283,3 +285,42 @@ def test_a_lookup_alone_brings_a_rank_back_that_serves_again(cache_dir) -> None:
         down.probed = time.monotonic() - 2 * degraded.PROBE_S
         assert eng.lookup(prefix).hit and eng.degraded is None
         assert eng.stats()["counters"]["degraded.revived"] == 1
+
+
+@pytest.mark.parametrize("where", ["rank-servers", "rank-dirs"])
+def test_an_open_refused_for_a_lost_catalog_names_the_command_that_rebuilds_it(tmp_path, capsys, where):
+    """The catalog is lost on the coordinator while its ranks are served by rank servers
+    (or kept outside the cache directory): ``Engine.open`` refuses, nothing changed, and
+    names the command that rebuilds the catalog for such ranks; that command, run as
+    named, rebuilds it and the store restores. (It used to name ``audit --repair DIR``,
+    which reads neither rank servers nor rank directories kept elsewhere.)"""
+    root = str(tmp_path / "cache")
+    layout = make_layout(ranks=2)
+    conv = tokens_for(93, 3)
+    with Engine.open(root, layout, CAP, ranks=[LocalRank(r, rank_dir(tmp_path, r)) for r in range(2)]) as eng:
+        assert store_tokens(eng, conv).status == "stored"
+    for name in os.listdir(root):
+        if name.startswith("catalog.sqlite"):
+            os.unlink(os.path.join(root, name))
+    shards = [sorted(os.listdir(rank_dir(tmp_path, r))) for r in range(2)]
+    group = new_group()
+    if where == "rank-servers":
+        for r in range(2):
+            serve(tmp_path, r, group.port)
+        ranks = group.connect(range(2), timeout=20)
+    else:
+        ranks = [LocalRank(r, rank_dir(tmp_path, r)) for r in range(2)]
+    with pytest.raises(CatalogLostError) as err:
+        Engine.open(root, layout, CAP, ranks=ranks)
+    group.close()
+    assert [sorted(os.listdir(rank_dir(tmp_path, r))) for r in range(2)] == shards
+    command = shlex.split(str(err.value).split("`")[1])
+    assert command[:2] == ["prefixstore", "audit"] and "--rebuild" in command, command
+    if where == "rank-servers":
+        port = free_port()
+        for r in range(2):
+            serve(tmp_path, r, port)
+        command = [c.replace("tcp://HOST:PORT", f"tcp://127.0.0.1:{port}") for c in command] + ["--rank-timeout", "20"]
+    assert main(command[1:]) == 0, capsys.readouterr()
+    with Engine.open(root, layout, CAP, ranks=[LocalRank(r, rank_dir(tmp_path, r)) for r in range(2)]) as eng:
+        assert_restores(eng, conv)

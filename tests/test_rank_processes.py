@@ -19,8 +19,11 @@ store that had returned success restores bit-identically once every rank is back
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,11 +34,13 @@ from conftest import BT, assert_restores, make_layout, node_at, store_tokens, to
 
 from prefixstore.base.errors import RankUnavailableError
 from prefixstore.base.keys import Prefix
+from prefixstore.cli import main
 from prefixstore.engine.api import Engine
 from prefixstore.fuzz.faultfs import FaultFS, FaultPlan
 from prefixstore.gpu.distributed import RankGroup, RemoteRank
 from prefixstore.gpu.fileio import FaultHook
 from prefixstore.gpu.rank_server import RankServer
+from prefixstore.gpu.ranks import LocalRank
 
 CAP = 16 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -482,3 +487,38 @@ def test_rank_server_options(monkeypatch, capsys):
     assert rank_server.parse_init_method("tcp://[::1]:29500") == ("::1", 29500)
     with pytest.raises(ValueError):
         rank_server.parse_init_method("tcp://host")
+
+
+def test_audit_exits_3_naming_a_rank_whose_server_is_stopped(tmp_path, capsys):
+    """``audit --ranks``: with both rank server processes serving, exit 0; with rank 1's
+    process stopped (SIGSTOP: it never registers), rank 0 is audited and the exit is 3
+    (no violation found, not shown sound), stderr naming rank 1."""
+    root = str(tmp_path / "cache")
+    dirs = [str(tmp_path / f"host{r}" / f"rank{r}") for r in range(2)]
+    with Engine.open(root, make_layout(ranks=2), CAP, ranks=[LocalRank(r, d) for r, d in enumerate(dirs)]) as eng:
+        assert store_tokens(eng, tokens_for(94, 3)).status == "stored"
+
+    def audit(stop: int | None) -> tuple[int, dict, str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [spawn_rank(r, d, f"tcp://127.0.0.1:{port}", str(tmp_path / f"rank{r}.log"), cli=True)
+                 for r, d in enumerate(dirs)]
+        try:
+            if stop is not None:
+                os.kill(procs[stop].pid, signal.SIGSTOP)
+            rc = main(["audit", root, "--json", "--ranks", f"tcp://127.0.0.1:{port}", "--rank-timeout",
+                       "20" if stop is None else "10"])
+        finally:
+            for p in procs:
+                os.kill(p.pid, signal.SIGCONT)
+            _reap(procs)
+        out = capsys.readouterr()
+        return rc, json.loads(out.out.strip().splitlines()[-1]), out.err
+
+    rc, rep, err = audit(None)
+    assert rc == 0 and rep["ok"] and not any("unavailable" in r for r in rep["ranks"]), (rep, _logs(tmp_path))
+    rc, rep, err = audit(1)
+    assert rc == 3 and rep["ok"], (rc, rep["ranks"], err)
+    assert [("unavailable" in r, r["files"]) for r in rep["ranks"]] == [(False, 1), (True, 0)], rep
+    assert "rank 1 could not be reached, its files were not checked" in err, err

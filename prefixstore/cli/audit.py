@@ -34,16 +34,21 @@ without losing rows; it says so).
 --ranks tcp://HOST:PORT reads every rank through its rank server (no rank directory
 is read here); with --repair the rank servers also do every unlink, quarantine (into
 lost+found/ beside their directory) and fsync the repair decides, and the report is
-the same. Rebuilding a lost catalog from the shards' headers needs the directories
-(--rank-dir), and every rank must serve: either is refused with nothing changed.
+the same; a catalog lost on this host is rebuilt from the shards' headers read
+through the rank servers with --repair --rebuild (--rank-count when the catalog no
+longer says how many ranks). A repair needs every rank: one that does not serve is
+refused with nothing changed.
 
 Exit status: 0 when every invariant holds (after repair, with --repair), 1 when any
-is violated, 2 when the directory cannot be read as a cache (not a cache, newer
-schema, unreadable, a catalog lost beside shards without --repair, or locked by an
-engine for --repair; for --repair also a rank or lost+found directory that is a
-symlink, a rank directory holding cataloged shards that is missing (name rank
-directories kept elsewhere with --rank-dir), a foreign schema object --repair cannot
-drop without losing rows, or a lost catalog no shard names the layout of).
+is violated, 3 when none is found but a rank could not be reached through its rank
+server (--ranks: its files were not checked, so the cache has not been shown sound;
+the rank is named on stderr, and in the report's ranks and notes), 2 when the
+directory cannot be read as a cache (not a cache, newer schema, unreadable, a catalog
+lost beside shards without --repair, or locked by an engine for --repair; for
+--repair also a rank or lost+found directory that is a symlink, a rank directory
+holding cataloged shards that is missing (name rank directories kept elsewhere with
+--rank-dir), a foreign schema object --repair cannot drop without losing rows, or a
+lost catalog no shard names the layout of).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ from prefixstore.gpu.distributed import RankGroup, RemoteRank
 from prefixstore.gpu.rank_auth import load_token
 from prefixstore.gpu.rank_server import add_token_arguments, parse_init_method
 
+EXIT_UNCHECKED = 3
+"""No violation found, but a rank could not be reached: not shown sound."""
 NAME = "audit"
 HELP = "check a cache directory's invariants (read-only), or --repair it"
 
@@ -76,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read every rank through its rank server: host the rank servers' TCPStore at "
                         "HOST:PORT (their --init-method), wait for each rank of the layout, and read its "
                         "listing, sizes and shards over the network (no rank directory is read locally; a "
-                        "rank that does not come within --rank-timeout is reported unavailable, not checked; "
+                        "rank that does not come within --rank-timeout is reported unavailable, not checked, and "
+                        "an audit that finds no violation then exits 3; "
                         "the cache at rest: no engine may be serving these rank servers); with --repair, "
                         "every listing, read, unlink, quarantine and fsync the repair decides is done by the "
                         "rank servers, a catalog rebuilt from the shards' headers included (--rank-count)")
@@ -138,7 +146,14 @@ def run(args: argparse.Namespace) -> int:
             for line in lines:
                 print(f"  - {line}")
         print_report(rep, args.dir)
-    return 0 if rep.ok else 1
+    if not rep.ok:
+        return 1
+    if rep.unreachable:
+        for r, why in sorted(rep.unreachable.items()):
+            print(f"audit of {args.dir}: rank {r} could not be reached, its files were not checked: {why}",
+                  file=sys.stderr)
+        return EXIT_UNCHECKED
+    return 0
 
 
 def audit_remote(args: argparse.Namespace) -> tuple[RepairReport | None, AuditReport]:
@@ -166,7 +181,10 @@ def audit_remote(args: argparse.Namespace) -> tuple[RepairReport | None, AuditRe
 def print_report(rep: AuditReport, where: str) -> None:
     a = rep.accounting
     n = len(rep.violations)
-    print(f"audit of {where}: {'CLEAN' if rep.ok else f'{n} VIOLATION(S)'}")
+    down = rep.unreachable
+    verdict = f"{n} VIOLATION(S)" if not rep.ok else "CLEAN" if not down else \
+        f"NOT SHOWN SOUND: no violation found, but rank(s) {', '.join(map(str, sorted(down)))} not checked"
+    print(f"audit of {where}: {verdict}")
     print(f"  catalog: {rep.source}; {rep.nodes} nodes ({len(rep.damaged_nodes)} damaged), "
           f"{rep.files_checked} shards checked")
     for r in rep.ranks:

@@ -142,6 +142,12 @@ class AuditReport:
     def ok(self) -> bool:
         return not self.violations
 
+    @property
+    def unreachable(self) -> dict[int, str]:
+        """The ranks whose tier could not serve (a rank server unreachable), and why: not
+        checked, so a report without violations has not shown the cache sound."""
+        return {r["rank"]: r["unavailable"] for r in self.ranks if "unavailable" in r}
+
     def add(self, invariant: int, detail: str, subject: tuple | None = None) -> None:
         self.violations.append(Violation(invariant, detail, subject))
 

@@ -24,9 +24,14 @@ Steps, with the directory lock held and no engine running:
    shards on some ranks is adopted damaged, and only as the ancestor of an adopted
    node (its descendants keep their links; a refill serves it again).
 4. Everything not adopted (what does not verify, superseded generations, temporaries,
-   foreign entries) moves to ``lost+found/``: nothing is unlinked.
+   foreign entries) moves to ``lost+found/``: nothing is unlinked. Each rank directory
+   moved out of is fsynced before step 5: an entry still there (or back after a power
+   loss) once the new catalog is committed would be an orphan to it, unlinked by the
+   next open.
 5. The old catalog files move to ``lost+found/catalog-N/``; a new catalog is written
-   in one commit. A crash anywhere leaves a directory the next repair rebuilds again.
+   in one commit. A crash before that commit leaves a directory the next repair
+   rebuilds again; after it, one the engine opens as it is
+   (``tests/test_crash_rebuild_remote.py``).
 
 Shard bytes are covered by their checksums only once a catalog records them: a bit flip
 inside a tensor's data that happened while the catalog was lost cannot be told from
@@ -317,8 +322,9 @@ def _check_ranks(root: str, ranks: Sequence[Any], layout: Layout, named: bool) -
         )
 
 
-def _move_old_catalog(root: str) -> list[str]:
-    """Move the catalog's files into a new ``lost+found/catalog-N/`` (main file first)."""
+def _move_old_catalog(root: str, hook: Any = None) -> list[str]:
+    """Move the catalog's files into a new ``lost+found/catalog-N/`` (main file first);
+    each rename is reported to ``hook`` (op ``rename``, no rank)."""
     path = catalog_path(root)
     present = [path + s for s in ("", *LOG_SUFFIXES, _JOURNAL_SUFFIX) if os.path.lexists(path + s)]
     if not present:
@@ -332,7 +338,11 @@ def _move_old_catalog(root: str) -> list[str]:
     os.mkdir(dest)
     out = []
     for p in present:
+        if hook is not None:
+            hook.before("rename", p, None)
         os.rename(p, os.path.join(dest, os.path.basename(p)))
+        if hook is not None:
+            hook.after("rename", p, None)
         out.append(f"{os.path.basename(p)} to {LOST_FOUND}/catalog-{n}/")
     return out
 
@@ -361,20 +371,32 @@ def rebuild(root: str, why: str, *, rank_dirs: Sequence[str] | None = None, layo
     rejected = [(by_rank[x.rank], x.name, "superseded, or not placed in any prefix") for c in cands
                 for x in c.pieces.values() if (x.rank, x.name) not in keep]
     rep = RebuildReport(why=why)
-    for rank, entry, reason in bad + [(by_rank[r], n, w) for r, n, w in misfits] + rejected:
-        if rank.rank < L.ranks:  # a directory beyond the layout's ranks is not the cache's: left alone
-            rank.quarantine(entry)
-            rep.quarantined.append(f"rank{rank.rank}/{entry} ({reason})")
+    quarantine_rejected(rep, bad + [(by_rank[r], n, w) for r, n, w in misfits] + rejected, L.ranks)
     total = sum(x.size for c in adopted for x in c.pieces.values())
     rep.capacity = int(capacity) if capacity is not None else max(total, 1)
-    rep.old_catalog = _move_old_catalog(root)
-    _write(root, L, rep.capacity, adopted, hook)
+    rep.old_catalog = _move_old_catalog(root, hook)
+    write_catalog(root, L, rep.capacity, adopted, hook)
     rep.layout, rep.nodes, rep.files = L.to_json(), len(adopted), len(keep)
     rep.damaged = sum(1 for c in adopted if not c.complete)
     return rep
 
 
-def _write(root: str, layout: Layout, capacity: int, adopted: Sequence[Candidate], hook: Any) -> None:
+def quarantine_rejected(rep: RebuildReport, moves: Sequence[tuple[Any, str, str]], ranks: int) -> None:
+    """Move each (rank, entry, reason) of ``moves`` into ``lost+found/`` and make the moves
+    durable (a fsync of each rank directory moved out of), before the new catalog is
+    written: once it is, an entry left in a rank directory (or brought back by a power
+    loss) is an orphan to it, which the next open unlinks."""
+    moved: dict[int, Any] = {}
+    for rank, entry, reason in moves:
+        if rank.rank < ranks:  # a directory beyond the layout's ranks is not the cache's: left alone
+            rank.quarantine(entry)
+            rep.quarantined.append(f"rank{rank.rank}/{entry} ({reason})")
+            moved[rank.rank] = rank
+    for rank in moved.values():
+        rank.sync_dir()
+
+
+def write_catalog(root: str, layout: Layout, capacity: int, adopted: Sequence[Candidate], hook: Any) -> None:
     """A new catalog holding ``adopted`` (parents first), in one commit."""
     cat = Catalog(root, hook=hook, before_write=DiskRoom(root).before_catalog_write)
     try:

@@ -27,6 +27,7 @@ from prefixstore.engine.cachedirs import LOST_FOUND
 from prefixstore.engine.dirlock import LOCK_NAME
 from prefixstore.engine.schema import CATALOG_NAME
 from prefixstore.gpu.diskroom import RESERVE_NAME
+from prefixstore.gpu.ranks import LocalRank
 
 FIRST_OPEN = frozenset({
     LOCK_NAME, CATALOG_NAME, f"{CATALOG_NAME}-wal", f"{CATALOG_NAME}-shm", f"{CATALOG_NAME}-journal",
@@ -118,9 +119,22 @@ def refuse_unless_new(root: str, state: str, ranks: Sequence[Any] = ()) -> None:
         raise NotACacheError(f"{root} is not empty and holds no prefixstore catalog ({found.text()})")
     raise CatalogLostError(
         f"{root}: {state}, but the directory holds {found.text()}: this is not a new cache, and opening "
-        f"it as one would delete its shards; nothing was changed. `prefixstore audit --repair {root}` "
+        f"it as one would delete its shards; nothing was changed. {repair_command(root, ranks)} "
         "rebuilds the catalog from the shards' own headers", state
     )
+
+
+def repair_command(root: str, ranks: Sequence[Any] = ()) -> str:
+    """How to rebuild the catalog of ``root`` whose ranks are ``ranks``, for a person:
+    with ranks served by rank servers or kept outside ``root`` the directory does not
+    show the cache by itself, so the ranks are named and the rebuild asked for."""
+    if any(not isinstance(r, LocalRank) for r in ranks):
+        return (f"`prefixstore audit {root} --ranks tcp://HOST:PORT --repair --rebuild --rank-count {len(ranks)}` "
+                "(HOST:PORT: the rank servers' --init-method)")
+    dirs = [r.directory for r in ranks]
+    if any(os.path.dirname(os.path.realpath(d)) != os.path.realpath(root) for d in dirs):
+        return f"`prefixstore audit --repair --rebuild {root} " + " ".join(f"--rank-dir {d}" for d in dirs) + "`"
+    return f"`prefixstore audit --repair {root}`"
 
 
 def check_new_cache(catalog: Any, root: str, ranks: Sequence[Any] = ()) -> None:

@@ -26,6 +26,7 @@ from prefixstore.engine import (
     health,
     journal,
     pipeline,
+    rebuild,
     recovery,
     remote,
     replace,
@@ -477,6 +478,24 @@ def _evict_removal_unsynced() -> Iterator[None]:
 # -- take a directory fsync begun before a rename as covering it ---------------------------
 
 
+@contextlib.contextmanager
+def _quarantine_after_commit() -> Iterator[None]:
+    """A catalog rebuild that writes its new catalog first and quarantines what it
+    rejected after: process death in between leaves rejected shards beside a catalog
+    that does not name them (orphans to the next open)."""
+    held: list[tuple] = []
+    quarantine, write = rebuild.quarantine_rejected, rebuild.write_catalog
+
+    def write_first(*a: Any, **k: Any) -> None:
+        write(*a, **k)
+        while held:
+            quarantine(*held.pop(0))
+
+    with _patched(rebuild, "quarantine_rejected", lambda *a: held.append(a)), \
+            _patched(rebuild, "write_catalog", write_first):
+        yield
+
+
 def _stale_cover() -> contextlib.AbstractContextManager[None]:
     """``SharedSync.wait`` whose waiter, finding a sync running, takes that sync as
     covering its change, though it began before the change was made."""
@@ -635,6 +654,13 @@ PLANTS: dict[str, Plant] = {
             "(tests/test_crash_dirsync.py)",
             patch=_stale_cover,
             config={"synchronous": "FULL"},
+        ),
+        Plant(
+            "rebuild-quarantine-after-commit",
+            "a catalog rebuild quarantines the shards it rejected after it commits the new catalog",
+            "killed between the two, the next open takes the rejected shards for orphans and unlinks "
+            "them (tests/test_crash_rebuild_remote.py)",
+            patch=_quarantine_after_commit,
         ),
         Plant(
             "skip-barrier",
