@@ -11,7 +11,11 @@ moves the figures less than it moves wall time:
 - ``xxh3_128 of the outputs``: the checksum alone, over bytes already in memory;
 - ``verified placed read``: ``verify.read_placed`` (read + hash + header), the read a
   restore makes;
-- ``lookup + restore(into=)`` and ``lookup + restore()``: the public API.
+- ``lookup + restore(into=)`` and ``lookup + restore()``: the public API;
+- ``... helpers forced`` and ``... alone``: ``restore(into=)`` with the engine's piece
+  helpers (``gpu/pieces.py``) taken on every read (``when_faster=False``) or never,
+  against the gate (the plain step): what the gate chooses between. Their gain, if any,
+  shows in wall time (helpers add CPU), so wall time is reported beside CPU time.
 
 A ratio is the raw read's time over the step's. Run: ``python bench/restore_profile.py``.
 """
@@ -36,8 +40,8 @@ from prefixstore.engine.restore import file_rows
 from prefixstore.gpu import pieces, shards, verify
 
 
-def profile(root: str, n: int, mib: int, rounds: int) -> dict[str, float]:
-    """CPU microseconds per checkpoint of each step (medians over ``rounds``)."""
+def profile(root: str, n: int, mib: int, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """CPU and wall microseconds per checkpoint of each step (medians over ``rounds``)."""
     bt = 256
     tokens = mib * (1 << 20) // 1024
     layout = Layout(segments=[TensorSpec("kv", "bfloat16", (8, 64))], block_tokens=bt)
@@ -86,17 +90,34 @@ def profile(root: str, n: int, mib: int, rounds: int) -> dict[str, float]:
             for p in prefixes:
                 assert eng.restore(eng.lookup(p)) is not None
 
+        transfers = eng.flows.restoring.fetch.transfers
+        gate = transfers.pieces
+
+        def with_helpers(h: pieces.Helpers) -> Callable[[], None]:
+            def run() -> None:
+                transfers.pieces = h
+                try:
+                    api_into()
+                finally:
+                    transfers.pieces = gate
+            return run
+
         steps: dict[str, Callable[[], None]] = {
             "raw read": raw, "read into the outputs": read_only, "xxh3_128 of the outputs": hash_only,
-            "verified placed read": placed, "lookup + restore(into=)": api_into, "lookup + restore()": api_new}
+            "verified placed read": placed, "lookup + restore(into=)": api_into, "lookup + restore()": api_new,
+            "lookup + restore(into=), helpers forced": with_helpers(pieces.Helpers(gate.pool, gate.count, False)),
+            "lookup + restore(into=), alone": with_helpers(pieces.Helpers(gate.pool, 0, False))}
         cpu: dict[str, list[float]] = {k: [] for k in steps}
+        wall: dict[str, list[float]] = {k: [] for k in steps}
         for r in range(rounds):
             order = list(steps.items())
             for name, fn in order if r % 2 == 0 else reversed(order):
-                c = time.process_time()
+                c, w = time.process_time(), time.perf_counter()
                 fn()
                 cpu[name].append(time.process_time() - c)
-    return {k: statistics.median(v) * 1e6 / n for k, v in cpu.items()}
+                wall[name].append(time.perf_counter() - w)
+    per = {k: statistics.median(v) * 1e6 / n for k, v in cpu.items()}
+    return per, {k: statistics.median(v) * 1e6 / n for k, v in wall.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,13 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="prefixstore-restore-profile-", dir=args.dir)
     try:
-        us = profile(root, args.checkpoints, args.mib, args.rounds)
+        us, wall = profile(root, args.checkpoints, args.mib, args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.checkpoints} x {args.mib} MiB, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    print("| step | CPU per checkpoint | raw read / step |\n| --- | ---: | ---: |")
+    print("| step | CPU per checkpoint | raw read / step | wall per checkpoint | raw read / step |\n"
+          "| --- | ---: | ---: | ---: | ---: |")
     for k, v in us.items():
-        print(f"| {k} | {v:,.0f} us | {us['raw read'] / v:.2f} |")
+        w = wall[k]
+        print(f"| {k} | {v:,.0f} us | {us['raw read'] / v:.2f} | {w:,.0f} us | {wall['raw read'] / w:.2f} |")
     return 0
 
 

@@ -176,3 +176,51 @@ def test_a_placed_read_judges_a_shard_as_the_staged_read_does(tmp_path):
     assert placed == staged and placed[0] == "Damage" and "not JSON" in placed[1]
     os.unlink(path)
     assert outcomes(head, ck) == (("Damage", f"shard {name} missing"),) * 2
+
+
+def _into_variants(L, rows: int) -> dict[str, object]:
+    """``into`` values: the common ones, unusual ones the full checks accept, bad ones."""
+    good = outputs(L, rows)
+    other = outputs(L, rows)
+    v: dict[str, object] = {"list": good, "tuple": tuple(good),
+                            "param": [{n: torch.nn.Parameter(t, requires_grad=False) for n, t in d.items()} for d in good]}
+    v["overlap"] = [dict(good[0]), {**good[1], "k": good[0]["k"]}]
+    v["dtype"] = [dict(good[0]), {**good[1], "v": other[1]["v"].float()}]
+    v["rows"] = [dict(good[0]), {**good[1], "v": torch.zeros((rows + 1, *other[1]["v"].shape[1:]), dtype=torch.bfloat16)}]
+    v["strided"] = [dict(good[0]), {**good[1], "v": other[1]["v"].transpose(1, 2)}]
+    v["0-dim"] = [dict(good[0]), {**good[1], "v": torch.tensor(1.0, dtype=torch.bfloat16)}]
+    v["meta"] = [dict(good[0]), {**good[1], "v": torch.empty(other[1]["v"].shape, dtype=torch.bfloat16, device="meta")}]
+    v["extra"] = [dict(good[0]), {**good[1], "w": other[1]["v"]}]
+    v["one rank"] = good[:1]
+    v["not tensors"] = [["k", "v"], ["k", "v"]]
+    return v
+
+
+def test_the_common_into_check_agrees_with_the_full_checks(tmp_path):
+    """``validate.into``'s one-pass check of the common case accepts only what the full
+    checks accept, with the same result; anything else goes to them (and their error)."""
+    from prefixstore.engine import validate
+
+    L = make_layout(ranks=2, snapshot=False)
+    toks = tokens_for(3, 4)
+    with Engine.open(str(tmp_path / "c"), L, CAP) as eng:
+        assert store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, BT))
+        rows = m.tokens - m.gpu_tokens
+        dev = eng.executor.device
+        taken = set()
+        for name, value in _into_variants(L, rows).items():
+            fast = validate._into_common(L, dev, rows, value)
+            try:
+                full = validate.into(L, dev, m, value)
+            except (ShapeError, DtypeError, InvalidInputError):
+                full = None
+                assert fast is None, name  # the one-pass check never takes what the full checks refuse
+            if fast is not None:
+                taken.add(name)
+                assert full is not None and len(fast) == len(full), name
+                assert all(fast[r].keys() == full[r].keys() and all(fast[r][k] is full[r][k] for k in fast[r])
+                           for r in range(len(fast))), name
+        assert taken == {"list"}  # the common case takes the one pass; the rest the full checks
+        good = outputs(L, rows)
+        assert validate.into(L, dev, m, good) == [dict(t) for t in good]

@@ -59,6 +59,9 @@ def into(layout: Layout, device: torch.device, m: Match, value: Any) -> list[dic
     given). Checked before anything is read, so a refused ``into`` is left untouched."""
     if value is None:
         return None
+    fast = _into_common(layout, device, m.tokens - m.gpu_tokens, value)
+    if fast is not None:
+        return fast
     per = _rank_tensors(layout, "into", value)
     _storable("into", per)
     rows = m.tokens - m.gpu_tokens
@@ -75,6 +78,38 @@ def into(layout: Layout, device: torch.device, m: Match, value: Any) -> list[dic
             if any(a < span[1] and span[0] < b for a, b in seen):
                 raise InvalidArgumentError("into", f"rank {r}: {name!r} overlaps another tensor of into")
             seen.append(span)
+    return [dict(t) for t in per]
+
+
+def _into_common(layout: Layout, device: torch.device, rows: int, value: Any) -> list[dict[str, torch.Tensor]] | None:
+    """``into`` checked in one pass where it is the common case (a dict per rank, or one
+    dict for one rank, of plain contiguous strided tensors of the layout's segments, on
+    ``device``, in memory of their own); None when anything differs or fails: the full
+    checks of ``into`` then name what (the request path pays the slow path only for an
+    argument it refuses or an unusual one)."""
+    per = [value] if value.__class__ is dict else value if value.__class__ is list else None
+    if per is None or len(per) != layout.ranks:
+        return None
+    specs = layout.segments
+    kind, index = device.type, device.index
+    spans: list[tuple[int, int]] = []
+    for t in per:
+        if t.__class__ is not dict or len(t) != len(specs):
+            return None
+        for s in specs:
+            x = t.get(s.name)
+            if (x.__class__ is not torch.Tensor or x.layout != torch.strided or x.dtype != s.torch_dtype
+                    or x.shape != (rows, *s.shape) or not x.is_contiguous()):
+                return None
+            d = x.device
+            if d.type != kind or (index is not None and d.index != index):
+                return None
+            lo = x.data_ptr()
+            hi = lo + x.numel() * x.element_size()
+            for a, b in spans:
+                if a < hi and lo < b:
+                    return None
+            spans.append((lo, hi))
     return [dict(t) for t in per]
 
 
