@@ -16,8 +16,8 @@ On one GPU (made for an H200; well under 10 minutes) it prints and writes to ``-
    checkpoints of 256 MiB and more);
 5. the slowdown of foreground RAM-tier restores beside background ``store_async``
    traffic (``bench_isolation.interference`` on the device; target < 2%);
-6. the engine's own CPU work on the request path against the modeled restore time,
-   per backing (``bench_isolation.request_overhead`` on the device, where the copies
+6. the engine's own CPU work on the request path against a plain upload of the same
+   bytes measured in the same rounds, per backing (``bench_isolation.request_overhead`` on the device, where the copies
    are DMA; target < 2%).
 
 ``--smoke`` runs the same code on the CPU with small sizes (CI runs it: see
@@ -206,12 +206,13 @@ def report(res: dict) -> str:
     for row in res["disk_tier"]:
         lines.append(f"| {row['bytes'] // MiB} | {gbs(row['raw_read_bytes_per_s'])} | "
                      f"{gbs(row['restore_bytes_per_s'])} | {row['ratio']:.3f} | {row['bit_identical']} |")
-    lines += ["", "## Engine CPU work on the request path / modeled restore time", "",
-              "| backing | tokens | MiB | nodes | bandwidth GB/s | modeled ms | engine CPU ms | ratio (median) | max |",
+    lines += ["", "## Engine CPU work on the request path / a plain upload of the same bytes, same rounds", "",
+              "| backing | tokens | MiB | nodes | modeled ms (calibrated) | plain upload ms | engine CPU ms "
+              "| ratio (median) | max |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["overhead"]:
         lines.append(f"| {r['backing']} | {r['tokens']} | {r['bytes'] / MiB:.0f} | {r['nodes']} | "
-                     f"{r['bandwidth_bytes_per_s'] / 1e9:.2f} | {r['modeled_restore_s'] * 1e3:.2f} | "
+                     f"{r['modeled_restore_s'] * 1e3:.2f} | {r['baseline_copy_s_median'] * 1e3:.3f} | "
                      f"{r['engine_cpu_s_median'] * 1e3:.3f} | {r['ratio_median']:.4f} | {r['ratio_max']:.4f} |")
     s = res["summary"]
     lines += ["", "## Summary", "",
@@ -222,7 +223,7 @@ def report(res: dict) -> str:
               f"- disk-tier restore / raw disk read: min {s['disk_ratio_min']:.3f}",
               f"- foreground restores beside background stores (RAM tier): {s['interference_slowdown']:+.4f} "
               f"slower (target < 0.02: {'met' if s['interference_slowdown'] < 0.02 else 'NOT met'})",
-              f"- engine CPU on the request path / modeled restore time, worst median over backings and sizes: "
+              f"- engine CPU on the request path / a plain upload of the same bytes, worst median over backings and sizes: "
               f"{s['overhead_ratio_max']:.4f} (target < 0.02: {'met' if s['overhead_ratio_max'] < 0.02 else 'NOT met'})",
               f"- wall time {res['wall_s']:.1f} s"]
     return "\n".join(lines) + "\n"

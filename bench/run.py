@@ -29,8 +29,9 @@ and disk speed cancel out as far as they can:
   ``--quick``), as the engine batches them and, interleaved on the same catalog, one
   victim per evict transaction: victims per evict transaction and per catalog commit,
   and milliseconds per victim.
-- **request-path CPU**: the engine's own CPU per request over the modeled restore time,
-  on the RAM tier (``bench_isolation.request_overhead``, backing ``memory``).
+- **request-path CPU**: the engine's own CPU per request (its thread's CPU beside the
+  byte copy) over a plain copy of the same bytes into fresh outputs, interleaved round
+  by round, on the RAM tier (``bench_isolation.request_overhead``, backing ``memory``).
 - **replay**: wall time of ``prefixstore replay`` of the whole Mooncake trace on the
   real engine (tmpfs cache dir), against the trace's own duration and against the
   block-level simulator (``replay/sim.py``) on the same trace and capacity.
@@ -510,12 +511,12 @@ def _victims(eng: Any) -> int:
 
 
 def bench_request_cpu(root: str, sizes: list[int], reps: int) -> list[dict[str, Any]]:
-    """The engine's own CPU per request over the modeled restore time, RAM tier
-    (``bench_isolation.request_overhead`` on ``backing='memory'``)."""
+    """The engine's own CPU per request over a plain copy of the same bytes measured in
+    the same rounds, RAM tier (``bench_isolation.request_overhead`` on ``backing='memory'``)."""
     import bench_isolation
 
-    return [{k: r[k] for k in ("tokens", "bytes", "engine_cpu_s_median", "modeled_restore_s", "ratio_median",
-                               "ratio_elided")}
+    return [{k: r[k] for k in ("tokens", "bytes", "rounds", "engine_cpu_s_median", "baseline_copy_s_median",
+                               "ratio_median", "ratio_by_difference", "ratio_elided", "modeled_restore_s")}
             for r in bench_isolation.request_overhead("memory", sizes, reps, 1, root)]
 
 
@@ -613,8 +614,9 @@ def rows(r: dict[str, Any]) -> list[str]:
     out.append(_row(f"resident memory per node at {big['nodes']:,} nodes (the index)",
                     f"{big['rss_bytes_per_node']:,.0f} B", "", None, "<= 1 KiB", big["rss_bytes_per_node"] <= 1024))
     for c in cpu or []:
-        out.append(_row(f"engine CPU on the request path / modeled restore time, RAM tier, {c['tokens']:,} tokens",
-                        f"{c['engine_cpu_s_median'] * 1e3:.3f} ms", f"{c['modeled_restore_s'] * 1e3:.3f} ms",
+        out.append(_row(f"engine CPU on the request path / plain copy of the same bytes, RAM tier, "
+                        f"{c['tokens']:,} tokens", f"{c['engine_cpu_s_median'] * 1e3:.3f} ms",
+                        f"{c['baseline_copy_s_median'] * 1e3:.3f} ms",
                         c["ratio_median"], "<= 0.02", c["ratio_median"] <= 0.02))
     if rp:
         out.append(_row(f"replay of {rp['requests']:,} Mooncake requests at {rp['capacity']}: engine / block-level "

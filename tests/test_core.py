@@ -280,3 +280,25 @@ def test_stale_match_never_restores_another_nodes_bytes(cache_dir, layout):
         store_tokens(eng, b)  # would reuse the freed row id without AUTOINCREMENT
         assert eng.restore(stale) is None
         assert_restores(eng, b, blocks=3)
+
+
+@pytest.mark.parametrize("backing", ["disk", "memory"])
+def test_a_restore_releases_its_pins_and_offers_each_node_to_the_victim_heap_once(cache_dir, backing):
+    """A restore's unpin and its recency land together; the node it ends at is offered
+    to the victim heap once (not once before its snapshot stamp and again after), so a
+    restore adds one heap entry per node read."""
+    L = make_layout(snapshot=True)
+    toks = tokens_for(41, 6)
+    with Engine.open(cache_dir, L, CAP, backing=backing) as eng:
+        assert store_tokens(eng, toks[: 3 * L.block_tokens]).ok and store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, L.block_tokens))
+        assert m.hit and len(m.path) == 2, m
+        for _ in range(3):
+            before, clock = len(eng.recency.heap), eng.recency.clock
+            assert eng.restore(m) is not None
+            assert len(eng.recency.heap) - before == len(m.path)
+            assert eng.recency.clock == clock + 1
+            nodes = [eng.index.nodes[nid] for nid, _ in m.path]
+            assert all(x.last_used == clock + 1 for x in nodes) and nodes[-1].snap_used == clock + 1
+            assert not eng.holds.pins and eng.stats()["pinned"] == 0
+        assert_restores(eng, toks, blocks=6)

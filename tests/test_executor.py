@@ -835,6 +835,22 @@ def test_isolation_bench_smoke_runs(tmp_path):
     assert res["interference"]["background_stores"] > 0
 
 
+def test_request_overhead_divides_by_a_copy_timed_in_the_same_run(tmp_path, monkeypatch):
+    """The request-path ratio's denominator is a plain copy of the request's bytes timed
+    in the same rounds, not the bandwidth calibrated at open: a calibration claiming an
+    absurd bandwidth (the modeled time near zero) leaves the ratio where it was."""
+    from prefixstore.gpu import calibrate
+
+    monkeypatch.setattr(calibrate, "probe", lambda *a, **k: {"bytes_per_s": 1e18, "h2d_bytes_per_s": 1e18,
+                                                             "read_bytes_per_s": None, "probe_bytes": 1})
+    bi = _bench_module("bench_isolation")
+    (r,) = bi.request_overhead("memory", [bi.BLOCK * 4], 3, 1, str(tmp_path), every=bi.BLOCK)
+    assert r["calibration"] == "measured" and r["modeled_restore_s"] < 1e-9  # the absurd calibration, reported
+    assert r["rounds"] == 3 and r["bytes"] == 4 * bi.BLOCK * bi.TOKEN_BYTES
+    assert r["bytes"] / 1e12 < r["baseline_copy_s_median"] <= r["baseline_copy_wall_s_median"] * 1.5
+    assert r["engine_cpu_s_median"] > 0 and 0 < r["ratio_median"] < 100, r
+
+
 def test_async_convoy_bench_quick_runs(tmp_path):
     argv = ["--quick", "--threads", "8", "--inflight-wait-s", "10", "--out-dir", str(tmp_path)]
     assert _bench_module("bench_async_convoy").main(argv) == 0

@@ -41,6 +41,13 @@ class Log:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
 
+    def enabled(self, level: int) -> bool:
+        """Whether the target emits events at ``level`` (a ``logging`` level); True when
+        it cannot say (no ``is_enabled_for``). Lets a hot path skip building an event
+        the target would drop."""
+        fn = getattr(self.target, "is_enabled_for", None)
+        return True if fn is None else bool(fn(level))
+
 
 log = Log(stderr_logger())
 

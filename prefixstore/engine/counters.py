@@ -11,21 +11,27 @@ opened without, ``engine/degraded.py``). Gauges: ``prefixstore_bytes`` (refreshe
 ``stats()``), ``prefixstore_state`` (live values read at scrape time, see ``watch``)
 and ``prefixstore_rank_down`` (rank: 1 while the engine runs without it).
 
-``lookups`` (one per lookup, the request path) is counted in the tally alone and
-exported from it at scrape time (``TallyCounter``): one lock and one dict update per
-lookup instead of a Prometheus child's lock on top.
+``lookups`` (one per lookup, the request path) and ``decisions`` with its two
+histograms (one per lookup the cost rule decides) are counted in the tally alone and
+exported from it at scrape time (``TallyCounter``, ``TallyHistogram``): a decision is
+one lock and a few updates instead of a Prometheus child's lock and two histograms'
+on top.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
+import math
 import threading
 from collections import Counter as _Tally
 from collections.abc import Callable
 from typing import Any
 
 import attrs
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from prefixstore.base.log import log
 
@@ -47,10 +53,41 @@ class TallyCounter:
     def collect(self) -> list[CounterMetricFamily]:
         metric = CounterMetricFamily(self.name, self.doc, labels=[self.label])
         head = self.family + "."
-        for key, value in sorted(self.counters.snapshot().items()):
+        for key, value in sorted(self.counters.tallies().items()):
             if key.startswith(head):
                 metric.add_metric([key[len(head):]], value)
         return [metric]
+
+
+@attrs.define(slots=True, eq=False)
+class TallyHistogram:
+    """A Prometheus histogram whose bucket counts and sum change under the counters'
+    lock (``add``, the caller holding it) and are exported at scrape time."""
+
+    counters: Counters = attrs.field(repr=False)
+    name: str
+    doc: str
+    bounds: tuple[float, ...]
+    """Upper bounds (``le``), ascending, without +Inf."""
+    counts: list[int] = attrs.field(init=False)
+    """Observations per bucket (not cumulative); the last is above every bound."""
+    total: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def add(self, value: float) -> None:
+        """One observation (``value <= bound`` counts in that bound's bucket). Counters' lock held."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        counts, total = self.counters.read(lambda: (list(self.counts), self.total))
+        cumulative, acc = [], 0
+        for bound, n in zip((*self.bounds, math.inf), counts, strict=True):
+            acc += n
+            cumulative.append((floatToGoString(bound), acc))
+        return [HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=total)]
 
 
 @attrs.define(slots=True, eq=False, init=False, repr=False)
@@ -77,14 +114,14 @@ class Counters:
     faults: Counter
     replaces: Counter
     evicted_bytes: Counter
-    decisions: Counter
+    decisions: TallyCounter
     remote: Counter
     degraded: Counter
     bytes: Gauge
     rank_down: Gauge
     state: Gauge
-    transfer_s: Histogram
-    prefill_s: Histogram
+    transfer_s: TallyHistogram
+    prefill_s: TallyHistogram
     _lock: threading.Lock
     _children: dict[tuple[str, str | None], tuple[Any, str]]
 
@@ -109,10 +146,9 @@ class Counters:
             "prefixstore_evicted_bytes", "Backing bytes actually freed by eviction, by action", ["action"],
             registry=r,
         )
-        self.decisions = Counter(
-            "prefixstore_restore_decisions", "Restore decisions: deepest, shallower or rejected", ["result"],
-            registry=r,
-        )
+        self.decisions = TallyCounter(self, "decisions", "prefixstore_restore_decisions",
+                                      "Restore decisions: deepest, shallower or rejected", "result")
+        r.register(self.decisions)
         self.remote = Counter(
             "prefixstore_remote_restores", "Remote-tier matches: restored, missed, kept_local, rejected_cost",
             ["result"], registry=r,
@@ -125,16 +161,14 @@ class Counters:
                                registry=r)
         self.bytes = Gauge("prefixstore_bytes", "Backing bytes by kind", ["kind"], registry=r)
         self.state = Gauge("prefixstore_state", "Engine state by kind (live values)", ["kind"], registry=r)
-        self.transfer_s = Histogram(
-            "prefixstore_restore_estimated_transfer_seconds",
-            "Estimated restore transfer time behind each decision (chosen, or deepest rejected)",
-            registry=r, buckets=_SECONDS,
-        )
-        self.prefill_s = Histogram(
-            "prefixstore_restore_estimated_prefill_seconds",
-            "Estimated prefill time saved behind each decision (chosen, or deepest rejected)",
-            registry=r, buckets=_SECONDS,
-        )
+        self.transfer_s = TallyHistogram(
+            self, "prefixstore_restore_estimated_transfer_seconds",
+            "Estimated restore transfer time behind each decision (chosen, or deepest rejected)", _SECONDS)
+        self.prefill_s = TallyHistogram(
+            self, "prefixstore_restore_estimated_prefill_seconds",
+            "Estimated prefill time saved behind each decision (chosen, or deepest rejected)", _SECONDS)
+        r.register(self.transfer_s)
+        r.register(self.prefill_s)
 
     def inc(self, family: str, label: str | None = None, n: int = 1) -> None:
         got = self._children.get((family, label))
@@ -159,15 +193,17 @@ class Counters:
         ``fields`` (key, tokens, every candidate's estimates) go to ``last_decision``
         and the ``restore_decision`` log event.
         """
-        self.inc("decisions", result)
-        self.transfer_s.observe(transfer_s)
-        self.prefill_s.observe(prefill_s)
-        record = {"result": result, "transfer_s": transfer_s, "prefill_s": prefill_s, **fields}
-        with self._lock:
-            self.last_decision = record
-            self.seconds["decisions.transfer_s"] += transfer_s
-            self.seconds["decisions.prefill_s"] += prefill_s
-        log.info("restore_decision", **record)
+        fields["result"], fields["transfer_s"], fields["prefill_s"] = result, transfer_s, prefill_s
+        with self._lock:  # everything a decision counts, in one hold
+            self.tally["decisions." + result] += 1
+            self.transfer_s.add(transfer_s)
+            self.prefill_s.add(prefill_s)
+            self.last_decision = fields
+            seconds = self.seconds
+            seconds["decisions.transfer_s"] += transfer_s
+            seconds["decisions.prefill_s"] += prefill_s
+        if log.enabled(logging.INFO):  # the default log drops INFO: build no event for it
+            log.info("restore_decision", **fields)
 
     def set_bytes(self, **kinds: int) -> None:
         for k, v in kinds.items():
@@ -177,6 +213,16 @@ class Counters:
         """Expose live values (read at scrape time) as ``prefixstore_state{kind=...}``."""
         for k, fn in live.items():
             self.state.labels(k).set_function(fn)
+
+    def tallies(self) -> dict[str, int]:
+        """The event counts alone (``family.label -> count``), without the seconds sums."""
+        with self._lock:
+            return dict(self.tally)
+
+    def read(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` under the counters' lock (a consistent read of what it guards)."""
+        with self._lock:
+            return fn()
 
     def snapshot(self) -> dict[str, float]:
         """Every counter as ``family.label -> value`` (plus estimated-seconds sums)."""

@@ -64,28 +64,28 @@ def restore(rs: Restoring, match: Match, into: list[dict[str, torch.Tensor]] | N
         rows = file_rows(rs.catalog, nodes)
         ids = [x.id for x in nodes]
         rs.holds.pin(ids)
+    got = None
     try:
         # Reads overlap uploads; each shard lands in its slice of the output (no cat).
         got = transfers.restore_nodes(rs.fetch, nodes, rows, match, into)
-        if isinstance(got, transfers.Damage):
-            with rs.guard.lock:
-                # only the generation this restore read can be declared damaged
-                if got.node.generation == dict(match.path).get(got.node.id):
-                    health.invalidate(rs.health, got.node, got.why)
-            rs.counters.inc("lookups", "damaged_on_restore")
-            return None
-        if got is None:
-            return None
-        segments, snaps, files = got
     finally:
         with rs.guard.lock:
             rs.holds.unpin(ids)
-    with rs.guard.lock:
-        now = rs.recency.tick()
-        for x in nodes:
-            rs.recency.used(x, now)
-        end.snap_used = now
-        rs.recency.heap.offer(end)
+            if got is not None and not isinstance(got, transfers.Damage):  # read: record the use in this hold
+                now = rs.recency.tick()
+                end.snap_used = now  # before its offer below: one heap entry for the end, with both stamps
+                for x in nodes:
+                    rs.recency.used(x, now)
+    if isinstance(got, transfers.Damage):
+        with rs.guard.lock:
+            # only the generation this restore read can be declared damaged
+            if got.node.generation == dict(match.path).get(got.node.id):
+                health.invalidate(rs.health, got.node, got.why)
+        rs.counters.inc("lookups", "damaged_on_restore")
+        return None
+    if got is None:
+        return None
+    segments, snaps, files = got
     return Restored(match, segments, snaps, match.gpu_tokens, match.tokens, files)
 
 
