@@ -302,3 +302,27 @@ def test_a_restore_releases_its_pins_and_offers_each_node_to_the_victim_heap_onc
             assert all(x.last_used == clock + 1 for x in nodes) and nodes[-1].snap_used == clock + 1
             assert not eng.holds.pins and eng.stats()["pinned"] == 0
         assert_restores(eng, toks, blocks=6)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_stored_checkpoint_restores_without_asking_the_catalog_for_its_files(cache_dir, ranks, monkeypatch):
+    """A store caches its node's live file rows (the ones its intent reserved) at
+    publish, so the first restore reads no file row from the catalog; after a reopen
+    the rows come from the catalog again, and the audit finds the cache right."""
+    from prefixstore.engine.catalog import Catalog
+
+    asked: list[list[int]] = []
+    real = Catalog.live_files_of
+    monkeypatch.setattr(Catalog, "live_files_of", lambda self, ids: asked.append(list(ids)) or real(self, ids))
+    L = make_layout(snapshot=True, ranks=ranks)
+    toks = tokens_for(43, 6)
+    with Engine.open(cache_dir, L, CAP) as eng:
+        assert store_tokens(eng, toks[: 3 * L.block_tokens]).ok and store_tokens(eng, toks).ok
+        asked.clear()
+        assert_restores(eng, toks, blocks=6)
+        assert asked == []
+        assert eng.audit().ok
+    with Engine.open(cache_dir, L, CAP) as eng:
+        asked.clear()
+        assert_restores(eng, toks, blocks=6)
+        assert len(asked) == 1 and len(asked[0]) == 2

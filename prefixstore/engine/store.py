@@ -358,7 +358,7 @@ def published(st: Storing, prefix: Prefix, t: InFlight) -> tuple[StoreResult, An
     digests = b"".join(prefix.digests[p.start:n])
     was_damaged = p.existing is not None and p.existing.state == "damaged"
     node, offer, t.seq = publish(st, t.txn, p, t.key, digests, p.start, n, t.gen, t.needed,
-                                 then=lambda _node: published_then(st, t))
+                                 then=lambda node: published_then(st, t, node))
     status = REFILLED if p.existing is not None else STORED
     if was_damaged:
         st.counters.inc("refills")
@@ -367,10 +367,13 @@ def published(st: Storing, prefix: Prefix, t: InFlight) -> tuple[StoreResult, An
     return StoreResult(status, n, None, t.needed), offer
 
 
-def published_then(st: Storing, t: InFlight) -> Any:
+def published_then(st: Storing, t: InFlight, node: Node) -> Any:
     """Right after the publish is applied (lock held): the offer of the checkpoint, and
     the store's rows settled (``settle``): the index now holds its node, so nothing
-    needs its marks and fences, and no further hold of the lock is taken for them."""
+    needs its marks and fences, and no further hold of the lock is taken for them.
+    The node's live file rows are the ones its intent reserved: cached on the node, so
+    its first restore asks the catalog for none (``restore.file_rows``)."""
+    node.files = (t.gen, {r: (t.name, d.size, d.checksum()) for r, d in enumerate(t.datas)})
     offer = st.offers.prepare(t)
     settle(st, t)
     return offer
