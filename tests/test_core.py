@@ -326,3 +326,21 @@ def test_a_stored_checkpoint_restores_without_asking_the_catalog_for_its_files(c
         asked.clear()
         assert_restores(eng, toks, blocks=6)
         assert len(asked) == 1 and len(asked[0]) == 2
+
+
+def test_a_cache_that_only_serves_hits_keeps_its_victim_heap_bounded(cache_dir):
+    """Every restore offers its nodes to the victim heap again; restores alone (no
+    store ever making room, where the heap used to be compacted) keep it within the
+    compaction bound instead of growing by an entry per node per restore."""
+    L = make_layout(snapshot=False)
+    toks = tokens_for(44, 4)
+    with Engine.open(cache_dir, L, CAP) as eng:
+        assert store_tokens(eng, toks[: 2 * L.block_tokens]).ok and store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, L.block_tokens))
+        assert m.hit and len(m.path) == 2
+        bound = 4 * max(len(eng.index), 1024)
+        for _ in range(bound):  # 2 entries a restore: twice past the bound if never compacted
+            assert eng.restore(m) is not None
+        assert len(eng.recency.heap) <= bound
+        assert eng.audit().ok
+        assert_restores(eng, toks, blocks=4)

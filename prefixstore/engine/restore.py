@@ -76,6 +76,9 @@ def restore(rs: Restoring, match: Match, into: list[dict[str, torch.Tensor]] | N
                 end.snap_used = now  # before its offer below: one heap entry for the end, with both stamps
                 for x in nodes:
                     rs.recency.used(x, now)
+                # each use adds a heap entry: without this a cache that only serves hits
+                # (never making room) grows its victim heap without bound
+                rs.recency.heap.compact_if_stale(len(rs.index), lambda: rs.index)
     if isinstance(got, transfers.Damage):
         with rs.guard.lock:
             # only the generation this restore read can be declared damaged
