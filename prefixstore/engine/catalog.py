@@ -257,12 +257,8 @@ class Catalog:
     @contextmanager
     def txn(self, label: str, *, grouped: bool = False, durable: bool = False) -> Iterator[sqlite3.Connection]:
         """One write transaction; its COMMIT is an effect reported to the fault hook.
-
-        ``durable``: the commit is synced by SQLite (``PRAGMA synchronous=FULL`` for it)
-        whatever the catalog's level, so it and every commit before it are durable when
-        it returns: a ``barrier`` of its own (an evict's removal, before its unlinks).
-
-        ``grouped``: under ``synchronous=FULL`` the commit is written without a sync of
+        ``durable``: synced by SQLite whatever the catalog's level (``SYNCED_COMMITS``),
+        so it and every commit before it are durable when it returns (a barrier). ``grouped``: under ``synchronous=FULL`` the commit is written without a sync of
         the log; it is durable once ``sync(wal.written)`` (read under the engine lock
         right after it) returns, together with the others written meanwhile (group
         commit, ``walsync.py``). Any other commit under FULL is synced by SQLite itself:
@@ -307,7 +303,7 @@ class Catalog:
             except BaseException:
                 self._rollback()
                 raise
-            self.unsynced = True  # until the COMMIT below returns: it may be written, not synced
+            self.unsynced = True  # until the COMMIT returns: written, maybe not synced
             c.execute("COMMIT")
             self.unsynced = level != "FULL"
         except sqlite3.Error as exc:
