@@ -77,3 +77,22 @@ def test_a_failed_pragma_leaves_the_level_unknown_and_the_catalog_refusing_write
     finally:
         cat.conn = real
     assert cat.level is None and cat.failed is not None and not real.in_transaction
+
+
+def test_under_normal_a_durable_commit_is_synced_and_a_barrier_after_it_writes_nothing(tmp_path):
+    cat = Catalog(str(tmp_path), synchronous="NORMAL")
+    seen: list[str] = []
+    try:
+        with cat.txn("evict.remove", durable=True) as c:
+            assert LEVELS[c.execute("PRAGMA synchronous").fetchone()[0]] == "FULL"
+            c.execute("UPDATE meta SET value=value WHERE key='format'")
+        cat.conn.set_trace_callback(seen.append)
+        cat.barrier()  # the last commit was synced: nothing to make durable
+        assert seen == []
+        assert _level_inside(cat, grouped=False) == ("NORMAL", ["PRAGMA synchronous=NORMAL"])
+        cat.conn.set_trace_callback(seen.append)
+        cat.barrier()  # a commit at NORMAL since: the barrier's own synced commit
+        assert "COMMIT" in seen and "PRAGMA synchronous=FULL" in seen
+    finally:
+        cat.conn.set_trace_callback(None)
+        cat.close()

@@ -16,7 +16,11 @@ The batch kind is also cut by a power loss at each of its points, and once it re
 the catalog goes back to its last durability point (an evict's reclaim commit is
 grouped, ``journal.GROUPED_COMMITS``, and may be lost; its removal may not, once its
 unlinks began). The plant ``evict-removal-unsynced`` (the removal grouped too, the
-unlinks not waiting for it) brings its victims back damaged there.
+unlinks not waiting for it) brings its victims back damaged there. Under
+``synchronous=NORMAL`` the removal is the one commit SQLite syncs (``txn(durable=True)``),
+so the reclaim has no barrier commit of its own; the plant ``removal-taken-as-synced``
+(the removal written unsynced, the barrier skipped anyway) brings the victims back
+damaged there.
 """
 
 from __future__ import annotations
@@ -67,11 +71,18 @@ class DurableCatalog(FaultHook):
     log sync records it, or a sync of the log), put back by ``lose_power``."""
 
     def __init__(self, root: str) -> None:
-        self.root, self.wal, self.saved = root, None, {}
+        self.root, self.wal, self.saved, self.catalog = root, None, {}, None
 
     def arm(self, eng: Engine) -> None:
-        self.wal = eng.catalog.wal
+        self.wal, self.catalog = eng.catalog.wal, eng.catalog
         self.save()
+
+    def synced(self) -> bool:
+        """Whether the commit just written made every commit durable: under NORMAL,
+        whether SQLite synced it (the connection's level), not what the catalog records."""
+        if self.catalog.synchronous == "NORMAL":
+            return self.catalog.conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+        return self.wal.synced == self.wal.written
 
     def save(self) -> None:
         for suffix in ("", "-wal"):
@@ -80,7 +91,7 @@ class DurableCatalog(FaultHook):
                 self.saved[path] = f.read()
 
     def after(self, op, target, rank):
-        if op == "sync" or (op == "commit" and self.wal.synced == self.wal.written):
+        if op == "sync" or (op == "commit" and self.synced()):
             self.save()
 
     def lose_power(self) -> None:
@@ -91,11 +102,11 @@ class DurableCatalog(FaultHook):
             os.unlink(catalog_path(self.root) + "-shm")
 
 
-def _scenario(root: str, ranks: int, hook, kind: str, cap: int, armed=None):
+def _scenario(root: str, ranks: int, hook, kind: str, cap: int, armed=None, synchronous: str = "FULL"):
     L = make_layout(ranks=ranks)
     gate = Gate()
     policy = {"subtree": "lru", "batch": "leaf-lru"}.get(kind, "prefixstore")
-    eng = Engine.open(root, L, cap, hook=gate, policy=policy)
+    eng = Engine.open(root, L, cap, hook=gate, policy=policy, synchronous=synchronous)
     _setup(eng)
     if kind == "batch":
         assert store_tokens(eng, D).ok
@@ -156,10 +167,10 @@ def _check(root: str, L, policy: str, kind: str, cap: int) -> None:
     return present
 
 
-def _power_cut(root: str, point: int | None) -> CrashAt:
+def _power_cut(root: str, point: int | None, synchronous: str = "FULL") -> CrashAt:
     """The batch kind crashed at ``point`` (None: not at all), then a power loss."""
     saver, crash = DurableCatalog(root), CrashAt(point)
-    _scenario(root, 1, ChainHook(saver, crash), "batch", CAP, armed=saver.arm)
+    _scenario(root, 1, ChainHook(saver, crash), "batch", CAP, armed=saver.arm, synchronous=synchronous)
     saver.lose_power()
     return crash
 
@@ -193,6 +204,39 @@ def test_unlinks_before_the_removal_is_durable_are_caught_by_a_power_loss(tmp_pa
     root = str(tmp_path / "planted")
     with plants.get("evict-removal-unsynced").active():
         _power_cut(root, first_unlink)
+    with pytest.raises(AssertionError):
+        _check(root, make_layout(), "leaf-lru", "batch", CAP)
+    with Engine.open(root, make_layout(), CAP, policy="leaf-lru") as eng:
+        back = [node_at(eng, t) for t in (A, A[:8], B)]
+        assert any(n is not None and n.state == "damaged" for n in back), back
+
+
+def test_under_normal_the_removal_is_synced_and_the_reclaim_needs_no_barrier_commit(tmp_path):
+    """Under NORMAL the removal is the commit SQLite syncs (no ``barrier`` commit before
+    the unlinks): a power loss at any point, or after the batch returned, never brings a
+    victim back damaged, and loses at most the reclaim."""
+    counter = CountingHook()
+    _scenario(str(tmp_path / "count"), 1, counter, "batch", CAP, synchronous="NORMAL")
+    commits = [(i, t) for i, (w, op, t, _) in enumerate(counter.points) if op == "commit" and w == "after"]
+    assert [t for _, t in commits] == ["evict.remove", "evict.reclaimed"], commits
+    removed = commits[0][0]
+    L = make_layout()
+    for i in [*range(counter.count), None]:
+        root = str(tmp_path / f"p{i}")
+        crash = _power_cut(root, i, synchronous="NORMAL")
+        assert (crash.fired is None) == (i is None), f"point {i} not reached"
+        present = _check(root, L, "leaf-lru", "batch", CAP)
+        assert present["a"] == (i is not None and i < removed), (i, present)
+
+
+def test_a_removal_taken_as_synced_under_normal_is_caught_by_a_power_loss(tmp_path):
+    """The plant ``removal-taken-as-synced``: its victims come back damaged."""
+    counter = CountingHook()
+    _scenario(str(tmp_path / "count"), 1, counter, "batch", CAP, synchronous="NORMAL")
+    first_unlink = next(i for i, (w, op, _, _) in enumerate(counter.points) if op == "unlink" and w == "after")
+    root = str(tmp_path / "planted")
+    with plants.get("removal-taken-as-synced").active():
+        _power_cut(root, first_unlink, synchronous="NORMAL")
     with pytest.raises(AssertionError):
         _check(root, make_layout(), "leaf-lru", "batch", CAP)
     with Engine.open(root, make_layout(), CAP, policy="leaf-lru") as eng:

@@ -69,6 +69,11 @@ REPAIRED_LIVE = FILE.target("published")
 REPAIRED_GARBAGE = FILE.target("retired")
 
 
+SYNCED_COMMITS = ("barrier", "evict.remove")
+"""The labels of the commits written with ``txn(durable=True)``: synced by SQLite even
+under ``synchronous=NORMAL`` (each makes every commit before it durable too)."""
+
+
 def catalog_path(root: str) -> str:
     return os.path.join(root, CATALOG_NAME)
 
@@ -98,6 +103,9 @@ class Catalog:
     level: str | None
     """The connection's ``PRAGMA synchronous`` as the last write transaction set it
     (``txn``; None: unknown, set again before the next)."""
+    unsynced: bool
+    """Under ``synchronous=NORMAL``: whether a commit may have been written since the last
+    one SQLite synced (a ``durable`` one); ``barrier`` has nothing to do when not."""
     wal: WalSync
     """The log's durability point: group commits (``txn(grouped=True)``, ``sync``)."""
 
@@ -117,7 +125,7 @@ class Catalog:
         self.path, self.root = catalog_path(root), root
         self.read_only, self.closed, self.failed_corrupt, self.cookie = None, False, False, 0
         self.synchronous = synchronous.upper()
-        self.level = None
+        self.level, self.unsynced = None, True
         self.hook = hook or FaultHook()
         self.wal = WalSync(self.path + "-wal", self.hook)
         self.before_write = before_write or (lambda: None)
@@ -160,7 +168,7 @@ class Catalog:
         self.path, self.synchronous, self.hook, self.root = path, "FULL", hook or FaultHook(), root
         self.wal = WalSync(path + "-wal", self.hook)
         self.before_write, self.failed, self.read_only = (lambda: None), None, reason
-        self.closed, self.failed_corrupt, self.cookie, self.level = False, False, 0, None
+        self.closed, self.failed_corrupt, self.cookie, self.level, self.unsynced = False, False, 0, None, True
         try:
             self.conn = sqlite3.connect(f"file:{quote(path)}?{mode}", uri=True, isolation_level=None,
                                         check_same_thread=False, timeout=30)
@@ -247,10 +255,10 @@ class Catalog:
     # -- transactions ----------------------------------------------------------------
 
     @contextmanager
-    def txn(self, label: str, *, grouped: bool = False) -> Iterator[sqlite3.Connection]:
+    def txn(self, label: str, *, grouped: bool = False, durable: bool = False) -> Iterator[sqlite3.Connection]:
         """One write transaction; its COMMIT is an effect reported to the fault hook.
-
-        ``grouped``: under ``synchronous=FULL`` the commit is written without a sync of
+        ``durable``: synced by SQLite whatever the catalog's level (``SYNCED_COMMITS``),
+        so it and every commit before it are durable when it returns (a barrier). ``grouped``: under ``synchronous=FULL`` the commit is written without a sync of
         the log; it is durable once ``sync(wal.written)`` (read under the engine lock
         right after it) returns, together with the others written meanwhile (group
         commit, ``walsync.py``). Any other commit under FULL is synced by SQLite itself:
@@ -272,8 +280,8 @@ class Catalog:
             raise kind(f"an earlier catalog write failed ({self.failed}); reopen the engine")
         c = self.conn
         self.before_write()
-        deferred = grouped and self.synchronous == "FULL"
-        level = "NORMAL" if deferred else self.synchronous
+        deferred = grouped and self.synchronous == "FULL" and not durable
+        level = "FULL" if durable else "NORMAL" if deferred else self.synchronous
         try:
             if self.level != level:  # left as the last transaction set it: grouped ones run in a row
                 self.level = None  # unknown until the pragma returns
@@ -295,7 +303,9 @@ class Catalog:
             except BaseException:
                 self._rollback()
                 raise
+            self.unsynced = True  # until the COMMIT returns: written, maybe not synced
             c.execute("COMMIT")
+            self.unsynced = level != "FULL"
         except sqlite3.Error as exc:
             self._rollback()
             if self.closed:
@@ -337,19 +347,17 @@ class Catalog:
         """Make every earlier commit durable (a no-op cost under FULL).
 
         Under ``synchronous=NORMAL`` the last commits may be lost at power loss; an
-        effect that destroys data (unlink of a retired file) must not outrun them.
+        effect that destroys data (unlink of a retired file) must not outrun them. A
+        commit of its own (``barrier``, synced by SQLite) makes them durable, unless the
+        last commit was synced already (``durable``, e.g. an evict's removal: ``unsynced``).
         """
         if self.synchronous == "FULL":
             self.sync(self.wal.written)  # the grouped commits not synced yet
             return
-        with self.reading() as conn:
-            conn.execute("PRAGMA synchronous=FULL")
-        try:
-            with self.txn("barrier") as c:
-                c.execute("UPDATE meta SET value=value WHERE key='format'")
-        finally:
-            with self.reading() as conn:
-                conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        if not self.unsynced:
+            return
+        with self.txn("barrier", durable=True) as c:
+            c.execute("UPDATE meta SET value=value WHERE key='format'")
 
     # -- meta ------------------------------------------------------------------------
 

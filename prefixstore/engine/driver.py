@@ -83,12 +83,15 @@ class InvariantViolation(AssertionError):
 @attrs.frozen
 class Txn:
     """A journaled transaction: its id, kind and payload; ``outputs`` are what its
-    beginning asks to run after the commit (e.g. an evict's ``reclaim``)."""
+    beginning asks to run after the commit (e.g. an evict's ``reclaim``). ``files``: the
+    (rank, name, size) of the file rows it owns, as the commit that gave them to it
+    wrote them, for the output run right after it (None: read from the catalog)."""
 
     id: int
     kind: str
     payload: Mapping[str, Any]
     outputs: tuple[str, ...] = ()
+    files: tuple[tuple[int, str, int], ...] | None = None
 
 
 @attrs.define(slots=True, eq=False)

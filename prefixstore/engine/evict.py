@@ -28,7 +28,8 @@ class Evicting:
 
 def evict_nodes(ev: Evicting, nodes: list[Node], offered: Set[int] = frozenset()) -> None:
     """One evict transaction removing ``nodes`` (each after its descendants: leaves
-    first), in one commit of their removal (FULL: durable before any file goes) and
+    first), in one commit of their removal (synced by SQLite whatever the catalog's
+    level: durable before any file goes, so the reclaim's barrier has nothing to do) and
     one of their reclaim (grouped, ``journal.GROUPED_COMMITS``); each parent it
     leaves without a child is offered to the victim heap, unless in ``offered``
     (offered as a leaf already).
@@ -43,8 +44,10 @@ def evict_nodes(ev: Evicting, nodes: list[Node], offered: Set[int] = frozenset()
     if ev.account.disk.tight():
         journal.unlink_rows(ev.ledger, cat.files_of(ids))
 
-    with cat.txn("evict.remove") as c:
-        txn = journal.begin(ev.ledger, c, "evict", {"nodes": ids}, rows=lambda tid: cat.evict_nodes(c, tid, ids))
+    owned: list[tuple] = []
+    with cat.txn("evict.remove", durable=True) as c:  # under NORMAL too: it is the unlinks' barrier
+        txn = journal.begin(ev.ledger, c, "evict", {"nodes": ids},
+                            rows=lambda tid: owned.extend(cat.evict_nodes(c, tid, ids)))
     try:  # the removal is published: an unexpected error must not strand the txn
         for n in nodes:
             ev.index.remove(n.id)
@@ -53,7 +56,8 @@ def evict_nodes(ev: Evicting, nodes: list[Node], offered: Set[int] = frozenset()
             parent = ev.index.get(pid)
             if parent is not None and parent.is_leaf:
                 ev.recency.heap.offer(parent)
-        journal.run(ev.ledger, txn, txn.outputs)
+        # its reclaim unlinks the files the removal handed it (no read of them again)
+        journal.run(ev.ledger, attrs.evolve(txn, files=tuple(owned)), txn.outputs)
     except BaseException as exc:
         abort.fail_txn(ev.abort, txn, exc)
         raise

@@ -117,8 +117,9 @@ def unlink_owned(led: Ledger, txn: Txn, ok: str, failed: str, *, barrier: bool) 
     """Unlink the files ``txn`` owns, drop their rows (one left stays as loose
     garbage) and fire ``ok`` (``failed`` when one stayed); the old generation of a
     published transaction is unlinked only after its commit is durable (``barrier``).
-    The commit that settles the rows is grouped for the labels of ``GROUPED_COMMITS``."""
-    rows = led.catalog.files_of_txn(txn.id)
+    The commit that settles the rows is grouped for the labels of ``GROUPED_COMMITS``;
+    the rows are ``txn.files`` when its beginning handed them over, else read."""
+    rows = led.catalog.files_of_txn(txn.id) if txn.files is None else txn.files
     if barrier:
         led.catalog.barrier()
     left = unlink_rows(led, rows)

@@ -13,8 +13,9 @@ catalog as committed.
 
 The lost-commits model (``synchronous=NORMAL``): SQLite in WAL mode keeps a prefix of
 its commits at power loss; only a commit with ``synchronous=FULL`` (the engine's
-``catalog.barrier``) syncs the WAL and so every commit before it. The observer treats
-the catalog as durable at each ``barrier`` commit (and at the images it restored), and
+``catalog.barrier``, an evict's removal: ``catalog.SYNCED_COMMITS``) syncs the WAL and so
+every commit before it. The observer treats the catalog as durable at each of those
+commits (and at the images it restored), and
 at a power loss the driver picks one image among the durable base and the commits
 after it (the last ``keep`` of them). Checkpoints SQLite may run on its own are
 ignored, which only ever loses more than a real power loss could.
@@ -40,7 +41,7 @@ import torch
 
 from prefixstore.base.keys import Prefix
 from prefixstore.base.layout import Layout, TensorSpec
-from prefixstore.engine.catalog import CATALOG_NAME
+from prefixstore.engine.catalog import CATALOG_NAME, SYNCED_COMMITS
 from prefixstore.gpu.fileio import FaultHook
 
 BLOCK_TOKENS = 4
@@ -268,7 +269,7 @@ class CatalogObserver(FaultHook):
         self.nodes = new
         if self.keeps_images:
             image = Image(label, self._connect().serialize(), new)
-            durable = label == "barrier" if self.lost_commits else label not in self.volatile
+            durable = label in SYNCED_COMMITS if self.lost_commits else label not in self.volatile
             if durable or not self.images:
                 self.images = [image]  # durable: every earlier commit is synced
             else:

@@ -453,6 +453,30 @@ def _stale_prestaged() -> contextlib.AbstractContextManager[None]:
     return _patched(staging.Prestaged, "fits", lambda self, meta, lo, hi: True)
 
 
+# -- a removal taken as synced under NORMAL ---------------------------------------------------
+
+
+class _RemovalTakenAsSynced(Engine):
+    """Under ``synchronous=NORMAL`` its evict removals commit at NORMAL, yet the catalog
+    takes each as synced (``_removal_taken_as_synced``), so the reclaim's barrier is skipped."""
+
+
+@contextlib.contextmanager
+def _removal_taken_as_synced() -> Iterator[None]:
+    txn = Catalog.txn
+
+    @contextlib.contextmanager
+    def unsynced_removal(self: Catalog, label: str, *, grouped: bool = False, durable: bool = False):
+        removal = label == "evict.remove"
+        with txn(self, label, grouped=grouped, durable=durable and not removal) as c:
+            yield c
+        if removal:
+            self.unsynced = False
+
+    with _patched(Catalog, "txn", unsynced_removal):
+        yield
+
+
 # -- an evict unlinks before its removal is durable -------------------------------------------
 
 
@@ -465,8 +489,9 @@ class _EvictRemovalUnsynced(Engine):
 def _evict_removal_unsynced() -> Iterator[None]:
     txn, unlink_owned = Catalog.txn, journal.unlink_owned
 
-    def grouped_removal(self: Catalog, label: str, *, grouped: bool = False):
-        return txn(self, label, grouped=grouped or label == "evict.remove")
+    def grouped_removal(self: Catalog, label: str, *, grouped: bool = False, durable: bool = False):
+        removal = label == "evict.remove"
+        return txn(self, label, grouped=grouped or removal, durable=durable and not removal)
 
     def no_wait(led, t, ok: str, failed: str, *, barrier: bool) -> None:
         unlink_owned(led, t, ok, failed, barrier=barrier and t.kind != "evict")
@@ -636,6 +661,16 @@ PLANTS: dict[str, Plant] = {
             "another generation, so the acknowledged node restores as damaged",
             engine_cls=_StalePrestaged,
             patch=_stale_prestaged,
+        ),
+        Plant(
+            "removal-taken-as-synced",
+            "under synchronous=NORMAL an evict's removal commits unsynced, yet the catalog takes "
+            "it as synced and skips the barrier before its unlinks",
+            "tests/test_crash_evict.py: a power loss after an unlink takes the removal back; the "
+            "victims return damaged",
+            engine_cls=_RemovalTakenAsSynced,
+            patch=_removal_taken_as_synced,
+            config={"synchronous": "NORMAL"},
         ),
         Plant(
             "evict-removal-unsynced",
