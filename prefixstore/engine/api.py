@@ -311,12 +311,13 @@ class Engine(Parts):
         for layouts with snapshots only nodes that have their snapshot. A
         ``LookupParams`` may be given alone instead of the arguments.
         """
-        if isinstance(prefix, LookupParams):
+        if prefix.__class__ is not Prefix and isinstance(prefix, LookupParams):  # one test for a Prefix
             params.alone("lookup", prefix, gpu_blocks, total_tokens)
             prefix, gpu_blocks, total_tokens = prefix.prefix, prefix.gpu_blocks, prefix.total_tokens
         validate.lookup_args(self.layout, prefix, gpu_blocks, total_tokens)
         flows, guard = self.flows, self.guard
         down = flows.reviving.tiers.down  # the poll and the screen act only while a rank is down
+        looked = self.counters.looked  # changed only under the engine lock (counters.py)
         with guard:
             if down.why:
                 self._poll_ranks()
@@ -324,9 +325,12 @@ class Engine(Parts):
                 match = lookup.lookup(flows.looking, prefix, gpu_blocks, total_tokens)
                 if down.why:
                     match = degraded.screen(flows.reviving, match)
-            if flows.remote_reads.link.tier is not None:  # outside the lock
-                match = remote.extend(flows.remote_reads, prefix, match, gpu_blocks, total_tokens)
-        self.counters.inc("lookups", match.outcome)
+                if flows.remote_reads.link.tier is None:
+                    looked[match.outcome] += 1
+                    return match
+            match = remote.extend(flows.remote_reads, prefix, match, gpu_blocks, total_tokens)  # outside the lock
+            with guard.lock:
+                looked[match.outcome] += 1
         return match
 
     def restore(self, match: Match, *, into: Any = None) -> Restored | None:

@@ -12,10 +12,13 @@ opened without, ``engine/degraded.py``). Gauges: ``prefixstore_bytes`` (refreshe
 and ``prefixstore_rank_down`` (rank: 1 while the engine runs without it).
 
 ``lookups`` (one per lookup, the request path) and ``decisions`` with its two
-histograms (one per lookup the cost rule decides) are counted in the tally alone and
-exported from it at scrape time (``TallyCounter``, ``TallyHistogram``): a decision is
-one lock and a few updates instead of a Prometheus child's lock and two histograms'
-on top.
+histograms (one per lookup the cost rule decides) are exported from tallies at scrape
+time (``TallyCounter``, ``TallyHistogram``): a decision is one lock and a few updates
+instead of a Prometheus child's lock and two histograms' on top. ``Engine.lookup``
+counts its outcome in ``looked``, a tally of its own changed only under the engine lock,
+which the lookup holds anyway: one dict update per lookup and no lock of its own, still
+exact. Other ``lookups`` labels (a restore's stale or damaged match) go through ``inc``
+and the counters' lock.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ class Counters:
     Mount ``counters.registry`` in the embedding server (e.g. with
     ``prometheus_client.make_wsgi_app(registry)``). Safe from any thread: the
     tallies and the last decision change under the counters' own lock, never the
-    engine's.
+    engine's; ``looked`` alone changes under the engine lock (``Engine.lookup``
+    holds it), never the counters'.
     """
 
     registry: CollectorRegistry
@@ -105,6 +109,8 @@ class Counters:
     seconds: _Tally[str]
     """Sums of estimated seconds, for ``stats()``."""
     last_decision: dict[str, Any] | None
+    looked: _Tally[str]
+    """Lookup outcomes counted by ``Engine.lookup``: changed only under the engine lock."""
     lookups: TallyCounter
     stores: Counter
     skips: Counter
@@ -132,6 +138,7 @@ class Counters:
         self.tally: _Tally[str] = _Tally()
         self.seconds: _Tally[str] = _Tally()  # sums of estimated seconds, for stats()
         self.last_decision: dict[str, Any] | None = None
+        self.looked: _Tally[str] = _Tally()
         self._children: dict[tuple[str, str | None], tuple[Any, str]] = {}
         self.lookups = TallyCounter(self, "lookups", "prefixstore_lookups", "Lookup outcomes", "outcome")
         r.register(self.lookups)
@@ -217,7 +224,15 @@ class Counters:
     def tallies(self) -> dict[str, int]:
         """The event counts alone (``family.label -> count``), without the seconds sums."""
         with self._lock:
-            return dict(self.tally)
+            out = dict(self.tally)
+        return self._with_looked(out)
+
+    def _with_looked(self, out: dict[str, Any]) -> dict[str, Any]:
+        """``out`` with the lookups ``Engine.lookup`` counted in ``looked`` added."""
+        for outcome, n in dict(self.looked).items():  # one C-level copy: no update torn
+            key = "lookups." + outcome
+            out[key] = out.get(key, 0) + n
+        return out
 
     def read(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` under the counters' lock (a consistent read of what it guards)."""
@@ -227,4 +242,5 @@ class Counters:
     def snapshot(self) -> dict[str, float]:
         """Every counter as ``family.label -> value`` (plus estimated-seconds sums)."""
         with self._lock:
-            return {**self.tally, **self.seconds}
+            out = {**self.tally, **self.seconds}
+        return self._with_looked(out)
