@@ -4,20 +4,23 @@ directory's fsync, SIGKILLed at a chosen point of a shared fsync.
 ``python dirsync_workload.py BASE POINT[:PLANT] ...`` runs, for each POINT, a child
 (``workload``) on ``BASE/<n>/cache`` (one rank, so that the stores' shard writes run on
 their own threads, ``synchronous=FULL``) with group_workload's model of the catalog's
-log; each fsync of the rank directory is slowed (``SLOW_DIR_SYNC_S``) so that renames
-join the next one. The parent SIGKILLs the child once it says ``paused`` or ``done``:
+log; each fsync of the rank directory is slowed (``SLOW_DIR_SYNC_S``), and a store
+that renamed its shard lingers briefly for another rename to join its round
+(``JoiningSync``), so that fsyncs are shared and run at once. The parent SIGKILLs the
+child once it says ``paused`` or ``done``:
 
 - ``dir-sync`` (6 threads, 12 stores): before a directory fsync shared by two renames
   or more;
 - ``after-dir-sync`` (same): after such a fsync, before its stores return;
 - ``stale`` (2 threads, 2 stores): the second store starts once the first directory
-  fsync began, which is held, after it ran, until that store (its shard renamed in
-  meanwhile) waits behind it; the child stops before the next
-  directory fsync (the one that store must wait for), or says ``done`` if none came.
+  fsync began, which is held, after it ran, until that store renamed its shard and
+  either began its own directory fsync (the child stops there) or waits behind the
+  first one (it then returns without a fsync of its own; the child says ``done``).
 
 The power-loss model of the rank directory: ``BASE/<n>/rank0.durable`` lists the
-directory's entries at the start of its last directory fsync that returned (what that
-fsync made durable: ``dirsync_power_loss`` undoes every later entry).
+directory's entries at the start of the latest-begun directory fsync that returned
+(what that fsync made durable, and every one begun before it: ``dirsync_power_loss``
+undoes every later entry).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from group_workload import CAP, GroupPoint, kill_at, say  # noqa: E402
 from prefixstore.engine.api import Engine  # noqa: E402
 from prefixstore.fuzz import plants  # noqa: E402
 from prefixstore.gpu.ranks import SHARD_SUFFIX, TMP_SUFFIX, rank_dir_name  # noqa: E402
+from prefixstore.gpu.sharedsync import SharedSync  # noqa: E402
 
 LAYOUT = make_layout(ranks=1)
 SLOW_DIR_SYNC_S = 0.02
@@ -64,6 +68,38 @@ def stores(point: str) -> list[list[int]]:
     return [tokens_for(700 + i, 2 + i % 3) for i in range(threads * per)]
 
 
+class JoiningSync(SharedSync):
+    """SharedSync whose changer lingers after joining the open round until ``join``
+    changes joined it (or ``linger_s`` passed): the interleaving that sharing needs
+    (another thread's rename between one's rename and its wait), rare in a process this
+    small, made likely. ``leading`` maps a thread to the round it leads."""
+
+    join = 2
+    linger_s = 0.05
+
+    def changed(self):
+        rnd = super().changed()
+        deadline = time.monotonic() + self.linger_s
+        while rnd is self.open and rnd.size < self.join and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return rnd
+
+    def wait(self, rnd) -> None:
+        with self.cv:
+            if rnd is self.open:
+                self.leading[threading.get_ident()] = rnd
+        super().wait(rnd)
+
+
+def joining(eng: Engine, join: int = 2, linger_s: float = 0.05) -> JoiningSync:
+    """Replace rank 0's directory sync by a ``JoiningSync`` (before any store)."""
+    rank = eng.tiers.ranks[0]
+    js = JoiningSync(rank.dir_sync.run, rank.dir_sync.what)
+    js.join, js.linger_s, js.leading = join, linger_s, {}
+    rank.dir_sync = js
+    return js
+
+
 class DirPoint(GroupPoint):
     """GroupPoint's durable log, plus the rank directory's durable listing; stops at
     ``point`` (GroupPoint's own points never match these)."""
@@ -72,11 +108,14 @@ class DirPoint(GroupPoint):
         super().__init__(root, point)
         self.dir = os.path.join(root, rank_dir_name(0))
         self.eng: Engine | None = None
-        self.listing: list[str] = []
-        self.syncing = False
+        self.started = 0
+        """Directory fsyncs begun (each numbered by its order)."""
+        self.saved = -1
+        """The number of the fsync whose listing ``rank0.durable`` holds."""
+        self.listings: dict[int, tuple[int, list[str]]] = {}
+        """By thread: the number of the fsync it runs, and the entries when it began."""
         self.began = threading.Event()
         """Set at the first directory fsync (the ``stale`` point's second store waits for it)."""
-        self.held = False
 
     def save_listing(self, names: list[str]) -> None:
         tmp = os.path.join(self.side, "rank0.tmp")
@@ -85,18 +124,20 @@ class DirPoint(GroupPoint):
         os.replace(tmp, os.path.join(self.side, "rank0.durable"))
 
     def shared(self) -> bool:
-        """Whether the directory fsync running now covers two renames or more."""
-        running = self.eng.tiers.ranks[0].dir_sync.running
-        return running is not None and running.size >= 2
+        """Whether the directory fsync this thread runs covers two renames or more."""
+        rnd = getattr(self.eng.tiers.ranks[0].dir_sync, "leading", {}).get(threading.get_ident())
+        return rnd is not None and rnd.size >= 2
 
     def before(self, op, target, rank):
         super().before(op, target, rank)
         if not self.armed or op != "fsync_dir" or target != self.dir:
             return
-        if self.point == "stale" and self.held:
-            self.stop()  # the next directory fsync: the other store's own
-        self.listing = sorted(os.listdir(self.dir))
-        self.syncing = True
+        with self.lock:
+            n = self.started
+            self.started += 1
+            self.listings[threading.get_ident()] = (n, sorted(os.listdir(self.dir)))
+        if self.point == "stale" and n >= 1:
+            self.stop()  # the other store's own directory fsync
         self.began.set()
         time.sleep(SLOW_DIR_SYNC_S)
         if self.point == "dir-sync" and self.shared():
@@ -104,17 +145,18 @@ class DirPoint(GroupPoint):
 
     def after(self, op, target, rank):
         super().after(op, target, rank)
-        if not self.armed:
+        if not self.armed or op != "fsync_dir" or target != self.dir:
             return
-        if op != "fsync_dir" or target != self.dir:
-            return
-        self.save_listing(self.listing)  # the fsync returned: what it covered is durable
+        n, listing = self.listings.pop(threading.get_ident())
+        with self.lock:  # the fsync returned: what it covered is durable
+            if n > self.saved:  # else one begun after it returned first, and covers more
+                self.saved = n
+                self.save_listing(listing)
         if self.point == "after-dir-sync" and self.shared():
             self.stop()
-        if self.point == "stale" and not self.held:
-            self.held = True
-            hold_until(lambda: self.eng.tiers.ranks[0].dir_sync.waiting >= 1)  # the other store, behind it
-        self.syncing = False
+        if self.point == "stale" and n == 0:  # the other store renames meanwhile, then syncs or waits
+            ds = self.eng.tiers.ranks[0].dir_sync
+            hold_until(lambda: ds.changes >= 2 and (ds.waiting >= 1 or self.started >= 2))
 
 
 def workload(root: str, point: str, plant_name: str | None) -> None:
@@ -124,6 +166,8 @@ def workload(root: str, point: str, plant_name: str | None) -> None:
     with plant.active() if plant is not None else contextlib.nullcontext():
         eng = Engine.open(root, LAYOUT, CAP, hook=hook)
         hook.eng = eng
+        if point != "stale":
+            joining(eng)
         hook.save()
         hook.save_listing(sorted(os.listdir(hook.dir)))
         hook.armed = True

@@ -10,7 +10,8 @@ renames its shard while the first one's fsync runs. After each, recovery leaves 
 audit clean and every store that returned success restores bit for bit. The plant
 ``dir-sync-stale-cover`` (a fsync begun before a rename taken as covering it) loses
 an acknowledged store there, and the check says so. A failed directory fsync fails
-every store that shared it, and none after it.
+every store that shared it, and none other (neither a store whose own fsync ran
+meanwhile nor one after it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import threading
 
 import pytest
 from conftest import assert_restores, key_at, store_tokens, tokens_for
-from dirsync_workload import LAYOUT, dirsync_power_loss, hold_until, stores
+from dirsync_workload import HOLD_S, LAYOUT, dirsync_power_loss, hold_until, joining, stores
 from group_workload import CAP
 from test_crash_group import lose_power
 
@@ -92,13 +93,14 @@ def test_a_rename_taken_as_covered_by_a_fsync_begun_before_it_is_caught(killed):
     assert wrong, "the planted stale cover lost nothing"
 
 
-class FailSecondDirSync(FaultHook):
-    """Holds the first armed fsync of the rank directory until ``group`` more stores
-    renamed their shards in meanwhile and wait behind it (they share the next fsync),
-    then fails that next one with EIO."""
+class FailGroupDirSync(FaultHook):
+    """Holds the first armed fsync of the rank directory (store 0's) until the fsync of a
+    round of ``group`` renames (gathered by ``JoiningSync``) ran meanwhile, and fails
+    that one with EIO."""
 
     def __init__(self, group: int) -> None:
         self.group, self.armed, self.syncs, self.shared_by = group, False, 0, 0
+        self.failed = threading.Event()
         self.eng: Engine | None = None
 
     def before(self, op, target, rank):
@@ -106,19 +108,22 @@ class FailSecondDirSync(FaultHook):
             return
         self.syncs += 1
         dir_sync = self.eng.tiers.ranks[0].dir_sync
+        rnd = dir_sync.leading.get(threading.get_ident())
         if self.syncs == 1:
-            hold_until(lambda: dir_sync.open.size >= self.group and dir_sync.waiting >= self.group)
-        elif self.syncs == 2:
-            self.shared_by = dir_sync.running.size
+            assert self.failed.wait(HOLD_S), "the group's fsync never ran"
+        elif rnd is not None and rnd.size == self.group:
+            self.shared_by = rnd.size
+            self.failed.set()
             raise OSError(errno.EIO, "injected EIO on a shared directory fsync", target)
 
 
-def test_a_failed_shared_directory_fsync_fails_every_store_of_its_group_and_none_later(tmp_path):
+def test_a_failed_shared_directory_fsync_fails_every_store_of_its_group_and_none_other(tmp_path):
     group = 4
     todo = [tokens_for(900 + i, 2) for i in range(1 + group)]
     later = [tokens_for(950 + i, 2) for i in range(4)]
-    hook = FailSecondDirSync(group)
+    hook = FailGroupDirSync(group)
     with Engine.open(str(tmp_path / "cache"), LAYOUT, CAP, hook=hook) as eng:
+        dir_sync = joining(eng, join=1, linger_s=HOLD_S)
         hook.eng, hook.armed = eng, True
         results: dict[int, object] = {}
 
@@ -128,16 +133,17 @@ def test_a_failed_shared_directory_fsync_fails_every_store_of_its_group_and_none
         first = threading.Thread(target=work, args=(0,))
         first.start()
         hold_until(lambda: hook.syncs == 1)  # the first store's fsync runs, held
+        dir_sync.join = group  # the next renames gather into one round
         rest = [threading.Thread(target=work, args=(i,)) for i in range(1, len(todo))]
         for x in rest:
             x.start()
         for x in [first, *rest]:
             x.join()
-        assert results[0].status == STORED, results[0]
+        assert results[0].status == STORED, results[0]  # its own fsync, running meanwhile
         assert hook.shared_by == group  # the failed fsync was the one the others shared
         for i in range(1, len(todo)):
             assert results[i].status == FAILED and "injected EIO" in results[i].reason, results[i]
-        hook.armed = False
+        hook.armed, dir_sync.join = False, 1
         outs: dict[int, object] = {}
         ts = [threading.Thread(target=lambda i=i: outs.__setitem__(i, store_tokens(eng, later[i])))
               for i in range(len(later))]

@@ -484,8 +484,8 @@ def _stale_cover() -> contextlib.AbstractContextManager[None]:
 
     def wait(self: SharedSync, rnd: Round) -> None:
         with self.cv:
-            running = self.running
-            if running is not None and running is not rnd:
+            running = self.running[-1] if self.running and rnd is self.open else None
+            if running is not None:
                 while not running.done:
                     self.waiting += 1
                     self.cv.wait()

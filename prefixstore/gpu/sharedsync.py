@@ -1,12 +1,15 @@
-"""One sync shared by the changes made while none ran: the rank directory's fsync.
+"""One sync shared by the changes made before it began: the rank directory's fsync.
 
 Each change (a shard renamed into the directory) joins the open ``Round`` right after
-it is made (``changed``); its caller then waits for that round (``wait``). The first
-waiter that finds no sync running leads: it closes the open round, opens the next one
-and runs the sync, which covers every change of the closed round (all made before it
-began); the followers of that round sleep and wake with it. A change made while a sync
-runs joins the next round, whose sync begins after it: a sync that began before a
-change never counts for it. The pattern is the catalog log's (``engine/walsync.py``).
+it is made (``changed``); its caller then waits for that round (``wait``). A waiter
+whose round is still open (no sync began since its change) leads at once, whether or
+not other syncs run: it closes the round, opens the next one and runs the sync, which
+covers every change of the closed round (all made before it began). A waiter whose
+round is closed sleeps until that round's sync ends. So a sync that began before a
+change never counts for it, and no change waits behind a sync that cannot cover it:
+the syncs of one directory may run at once (the file system merges them into its
+journal's commit). The pattern is the catalog log's (``engine/walsync.py``), without
+its one-sync-at-a-time rule.
 
 A failed sync fails every waiter of its round (each raises an OSError of its own;
 none of them is moved to a later sync as if nothing happened); later rounds run their
@@ -35,7 +38,7 @@ class Round:
 
 @attrs.define(slots=True, eq=False)
 class SharedSync:
-    """A sync run by whichever waiter finds none running, for every change before it."""
+    """A sync run by the first waiter of each round, for every change before it."""
 
     run: Callable[[], None]
     """The sync itself (raises OSError when it fails)."""
@@ -43,10 +46,10 @@ class SharedSync:
     """Named in the error a follower of a failed round raises."""
     cv: threading.Condition = attrs.field(factory=threading.Condition)
     open: Round = attrs.field(factory=Round)
-    running: Round | None = None
-    """The round whose sync runs now (None when none runs)."""
+    running: list[Round] = attrs.field(factory=list)
+    """The rounds whose sync runs now, oldest first."""
     waiting: int = 0
-    """Waiters asleep behind a running sync."""
+    """Waiters asleep behind a running sync (their round's)."""
     changes: int = 0
     syncs: int = 0
     """Syncs run: ``changes / syncs`` is how many changes one sync covered."""
@@ -59,17 +62,17 @@ class SharedSync:
             return self.open
 
     def wait(self, rnd: Round) -> None:
-        """Return once ``rnd``'s sync succeeded, leading it when no sync runs; OSError
-        when it failed. Never call it holding a lock the leader needs."""
+        """Return once ``rnd``'s sync succeeded, leading it when it has not begun;
+        OSError when it failed. Never call it holding a lock the leader needs."""
         with self.cv:
             while not rnd.done:
-                if self.running is not None:
+                if rnd is not self.open:  # its sync runs (it began after every change of rnd)
                     self.waiting += 1
                     self.cv.wait()
                     self.waiting -= 1
                     continue
-                # no sync runs, so every closed round is settled: rnd is the open one
-                self.running, self.open = rnd, Round()
+                self.open = Round()
+                self.running.append(rnd)
                 self.cv.release()
                 try:
                     self.run()
@@ -89,6 +92,6 @@ class SharedSync:
         ``cv`` is held again on return."""
         self.cv.acquire()
         rnd.done, rnd.error, rnd.errno = True, error, err or errno.EIO
-        self.running = None
+        self.running.remove(rnd)
         self.syncs += 1
         self.cv.notify_all()
