@@ -57,6 +57,7 @@ REPRODUCED_BY = {
 # each is caught by the crash test named here, which runs it under a planned interleaving.
 CRASH_CAUGHT_BY = {
     "dir-sync-stale-cover": "test_crash_dirsync.py::test_a_rename_taken_as_covered_by_a_fsync_begun_before_it_is_caught",
+    "rename-before-intent": "test_crash_overlap.py::test_a_shard_renamed_before_its_intent_is_durable_is_caught",
     # the campaign's catalog model tells grouped commits by label, so it never takes back
     # a removal this plant groups
     "evict-removal-unsynced": "test_crash_evict.py::test_unlinks_before_the_removal_is_durable_are_caught_by_a_power_loss",
