@@ -53,10 +53,11 @@ REPRODUCED_BY = {
     "stale-prestaged": ("stale-prestaged.json", {"audit:1", "damaged", "miss"}),  # seed 0: op 1524, ~10 s
 }
 
-# Plants that show only when stores run at once (the campaign runs one op at a time):
-# each is caught by the crash test named here, which runs it under a planned interleaving.
+# Plants that show only at a crash point the campaign does not reach (it runs one op at a
+# time, and cuts the power between ops): each is caught by the crash test named here, which
+# kills the process at that point.
 CRASH_CAUGHT_BY = {
-    "dir-sync-stale-cover": "test_crash_dirsync.py::test_a_rename_taken_as_covered_by_a_fsync_begun_before_it_is_caught",
+    # a power loss while the intent's log sync runs beside the shard writes
     "rename-before-intent": "test_crash_overlap.py::test_a_shard_renamed_before_its_intent_is_durable_is_caught",
     # the campaign's catalog model tells grouped commits by label, so it never takes back
     # a removal this plant groups

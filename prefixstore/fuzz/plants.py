@@ -46,7 +46,6 @@ from prefixstore.engine.store import Storing
 from prefixstore.gpu import rank_server, shards, verify
 from prefixstore.gpu.ranks import TMP_SUFFIX, LocalRank, rank_dir_name
 from prefixstore.gpu.remote import Manifest, RemoteTier
-from prefixstore.gpu.sharedsync import Round, SharedSync
 
 
 @attrs.frozen
@@ -474,29 +473,6 @@ def _evict_removal_unsynced() -> Iterator[None]:
         yield
 
 
-# -- take a directory fsync begun before a rename as covering it ---------------------------
-
-
-def _stale_cover() -> contextlib.AbstractContextManager[None]:
-    """``SharedSync.wait`` whose waiter, finding a sync running, takes that sync as
-    covering its change, though it began before the change was made."""
-    orig = SharedSync.wait
-
-    def wait(self: SharedSync, rnd: Round) -> None:
-        with self.cv:
-            running = self.running[-1] if self.running and rnd is self.open else None
-            if running is not None:
-                while not running.done:
-                    self.waiting += 1
-                    self.cv.wait()
-                    self.waiting -= 1
-                if running.error is None:
-                    return
-        orig(self, rnd)
-
-    return _patched(SharedSync, "wait", wait)
-
-
 # -- rename a gated shard before its intent is durable -----------------------------------------
 
 
@@ -510,7 +486,7 @@ def _rename_before_intent() -> contextlib.AbstractContextManager[None]:
         self.fs.write_new(tmp, data)
         self.fs.fsync(tmp)
         self.fs.rename_new(tmp, final)
-        self.dir_sync.wait(self.dir_sync.changed())
+        self.fs.fsync_dir(self.directory)
         gate()
 
     return _patched(LocalRank, "write_shard_gated", write_shard_gated)
@@ -654,14 +630,6 @@ PLANTS: dict[str, Plant] = {
             "a power loss before the intent is durable leaves a named shard no durable record "
             "knows (tests/test_crash_overlap.py)",
             patch=_rename_before_intent,
-            config={"synchronous": "FULL"},
-        ),
-        Plant(
-            "dir-sync-stale-cover",
-            "a shard renamed into a rank directory while its fsync runs takes that fsync as covering it",
-            "a power loss after the store returned undoes its rename: an acknowledged store is lost "
-            "(tests/test_crash_dirsync.py)",
-            patch=_stale_cover,
             config={"synchronous": "FULL"},
         ),
         Plant(
