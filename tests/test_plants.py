@@ -53,14 +53,9 @@ REPRODUCED_BY = {
     "stale-prestaged": ("stale-prestaged.json", {"audit:1", "damaged", "miss"}),  # seed 0: op 1524, ~10 s
 }
 
-# Plants that show only at a crash point the campaign does not reach (it runs one op at a
-# time, and cuts the power between ops): each is caught by the crash test named here, which
-# kills the process at that point.
+# Plants shown by a crash test of their own, named here (the campaign's catalog model
+# tells grouped commits by label, so it never takes back a removal the plant groups).
 CRASH_CAUGHT_BY = {
-    # a power loss while the intent's log sync runs beside the shard writes
-    "rename-before-intent": "test_crash_overlap.py::test_a_shard_renamed_before_its_intent_is_durable_is_caught",
-    # the campaign's catalog model tells grouped commits by label, so it never takes back
-    # a removal this plant groups
     "evict-removal-unsynced": "test_crash_evict.py::test_unlinks_before_the_removal_is_durable_are_caught_by_a_power_loss",
 }
 

@@ -10,7 +10,7 @@ shard name on every rank in parallel and reports the ranks that failed.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -106,30 +106,12 @@ def checksum_of(d: Any) -> str:
     return d.checksum() if isinstance(d, Staged) else shards.checksum(d)
 
 
-GATED_MIN_BYTES = 1 << 20
-"""The smallest store (all its shards) whose writes run beside its intent's log sync
-(``gated``): below it the thread that sync takes costs more than it hides, and
-concurrent small stores share that sync anyway."""
-
-
-def gated(w: Writer, nbytes: int) -> bool:
-    """Whether a store of ``nbytes`` (all its shards) writes beside its intent's log
-    sync: it is large enough (``GATED_MIN_BYTES``) and every rank declares
-    ``WRITES_GATED``."""
-    return nbytes >= GATED_MIN_BYTES and all(has(rank, Capability.WRITES_GATED) for rank in w.tiers.ranks)
-
-
-def write_shard(tiers: Tiers, r: int, name: str, d: Any, gate: Callable[[], None] | None = None) -> None:
+def write_shard(tiers: Tiers, r: int, name: str, d: Any) -> None:
     """Apply one rank's write of a store: bytes, or a staged buffer (adopted by a RAM
-    tier, or written from in place); renamed into place only once ``gate()`` returned
-    (a rank that declares ``WRITES_GATED``). Any failure of the effect is an OSError,
-    so it fails the transaction (rolled back), never the thread that ran it."""
+    tier, or written from in place). Any failure of the effect is an OSError, so it
+    fails the transaction (rolled back), never the thread that ran it."""
     rank = tiers.ranks[r]
     try:
-        if gate is not None:
-            data = d.buffer.mv() if isinstance(d, Staged) else d
-            rank.write_shard_gated(name, data, gate)  # type: ignore[attr-defined]
-            return
         if not isinstance(d, Staged):
             rank.write_shard(name, d)
             return
@@ -148,19 +130,17 @@ def write_shard(tiers: Tiers, r: int, name: str, d: Any, gate: Callable[[], None
         raise OSError(errno.EIO, f"rank {r} write failed: {type(exc).__name__}: {exc}") from exc
 
 
-def write_all(w: Writer, name: str, datas: list[Any],
-              gate: Callable[[], None] | None = None) -> list[tuple[int, OSError]]:
-    """Write ``name`` on every rank (in parallel), each renamed into place once ``gate()``
-    returned (``gated`` stores); return the ranks that failed."""
+def write_all(w: Writer, name: str, datas: list[Any]) -> list[tuple[int, OSError]]:
+    """Write ``name`` on every rank (in parallel); return the ranks that failed."""
     w.mode.check_writable("write")
     if len(datas) == 1:
         try:
-            write_shard(w.tiers, 0, name, datas[0], gate)
+            write_shard(w.tiers, 0, name, datas[0])
             return []
         except OSError as exc:
             w.counters.inc("faults", "write")
             return [(0, exc)]
-    futures = [w.tiers.pool.submit(write_shard, w.tiers, r, name, d, gate) for r, d in enumerate(datas)]
+    futures = [w.tiers.pool.submit(write_shard, w.tiers, r, name, d) for r, d in enumerate(datas)]
     errors: list[tuple[int, OSError]] = []
     crash: BaseException | None = None
     for r, f in enumerate(futures):

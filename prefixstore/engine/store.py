@@ -28,7 +28,6 @@ from prefixstore.engine import (
 )
 from prefixstore.engine.abort import Abort
 from prefixstore.engine.account import Account
-from prefixstore.engine.beside import Beside
 from prefixstore.engine.catalog import Catalog
 from prefixstore.engine.counters import Counters
 from prefixstore.engine.driver import Txn
@@ -311,14 +310,10 @@ def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
     """Once the intent is durable, write every rank, then publish (or roll back a failed
     write, or a refill whose row a restore keeps pinned); acknowledged once the publish
     is durable. Both waits are group commits: one sync of the catalog's log for every
-    store committed meanwhile (``Catalog.sync``). A large store writes its shards'
-    temporaries while its intent's sync runs (``written_beside_intent``)."""
+    store committed meanwhile (``Catalog.sync``)."""
     n = len(prefix)
-    if st.catalog.synchronous == "FULL" and staging.gated(st.writer, t.needed):
-        errors = written_beside_intent(st, t)
-    else:
-        st.catalog.sync(t.seq)
-        errors = staging.write_all(st.writer, t.name, t.datas)
+    st.catalog.sync(t.seq)
+    errors = staging.write_all(st.writer, t.name, t.datas)
     if errors:
         why = staging.failure_reason(st.tiers, errors, t.datas)  # before the rollback frees room
         with st.guard.lock:
@@ -348,23 +343,6 @@ def write_and_publish(st: Storing, prefix: Prefix, t: InFlight) -> StoreResult:
     acknowledge(st, t.seq)
     st.offers.send(offer)
     return res
-
-
-def written_beside_intent(st: Storing, t: InFlight) -> list[tuple[int, OSError]]:
-    """Write every rank while the intent's log sync runs in a thread of its own: each
-    rank writes and fsyncs its shard's temporary meanwhile and renames it into place
-    only once the intent is durable (``gate``), so no shard is ever named on disk
-    without a durable intent (a power loss before it leaves unnamed temporaries, which
-    recovery sweeps as orphans). A failed sync fails the store as it did before the
-    writes (CatalogIOError); no rank renames (each removes its temporary). The ranks
-    that failed, as ``write_all``."""
-    sync = Beside(lambda: st.catalog.sync(t.seq), "the intent's log sync")
-    try:
-        errors = staging.write_all(st.writer, t.name, t.datas, gate=sync.gate)
-    finally:
-        sync.join()  # never leave the sync running past the store (nor its buffers in use)
-    sync.result()  # the catalog's own error first: the ranks' then only say it stopped them
-    return errors
 
 
 def acknowledge(st: Storing, seq: int) -> None:

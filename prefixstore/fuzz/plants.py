@@ -473,25 +473,6 @@ def _evict_removal_unsynced() -> Iterator[None]:
         yield
 
 
-# -- rename a gated shard before its intent is durable -----------------------------------------
-
-
-def _rename_before_intent() -> contextlib.AbstractContextManager[None]:
-    """``LocalRank.write_shard_gated`` that renames the shard into place and fsyncs the
-    directory before its gate (the store's intent log sync) returned."""
-
-    def write_shard_gated(self: LocalRank, name: str, data: bytes, gate: Callable[[], None]) -> None:
-        final = self.path(name)
-        tmp = final + TMP_SUFFIX
-        self.fs.write_new(tmp, data)
-        self.fs.fsync(tmp)
-        self.fs.rename_new(tmp, final)
-        self.fs.fsync_dir(self.directory)
-        gate()
-
-    return _patched(LocalRank, "write_shard_gated", write_shard_gated)
-
-
 # -- the registry ------------------------------------------------------------------------------
 
 _SNAP_RETIRE = {"snapshot": True, "policy": "prefixstore"}
@@ -621,15 +602,6 @@ PLANTS: dict[str, Plant] = {
             "victims return damaged (neither wholly there nor wholly gone)",
             engine_cls=_EvictRemovalUnsynced,
             patch=_evict_removal_unsynced,
-            config={"synchronous": "FULL"},
-        ),
-        Plant(
-            "rename-before-intent",
-            "a store written beside its intent's log sync renames its shards into place "
-            "before that sync returned",
-            "a power loss before the intent is durable leaves a named shard no durable record "
-            "knows (tests/test_crash_overlap.py)",
-            patch=_rename_before_intent,
             config={"synchronous": "FULL"},
         ),
         Plant(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Callable
 
 from prefixstore.base.errors import UnsafeDirectoryError
 from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS
@@ -23,10 +22,6 @@ TMP_SUFFIX = ".tmp"
 def shard_name(key: bytes, generation: int) -> str:
     """File name of a node's shard (the same on every rank, in that rank's directory)."""
     return f"{key.hex()}-g{generation}{SHARD_SUFFIX}"
-
-
-def _open() -> None:
-    """The gate of an ungated write: always open."""
 
 
 def rank_dir_name(rank: int) -> str:
@@ -56,27 +51,13 @@ class LocalRank:
 
     def write_shard(self, name: str, data: bytes) -> None:
         """Write to a temporary name, fsync, rename into place, fsync the directory.
-        Returns once the shard is durable.
 
         Raises OSError on any failure; a failed fsync is a failed write (never retried).
         """
-        self.write_shard_gated(name, data, _open)
-
-    def write_shard_gated(self, name: str, data: bytes, gate: Callable[[], None]) -> None:
-        """``write_shard`` that calls ``gate()`` once the temporary is written and
-        fsynced, before the rename (``Capability.WRITES_GATED``): a store's intent
-        becomes durable meanwhile. When ``gate`` raises, the temporary is removed
-        (best effort: recovery sweeps a leftover one) and nothing is renamed."""
         final = self.path(name)
         tmp = final + TMP_SUFFIX
         self.fs.write_new(tmp, data)
         self.fs.fsync(tmp)
-        try:
-            gate()
-        except BaseException:
-            with contextlib.suppress(OSError):
-                self.fs.unlink(tmp)
-            raise
         self.fs.rename_new(tmp, final)
         self.fs.fsync_dir(self.directory)
 
@@ -109,14 +90,7 @@ class LocalRank:
             if self.fs.copies_on_read:
                 caps |= Capability.COPIES_ON_READ
             self.__dict__["_capabilities"] = caps
-        if self._writes_are_own():  # asked each time: a fault harness may patch write_shard later
-            caps |= Capability.WRITES_GATED
         return caps
-
-    def _writes_are_own(self) -> bool:
-        """False when ``write_shard`` is not this class's own (a subclass's override, or
-        one patched in by a fault harness): the gated write would go around it."""
-        return type(self).write_shard is _OWN_WRITE
 
     def _reads_are_own(self) -> bool:
         """False for a subclass that overrides ``read_shard`` or ``read_shard_into``: its
@@ -191,6 +165,3 @@ class LocalRank:
 
     def listdir(self) -> list[str]:
         return self.fs.listdir(self.directory)
-
-
-_OWN_WRITE = LocalRank.write_shard

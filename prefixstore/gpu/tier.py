@@ -24,10 +24,6 @@ never looks for a method by name:
 ``REPORTS_DURABILITY`` ``durable(name) -> bool | None``: whether the shard would
                     survive a power loss now (None: the tier cannot tell); a tier
                     that does not declare it is taken as durable
-``WRITES_GATED``    ``write_shard_gated(name, data, gate)``: ``write_shard`` that
-                    writes and fsyncs the shard's temporary, then calls ``gate()``
-                    before the rename; when ``gate`` raises, the temporary is
-                    removed, nothing is renamed and the error propagates
 =================  ============================================================
 
 A backing declares, when it is registered (``gpu/tiers/__init__.py``), what holds for
@@ -78,7 +74,6 @@ class Capability(enum.Flag):
     RANK_DIRS = enum.auto()
     READ_ONLY_OPEN = enum.auto()
     READS_FD = enum.auto()
-    WRITES_GATED = enum.auto()
 
 
 class RankIO(Protocol):
