@@ -53,12 +53,9 @@ REPRODUCED_BY = {
     "stale-prestaged": ("stale-prestaged.json", {"audit:1", "damaged", "miss"}),  # seed 0: op 1524, ~10 s
 }
 
-# Plants that show only when stores run at once (the campaign runs one op at a time):
-# each is caught by the crash test named here, which runs it under a planned interleaving.
+# Plants shown by a crash test of their own, named here (the campaign's catalog model
+# tells grouped commits by label, so it never takes back a removal the plant groups).
 CRASH_CAUGHT_BY = {
-    "dir-sync-stale-cover": "test_crash_dirsync.py::test_a_rename_taken_as_covered_by_a_fsync_begun_before_it_is_caught",
-    # the campaign's catalog model tells grouped commits by label, so it never takes back
-    # a removal this plant groups
     "evict-removal-unsynced": "test_crash_evict.py::test_unlinks_before_the_removal_is_durable_are_caught_by_a_power_loss",
     # the campaign never rebuilds a catalog
     "rebuild-quarantine-after-commit": "test_crash_rebuild_remote.py::test_a_rebuild_that_quarantines_after_its_commit_is_caught",

@@ -47,7 +47,6 @@ from prefixstore.engine.store import Storing
 from prefixstore.gpu import rank_server, shards, verify
 from prefixstore.gpu.ranks import TMP_SUFFIX, LocalRank, rank_dir_name
 from prefixstore.gpu.remote import Manifest, RemoteTier
-from prefixstore.gpu.sharedsync import Round, SharedSync
 
 
 @attrs.frozen
@@ -500,7 +499,7 @@ def _evict_removal_unsynced() -> Iterator[None]:
         yield
 
 
-# -- take a directory fsync begun before a rename as covering it ---------------------------
+# -- a catalog rebuild that commits before it quarantines ------------------------------------
 
 
 @contextlib.contextmanager
@@ -519,26 +518,6 @@ def _quarantine_after_commit() -> Iterator[None]:
     with _patched(rebuild, "quarantine_rejected", lambda *a: held.append(a)), \
             _patched(rebuild, "write_catalog", write_first):
         yield
-
-
-def _stale_cover() -> contextlib.AbstractContextManager[None]:
-    """``SharedSync.wait`` whose waiter, finding a sync running, takes that sync as
-    covering its change, though it began before the change was made."""
-    orig = SharedSync.wait
-
-    def wait(self: SharedSync, rnd: Round) -> None:
-        with self.cv:
-            running = self.running
-            if running is not None and running is not rnd:
-                while not running.done:
-                    self.waiting += 1
-                    self.cv.wait()
-                    self.waiting -= 1
-                if running.error is None:
-                    return
-        orig(self, rnd)
-
-    return _patched(SharedSync, "wait", wait)
 
 
 # -- the registry ------------------------------------------------------------------------------
@@ -680,14 +659,6 @@ PLANTS: dict[str, Plant] = {
             "victims return damaged (neither wholly there nor wholly gone)",
             engine_cls=_EvictRemovalUnsynced,
             patch=_evict_removal_unsynced,
-            config={"synchronous": "FULL"},
-        ),
-        Plant(
-            "dir-sync-stale-cover",
-            "a shard renamed into a rank directory while its fsync runs takes that fsync as covering it",
-            "a power loss after the store returned undoes its rename: an acknowledged store is lost "
-            "(tests/test_crash_dirsync.py)",
-            patch=_stale_cover,
             config={"synchronous": "FULL"},
         ),
         Plant(

@@ -13,7 +13,6 @@ import stat
 
 from prefixstore.base.errors import UnsafeDirectoryError
 from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS
-from prefixstore.gpu.sharedsync import SharedSync
 from prefixstore.gpu.tier import Capability
 
 SHARD_SUFFIX = ".st"
@@ -46,16 +45,12 @@ class LocalRank:
         self.directory = os.path.realpath(directory)
         self.fs = HookedFS(fs or OsFS(), hook or FaultHook(), rank)
         self.fs.makedirs(directory)
-        self.dir_sync = SharedSync(lambda: self.fs.fsync_dir(self.directory), f"fsync of {self.directory}")
-        """The directory fsync shared by the shards renamed in while none ran."""
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name)
 
     def write_shard(self, name: str, data: bytes) -> None:
-        """Write to a temporary name, fsync, rename into place, fsync the directory:
-        a fsync begun after the rename, shared with the shards renamed in meanwhile
-        (``dir_sync``). Returns once the shard is durable.
+        """Write to a temporary name, fsync, rename into place, fsync the directory.
 
         Raises OSError on any failure; a failed fsync is a failed write (never retried).
         """
@@ -64,7 +59,7 @@ class LocalRank:
         self.fs.write_new(tmp, data)
         self.fs.fsync(tmp)
         self.fs.rename_new(tmp, final)
-        self.dir_sync.wait(self.dir_sync.changed())
+        self.fs.fsync_dir(self.directory)
 
     def read_shard(self, name: str) -> bytes:
         return self.fs.read(self.path(name))
