@@ -11,7 +11,8 @@ reads (the engine that wrote it was SIGKILLed: its log and index lie beside it),
 second variant, is lost (emptied). A forked child runs the coordinator and both rank servers (threads) and SIGKILLs
 itself at one effect point of the repair: a rank server's quarantine rename or directory
 fsync, the move of
-the old catalog into ``lost+found/catalog-N/``, a catalog commit or log sync, or an
+the old catalog into ``lost+found/catalog-N/``, the fsync of that directory, of
+``lost+found/`` or of the cache's root, a catalog commit or log sync, or an
 effect of the recovery that follows. What comes next (the rebuild again, or an open of
 the catalog it committed) must then reach what an uninterrupted rebuild reaches: the
 same rows, a clean audit, every acknowledged store restoring bit for bit, every rank
@@ -19,8 +20,10 @@ directory holding exactly the files the catalog names, and every entry that was 
 before (none unlinked) in its rank directory or in ``lost+found/``.
 
 CI kills at five points of each variant (``ci_points`` and the last point);
-``PREFIXSTORE_MULTIHOST_FULL=1`` at every point (28 and 24, each before and after its effect). After a kill before the rebuilt
+``PREFIXSTORE_MULTIHOST_FULL=1`` at every point (34 and 30, each before and after its effect). After a kill before the rebuilt
 catalog's commit the rebuild runs again; after it, the engine opens that catalog as it is.
+A power loss (each rank directory, the cache's root and ``lost+found/catalog-N/`` back to
+their last fsync) after the commit, or after the rebuild returned, changes none of that.
 """
 
 from __future__ import annotations
@@ -300,8 +303,9 @@ def test_a_power_loss_after_the_rebuild_commits_keeps_what_it_quarantined(tmp_pa
     directory is as its last fsync left it. The rebuild makes its quarantines durable
     before it commits (a fsync of each rank directory it moved entries out of), so no
     rejected shard is back beside a catalog that does not name it (where the next open
-    would unlink it as an orphan): the open after it leaves what an uninterrupted rebuild
-    leaves."""
+    would unlink it as an orphan), and fsyncs the root before its commit (the cache's
+    root and ``lost+found/catalog-N/`` are taken back too, ``lose_power_at_root``): the
+    open after it leaves what an uninterrupted rebuild leaves."""
     base = str(tmp_path / "count")
     root = build(base)
     before = entries(base)
@@ -311,8 +315,10 @@ def test_a_power_loss_after_the_rebuild_commits_keeps_what_it_quarantined(tmp_pa
     root = build(base)
     for r in range(2):
         record_durable(base, r)
+    record_durable_dir(base, root)
     run_child(base, root, COMMIT)
     lose_power(base)
+    lose_power_at_root(base, root)
     assert reopened(base, root, before) == want
 
 
