@@ -11,7 +11,8 @@ reads (the engine that wrote it was SIGKILLed: its log and index lie beside it),
 second variant, is lost (emptied). A forked child runs the coordinator and both rank servers (threads) and SIGKILLs
 itself at one effect point of the repair: a rank server's quarantine rename or directory
 fsync, the move of
-the old catalog into ``lost+found/catalog-N/``, a catalog commit or log sync, or an
+the old catalog into ``lost+found/catalog-N/``, the fsync of that directory, of
+``lost+found/`` or of the cache's root, a catalog commit or log sync, or an
 effect of the recovery that follows. What comes next (the rebuild again, or an open of
 the catalog it committed) must then reach what an uninterrupted rebuild reaches: the
 same rows, a clean audit, every acknowledged store restoring bit for bit, every rank
@@ -19,8 +20,10 @@ directory holding exactly the files the catalog names, and every entry that was 
 before (none unlinked) in its rank directory or in ``lost+found/``.
 
 CI kills at five points of each variant (``ci_points`` and the last point);
-``PREFIXSTORE_MULTIHOST_FULL=1`` at every point (28 and 24, each before and after its effect). After a kill before the rebuilt
+``PREFIXSTORE_MULTIHOST_FULL=1`` at every point (34 and 30, each before and after its effect). After a kill before the rebuilt
 catalog's commit the rebuild runs again; after it, the engine opens that catalog as it is.
+A power loss (each rank directory, the cache's root and ``lost+found/catalog-N/`` back to
+their last fsync) after the commit, or after the rebuild returned, changes none of that.
 """
 
 from __future__ import annotations
@@ -112,6 +115,8 @@ class Durable(KillAt):
     def after(self, op: str, target: str, rank: int | None) -> None:
         if op == "fsync_dir" and rank is not None and os.path.basename(target) == f"rank{rank}":
             record_durable(self.base, rank)
+        elif op == "fsync_dir" and rank is None:
+            record_durable_dir(self.base, target)
         super().after(op, target, rank)
 
 
@@ -130,6 +135,51 @@ def lose_power(base: str) -> None:
         for name in sorted(set(durable) - set(os.listdir(d))):
             if os.path.lexists(os.path.join(found, name)):
                 os.rename(os.path.join(found, name), os.path.join(d, name))
+
+
+def record_durable_dir(base: str, path: str) -> None:
+    """The entries (name: inode) of a directory of the cache (its root, ``lost+found/``,
+    ``lost+found/catalog-N/``) once its fsync returned, in ``durable-dirs.json``."""
+    where = os.path.join(base, "durable-dirs.json")
+    durable = {}
+    if os.path.exists(where):
+        with open(where) as f:
+            durable = json.load(f)
+    listing = {e: os.lstat(os.path.join(path, e)).st_ino for e in os.listdir(path)}
+    durable[os.path.relpath(path, os.path.join(base, "cache"))] = listing
+    with open(where, "w") as f:
+        json.dump(durable, f)
+
+
+def lose_power_at_root(base: str, root: str) -> None:
+    """The cache's root and each ``lost+found/catalog-N/`` as a power loss leaves them:
+    as their last fsync (``record_durable_dir``) left them (the tree ``build`` left
+    counts as durable; a directory's own entry once made, as in ``fuzz/faultfs.py``).
+    In the root, a file made or moved in since is gone, one moved out since (into
+    ``catalog-N/``) is back under its name; in ``catalog-N/`` a file moved in since is
+    gone. One unlinked since (the log and index SQLite checkpointed and removed at
+    close) is not brought back: its bytes are gone here, and the database holds its
+    frames. SQLite fsyncs the root itself when it first syncs a new catalog's journal
+    (3.40 here, ``synchronous=FULL``) but ignores a failure of that fsync: the model
+    counts only the engine's own directory fsyncs (reported to the hook)."""
+    with open(os.path.join(base, "durable-dirs.json")) as f:
+        durable = json.load(f)
+    lf = os.path.join(root, "lost+found")
+    moved = [os.path.join(lf, d) for d in sorted(os.listdir(lf)) if d.startswith("catalog-")]
+    kept = durable["."]
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path) and kept.get(name) != os.lstat(path).st_ino:
+            os.unlink(path)
+    where = {os.lstat(os.path.join(d, e)).st_ino: os.path.join(d, e) for d in moved for e in os.listdir(d)}
+    for name, ino in sorted(kept.items()):
+        if not os.path.lexists(os.path.join(root, name)) and ino in where:
+            os.rename(where[ino], os.path.join(root, name))
+    for d in moved:
+        synced = durable.get(os.path.relpath(d, root), {})
+        for name in sorted(os.listdir(d)):
+            if synced.get(name) != os.lstat(os.path.join(d, name)).st_ino:
+                os.unlink(os.path.join(d, name))
 
 
 def rebuild_child(base: str, root: str, spec: list | None, out: int) -> None:
@@ -253,8 +303,9 @@ def test_a_power_loss_after_the_rebuild_commits_keeps_what_it_quarantined(tmp_pa
     directory is as its last fsync left it. The rebuild makes its quarantines durable
     before it commits (a fsync of each rank directory it moved entries out of), so no
     rejected shard is back beside a catalog that does not name it (where the next open
-    would unlink it as an orphan): the open after it leaves what an uninterrupted rebuild
-    leaves."""
+    would unlink it as an orphan), and fsyncs the root before its commit (the cache's
+    root and ``lost+found/catalog-N/`` are taken back too, ``lose_power_at_root``): the
+    open after it leaves what an uninterrupted rebuild leaves."""
     base = str(tmp_path / "count")
     root = build(base)
     before = entries(base)
@@ -264,6 +315,55 @@ def test_a_power_loss_after_the_rebuild_commits_keeps_what_it_quarantined(tmp_pa
     root = build(base)
     for r in range(2):
         record_durable(base, r)
+    record_durable_dir(base, root)
     run_child(base, root, COMMIT)
     lose_power(base)
+    lose_power_at_root(base, root)
     assert reopened(base, root, before) == want
+
+
+def returned_then_power_lost(base: str, lost: bool = False) -> str:
+    """``build``, the rebuild run to its end (it returns), then a power loss: each rank
+    directory and the cache's root (with ``lost+found/catalog-N/``) as their last fsync
+    left them (``lose_power``, ``lose_power_at_root``). The cache's root."""
+    root = build(base, lost)
+    for r in range(2):
+        record_durable(base, r)
+    record_durable_dir(base, root)
+    run_child(base, root, None)
+    lose_power(base)
+    lose_power_at_root(base, root)
+    return root
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["readable-catalog", "lost-catalog"])
+def test_a_power_loss_after_the_rebuild_returned_keeps_the_rebuilt_catalog(tmp_path, lost):
+    """The rebuild returned (the repair reported success), then a power loss
+    (``returned_then_power_lost``). The rebuild fsyncs ``lost+found/catalog-N/``
+    and ``lost+found/`` once it moved the old catalog there, and the root once the new
+    catalog exists, before its commit: the old catalog's names do not come back, its
+    files are kept, and the new one's entry is not lost. The next open finds the rebuilt catalog as
+    an uninterrupted run leaves it, and the old one in ``lost+found/``."""
+    base = str(tmp_path / "count")
+    root = build(base, lost)
+    before = entries(base)
+    run_child(base, root, None)
+    want = reopened(base, root, before)
+    base = str(tmp_path / "cache")
+    root = returned_then_power_lost(base, lost)
+    assert reopened(base, root, before) == want
+
+
+def test_a_rebuild_that_leaves_the_root_unsynced_is_caught(tmp_path):
+    """The plant ``rebuild-root-unsynced``: after the power loss the old catalog (its
+    log and index too) is back in the root in place of the rebuilt one, and the next open
+    takes it: V and W, which the rebuild moved to ``lost+found/`` on both ranks, are
+    rows again (damaged), and ``lost+found/catalog-1/`` is empty."""
+    base = str(tmp_path / "cache")
+    with plants.get("rebuild-root-unsynced").active():
+        root = returned_then_power_lost(base)
+    assert {"catalog.sqlite", "catalog.sqlite-wal"} <= set(os.listdir(root))
+    with Engine.open(root, LAYOUT, CAP, ranks=[LocalRank(r, host_rank_dir(base, r)) for r in range(2)]) as eng:
+        states = dict(eng.catalog.query("SELECT key, state FROM nodes"))
+    assert states[key_at(V)] == states[key_at(W)] == "damaged", states
+    assert not os.listdir(os.path.join(root, "lost+found", "catalog-1")), "the old catalog's files are back"

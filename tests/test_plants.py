@@ -59,6 +59,7 @@ CRASH_CAUGHT_BY = {
     "evict-removal-unsynced": "test_crash_evict.py::test_unlinks_before_the_removal_is_durable_are_caught_by_a_power_loss",
     # the campaign never rebuilds a catalog
     "rebuild-quarantine-after-commit": "test_crash_rebuild_remote.py::test_a_rebuild_that_quarantines_after_its_commit_is_caught",
+    "rebuild-root-unsynced": "test_crash_rebuild_remote.py::test_a_rebuild_that_leaves_the_root_unsynced_is_caught",
     # the campaign's lost-commits model takes the removal as synced by its label
     "removal-taken-as-synced": "test_crash_evict.py::test_a_removal_taken_as_synced_under_normal_is_caught_by_a_power_loss",
 }

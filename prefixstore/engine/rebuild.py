@@ -28,10 +28,16 @@ Steps, with the directory lock held and no engine running:
    moved out of is fsynced before step 5: an entry still there (or back after a power
    loss) once the new catalog is committed would be an orphan to it, unlinked by the
    next open.
-5. The old catalog files move to ``lost+found/catalog-N/``; a new catalog is written
-   in one commit. A crash before that commit leaves a directory the next repair
-   rebuilds again; after it, one the engine opens as it is
-   (``tests/test_crash_rebuild_remote.py``).
+5. The old catalog files (``catalog.sqlite`` and whichever of its ``-wal``, ``-shm``
+   and ``-journal`` are there) move to ``lost+found/catalog-N/``; that directory and
+   ``lost+found/`` are fsynced. A new catalog is created, then the cache's root is
+   fsynced (the old names' removal and the new catalog's entry durable at once, after
+   their new home is), and the catalog is written in one commit. A crash before that
+   commit leaves a directory the next repair rebuilds again; after it (a power loss
+   included), one the engine opens as it is (``tests/test_crash_rebuild_remote.py``).
+   SQLite fsyncs the root itself when it first syncs a new catalog's journal, but
+   ignores a failure of that fsync and never syncs ``lost+found/``: the rebuild does
+   not count on it.
 
 Shard bytes are covered by their checksums only once a catalog records them: a bit flip
 inside a tensor's data that happened while the catalog was lost cannot be told from
@@ -64,7 +70,7 @@ from prefixstore.engine.catalog import LOG_SUFFIXES, Catalog, catalog_path
 from prefixstore.engine.trust import RANK_DIR_RE
 from prefixstore.gpu import shards
 from prefixstore.gpu.diskroom import DiskRoom
-from prefixstore.gpu.fileio import open_regular
+from prefixstore.gpu.fileio import FaultHook, FileSystem, HookedFS, OsFS, open_regular
 from prefixstore.gpu.ranks import LocalRank, rank_dir_name, shard_name
 
 _JOURNAL_SUFFIX = "-journal"
@@ -322,9 +328,17 @@ def _check_ranks(root: str, ranks: Sequence[Any], layout: Layout, named: bool) -
         )
 
 
-def _move_old_catalog(root: str, hook: Any = None) -> list[str]:
-    """Move the catalog's files into a new ``lost+found/catalog-N/`` (main file first);
-    each rename is reported to ``hook`` (op ``rename``, no rank)."""
+def _dirs(fs: FileSystem | None, hook: Any) -> HookedFS:
+    """The file system that fsyncs the cache's own directories (effects reported to
+    ``hook`` with no rank)."""
+    return HookedFS(fs or OsFS(), hook or FaultHook(), None)
+
+
+def _move_old_catalog(root: str, hook: Any = None, fs: FileSystem | None = None) -> list[str]:
+    """Move the catalog's files into a new ``lost+found/catalog-N/`` (main file first),
+    then fsync that directory and ``lost+found/`` (``write_catalog`` fsyncs ``root``).
+    Each rename is reported to ``hook`` (op ``rename``, no rank), and each directory
+    fsync (op ``fsync_dir``)."""
     path = catalog_path(root)
     present = [path + s for s in ("", *LOG_SUFFIXES, _JOURNAL_SUFFIX) if os.path.lexists(path + s)]
     if not present:
@@ -344,6 +358,9 @@ def _move_old_catalog(root: str, hook: Any = None) -> list[str]:
         if hook is not None:
             hook.after("rename", p, None)
         out.append(f"{os.path.basename(p)} to {LOST_FOUND}/catalog-{n}/")
+    dirs = _dirs(fs, hook)
+    for d in (dest, lf):
+        dirs.fsync_dir(d)
     return out
 
 
@@ -374,8 +391,8 @@ def rebuild(root: str, why: str, *, rank_dirs: Sequence[str] | None = None, layo
     quarantine_rejected(rep, bad + [(by_rank[r], n, w) for r, n, w in misfits] + rejected, L.ranks)
     total = sum(x.size for c in adopted for x in c.pieces.values())
     rep.capacity = int(capacity) if capacity is not None else max(total, 1)
-    rep.old_catalog = _move_old_catalog(root, hook)
-    write_catalog(root, L, rep.capacity, adopted, hook)
+    rep.old_catalog = _move_old_catalog(root, hook, fs)
+    write_catalog(root, L, rep.capacity, adopted, hook, fs)
     rep.layout, rep.nodes, rep.files = L.to_json(), len(adopted), len(keep)
     rep.damaged = sum(1 for c in adopted if not c.complete)
     return rep
@@ -396,10 +413,14 @@ def quarantine_rejected(rep: RebuildReport, moves: Sequence[tuple[Any, str, str]
         rank.sync_dir()
 
 
-def write_catalog(root: str, layout: Layout, capacity: int, adopted: Sequence[Candidate], hook: Any) -> None:
-    """A new catalog holding ``adopted`` (parents first), in one commit."""
+def write_catalog(root: str, layout: Layout, capacity: int, adopted: Sequence[Candidate], hook: Any,
+                  fs: FileSystem | None = None) -> None:
+    """A new catalog holding ``adopted`` (parents first), in one commit; ``root`` is
+    fsynced between the catalog's creation and that commit, so a power loss after the
+    commit neither takes the catalog's entry nor brings back an old catalog's names."""
     cat = Catalog(root, hook=hook, before_write=DiskRoom(root).before_catalog_write)
     try:
+        _dirs(fs, hook).fsync_dir(root)
         used = {id(c): i + 1 for i, c in enumerate(sorted(adopted, key=lambda c: (c.mtime, c.prov.key)))}
         with cat.txn("repair.rebuild") as c:
             cat.set_meta(c, "layout", layout.to_json())

@@ -520,6 +520,19 @@ def _quarantine_after_commit() -> Iterator[None]:
         yield
 
 
+class _NoDirSync:
+    """Directory fsyncs that do nothing."""
+
+    def fsync_dir(self, path: str) -> None:
+        pass
+
+
+def _root_unsynced() -> contextlib.AbstractContextManager[None]:
+    """A catalog rebuild that never fsyncs the cache's root or ``lost+found/``: a power
+    loss after it returned brings the old catalog's names back and takes the new one's."""
+    return _patched(rebuild, "_dirs", lambda fs, hook: _NoDirSync())
+
+
 # -- the registry ------------------------------------------------------------------------------
 
 _SNAP_RETIRE = {"snapshot": True, "policy": "prefixstore"}
@@ -667,6 +680,14 @@ PLANTS: dict[str, Plant] = {
             "killed between the two, the next open takes the rejected shards for orphans and unlinks "
             "them (tests/test_crash_rebuild_remote.py)",
             patch=_quarantine_after_commit,
+        ),
+        Plant(
+            "rebuild-root-unsynced",
+            "a catalog rebuild fsyncs neither the cache's root after it moved the old catalog "
+            "aside and created the new one, nor lost+found/",
+            "a power loss after the rebuild returned brings the old catalog back in place of the "
+            "rebuilt one (tests/test_crash_rebuild_remote.py)",
+            patch=_root_unsynced,
         ),
         Plant(
             "skip-barrier",
