@@ -553,3 +553,23 @@ def test_coordinator_crash_at_every_effect_ranks_in_separate_dirs(tmp_path, rank
         assert cases["acknowledged"] == 3 and cases["published"] and cases["rolled back"], cases
     else:
         assert cases["rolled back"] == len(crash_points(counter.count, acked_at)), cases
+
+
+@pytest.mark.parametrize("made", [True, False])
+def test_a_quarantined_entry_is_durable_in_its_new_directory(tmp_path, monkeypatch, made):
+    """A quarantine fsyncs ``lost+found/rankR/`` after the move (where its entry now
+    is), and a ``lost+found/`` or ``rankR/`` folder it made in that folder's parent:
+    a power loss must not leave the entry in neither directory."""
+    rank = LocalRank(0, str(tmp_path / rank_dir_name(0)))
+    lf = tmp_path / "lost+found"
+    if not made:
+        (lf / rank_dir_name(0)).mkdir(parents=True)
+    with open(rank.path("junk.txt"), "w") as f:
+        f.write("x")
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    dest = rank.quarantine("junk.txt")
+    assert dest == str(lf / rank_dir_name(0) / "junk.txt") and os.path.exists(dest)
+    assert synced[0] == str(lf / rank_dir_name(0))
+    assert synced[1:] == ([str(lf), str(tmp_path)] if made else [])

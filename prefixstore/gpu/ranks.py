@@ -134,12 +134,16 @@ class LocalRank:
     def quarantine(self, entry: str) -> str:
         """Move a foreign entry (itself, never what a symlink points to) out of the
         rank directory into ``lost+found``; UnsafeDirectoryError when ``lost+found`` or
-        its rank folder is a symlink or not a directory."""
+        its rank folder is a symlink or not a directory. The entry's new directory is
+        fsynced after the move (and a folder made for it, in its parent); the caller
+        fsyncs the rank directory it left."""
         parent = os.path.join(os.path.dirname(self.directory), "lost+found")
         dest_dir = os.path.join(parent, os.path.basename(self.directory))
+        made: list[str] = []
         for d in (parent, dest_dir):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(d)
+                made.append(os.path.dirname(d))
             if os.path.islink(d) or not os.path.isdir(d):
                 raise UnsafeDirectoryError(f"{d} is a symlink or not a directory; nothing was moved into it")
         n, dest = 0, entry
@@ -151,10 +155,17 @@ class LocalRank:
             dst_fd = os.open(dest_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
             try:
                 os.rename(entry, dest, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                os.fsync(dst_fd)
             finally:
                 os.close(dst_fd)
         finally:
             os.close(src_fd)
+        for d in reversed(made):  # lost+found/ before the root: each new folder's entry
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         return os.path.join(dest_dir, dest)
 
     def sync_dir(self) -> None:
