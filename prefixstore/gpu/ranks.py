@@ -161,11 +161,7 @@ class LocalRank:
         finally:
             os.close(src_fd)
         for d in reversed(made):  # lost+found/ before the root: each new folder's entry
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            OsFS().fsync_dir(d)
         return os.path.join(dest_dir, dest)
 
     def sync_dir(self) -> None:
