@@ -130,6 +130,7 @@ class Counters:
     prefill_s: TallyHistogram
     _lock: threading.Lock
     _children: dict[tuple[str, str | None], tuple[Any, str]]
+    _live: dict[str, Callable[[], float]]
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -140,6 +141,7 @@ class Counters:
         self.last_decision: dict[str, Any] | None = None
         self.looked: _Tally[str] = _Tally()
         self._children: dict[tuple[str, str | None], tuple[Any, str]] = {}
+        self._live: dict[str, Callable[[], float]] = {}
         self.lookups = TallyCounter(self, "lookups", "prefixstore_lookups", "Lookup outcomes", "outcome")
         r.register(self.lookups)
         self.stores = Counter("prefixstore_stores", "Store results", ["result"], registry=r)
@@ -220,6 +222,13 @@ class Counters:
         """Expose live values (read at scrape time) as ``prefixstore_state{kind=...}``."""
         for k, fn in live.items():
             self.state.labels(k).set_function(fn)
+        self._live.update(live)
+
+    def live(self, kind: str) -> float:
+        """The live value ``prefixstore_state{kind}`` reports, read without a scrape (which
+        collects every metric of the registry); 0 when nothing watches ``kind``."""
+        fn = self._live.get(kind)
+        return 0 if fn is None else fn()
 
     def tallies(self) -> dict[str, int]:
         """The event counts alone (``family.label -> count``), without the seconds sums."""
