@@ -311,26 +311,20 @@ def test_a_power_loss_after_the_rebuild_commits_keeps_what_it_quarantined(tmp_pa
     before = entries(base)
     run_child(base, root, None)
     want = reopened(base, root, before)
-    base = str(tmp_path / "cache")
-    root = build(base)
-    for r in range(2):
-        record_durable(base, r)
-    record_durable_dir(base, root)
-    run_child(base, root, COMMIT)
-    lose_power(base)
-    lose_power_at_root(base, root)
-    assert reopened(base, root, before) == want
+    root = returned_then_power_lost(str(tmp_path / "cache"), at=COMMIT)
+    assert reopened(str(tmp_path / "cache"), root, before) == want
 
 
-def returned_then_power_lost(base: str, lost: bool = False) -> str:
-    """``build``, the rebuild run to its end (it returns), then a power loss: each rank
-    directory and the cache's root (with ``lost+found/catalog-N/``) as their last fsync
-    left them (``lose_power``, ``lose_power_at_root``). The cache's root."""
+def returned_then_power_lost(base: str, lost: bool = False, at: list | None = None) -> str:
+    """``build``, the rebuild run to its end (it returns) or killed at point ``at``, then a
+    power loss: each rank directory and the cache's root (with ``lost+found/catalog-N/``)
+    as their last fsync left them (``lose_power``, ``lose_power_at_root``). The cache's
+    root."""
     root = build(base, lost)
     for r in range(2):
         record_durable(base, r)
     record_durable_dir(base, root)
-    run_child(base, root, None)
+    run_child(base, root, at)
     lose_power(base)
     lose_power_at_root(base, root)
     return root
