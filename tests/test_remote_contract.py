@@ -19,6 +19,7 @@ from conftest import node_at, store_tokens, tokens_for
 from remote_backends import (
     BACKENDS,
     BUDGET,
+    PATIENT,
     Remote,
     assert_clean,
     blob_of,
@@ -58,10 +59,10 @@ def remote_fixture(served, request) -> Remote:
 
 def test_two_engines_share_checkpoints_bit_for_bit(remote, tmp_path):
     family = tokens_for(7, 6)
-    with remote.open(tmp_path / "a", write_behind=True) as a:
+    with remote.open(tmp_path / "a", PATIENT, write_behind=True) as a:
         assert store_tokens(a, family[:8]).ok and store_tokens(a, family).ok
     # close() flushed the write-behind queue
-    with remote.open(tmp_path / "b") as b:
+    with remote.open(tmp_path / "b", PATIENT) as b:
         assert store_tokens(b, family[:8]).ok  # b holds the first 2 blocks locally
         m = b.lookup(prefix(family))
         assert m.hit and m.source == "remote" and m.blocks == 6
@@ -76,7 +77,7 @@ def test_two_engines_share_checkpoints_bit_for_bit(remote, tmp_path):
         assert s["counters"]["remote.restored"] == 1 and s["counters"]["remote.kept_local"] == 1
         assert s["remote"]["writes"] == 1 and s["remote"]["verify_failures"] == 0
         assert_clean(b, remote)
-    with remote.open(tmp_path / "c") as c:  # nothing local: the whole path from the store
+    with remote.open(tmp_path / "c", PATIENT) as c:  # nothing local: the whole path from the store
         m = c.lookup(prefix(family))
         assert [(x.start, x.end) for x in m.remote.hit.path] == [(0, 2), (2, 6)]
         restored_exactly(c, family, c.restore(m))
@@ -86,7 +87,7 @@ def test_two_engines_share_checkpoints_bit_for_bit(remote, tmp_path):
 
 
 def test_a_tampered_blob_is_a_counted_miss_and_a_lost_one_is_forgotten(remote, tmp_path):
-    a, b, own = two_engines(remote, tmp_path)
+    a, b, own = two_engines(remote, tmp_path, PATIENT)
     try:
         y, z = tokens_for(2, 4), tokens_for(3, 4)
         assert store_tokens(a, y).ok and store_tokens(a, z).ok
@@ -175,14 +176,14 @@ def keys_in_env_fixture(monkeypatch):
 
 def test_engines_with_the_shared_key_share_and_others_miss(remote, tmp_path, keys_in_env):
     tokens = tokens_for(4, 5)
-    with remote.open(tmp_path / "a", auth_key_env="PS_TEST_KEY") as a:
+    with remote.open(tmp_path / "a", PATIENT, auth_key_env="PS_TEST_KEY") as a:
         assert store_tokens(a, tokens).ok
-    with remote.open(tmp_path / "b", auth_key_env="PS_TEST_KEY") as b:
+    with remote.open(tmp_path / "b", PATIENT, auth_key_env="PS_TEST_KEY") as b:
         m = b.lookup(prefix(tokens))
         assert m.source == "remote"
         restored_exactly(b, tokens, b.restore(m))
     for name, options in (("c", {}), ("d", {"auth_key_env": "PS_TEST_OTHER"})):
-        with remote.open(tmp_path / name, **options) as other:  # no key, another key
+        with remote.open(tmp_path / name, PATIENT, **options) as other:  # no key, another key
             assert not other.lookup(prefix(tokens)).hit
             assert other.stats()["remote"]["verify_failures"] == 1
 

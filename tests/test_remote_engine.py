@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import node_at, store_tokens, tokens_for
 from redis_servers import RedisServer, redis_cluster_fixture, redis_server_fixture  # noqa: F401
-from remote_backends import local_unaffected, prefix, restore_or_miss
+from remote_backends import PATIENT, local_unaffected, prefix, restore_or_miss
 from remote_engine_worker import LAYOUT, request, restored_exactly
 from remote_helpers import timed, wait_until, within
 
@@ -29,12 +29,13 @@ from prefixstore.gpu.remote import RemoteConfig
 from prefixstore.statemachine.cost import CostModel
 
 BUDGET = {"lookup_timeout": 0.3, "restore_timeout": 0.6, "write_timeout": 0.6, "reconnect_interval": 0.05}
+"""Tight budgets, for the fault tests that bound a call by its budget."""
 WORKER = Path(__file__).with_name("remote_engine_worker.py")
 
 
-def open_engine(path, url: str, **options) -> Engine:
+def open_engine(path, url: str, budget: dict = BUDGET, **options) -> Engine:
     return Engine.open(path, LAYOUT, 1 << 30, remote=url,
-                       remote_options={**BUDGET, "write_behind": False, **options})
+                       remote_options={**budget, "write_behind": False, **options})
 
 
 def assert_clean(eng: Engine) -> None:
@@ -78,10 +79,10 @@ def test_options_are_checked_and_a_password_is_never_stored_or_logged(tmp_path, 
 
 def test_one_engine_stores_another_restores_bit_for_bit_and_keeps_a_copy(redis_server, tmp_path):
     family = tokens_for(7, 6)
-    with open_engine(tmp_path / "a", redis_server.url, write_behind=True) as a:
+    with open_engine(tmp_path / "a", redis_server.url, PATIENT, write_behind=True) as a:
         assert store_tokens(a, family[:8]).ok and store_tokens(a, family).ok
     # close() flushed the write-behind queue
-    with open_engine(tmp_path / "b", redis_server.url) as b:
+    with open_engine(tmp_path / "b", redis_server.url, PATIENT) as b:
         assert store_tokens(b, family[:8]).ok  # b holds the first 2 blocks locally
         m = b.lookup(prefix(family))
         assert m.hit and m.source == "remote" and m.blocks == 6 and m.path == ()
@@ -107,9 +108,9 @@ def test_one_engine_stores_another_restores_bit_for_bit_and_keeps_a_copy(redis_s
 
 def test_a_remote_path_built_on_the_local_part_misses_when_that_part_goes(redis_server, tmp_path):
     family = tokens_for(8, 6)
-    with open_engine(tmp_path / "a", redis_server.url) as a:
+    with open_engine(tmp_path / "a", redis_server.url, PATIENT) as a:
         assert store_tokens(a, family[:8]).ok and store_tokens(a, family).ok
-    with open_engine(tmp_path / "b", redis_server.url) as b:
+    with open_engine(tmp_path / "b", redis_server.url, PATIENT) as b:
         assert store_tokens(b, family[:8]).ok
         m = b.lookup(prefix(family))
         assert m.source == "remote" and m.remote.hit.path[0].start == 2
@@ -124,10 +125,10 @@ def test_a_remote_path_built_on_the_local_part_misses_when_that_part_goes(redis_
 
 def test_pinning_a_remote_path_built_on_the_local_part_holds_that_part(redis_server, tmp_path):
     family = tokens_for(9, 6)
-    with open_engine(tmp_path / "a", redis_server.url) as a:
+    with open_engine(tmp_path / "a", redis_server.url, PATIENT) as a:
         assert store_tokens(a, family[:8]).ok and store_tokens(a, family).ok
         whole = a.lookup(prefix(family))
-    with open_engine(tmp_path / "b", redis_server.url) as b:
+    with open_engine(tmp_path / "b", redis_server.url, PATIENT) as b:
         assert store_tokens(b, family[:8]).ok
         m = b.lookup(prefix(family))
         assert m.source == "remote" and m.remote.hit.path[0].start == 2
@@ -136,7 +137,7 @@ def test_pinning_a_remote_path_built_on_the_local_part_holds_that_part(redis_ser
             assert b.evict(prefix=prefix(family[:8])) == 0  # pinned: refused
             restored_exactly(b, family, b.restore(m))
         assert whole.source == "local"
-    with open_engine(tmp_path / "c", redis_server.url) as c:
+    with open_engine(tmp_path / "c", redis_server.url, PATIENT) as c:
         m = c.lookup(prefix(family))  # nothing local: the whole path from Redis, nothing to pin
         assert m.source == "remote" and m.remote.hit.path[0].start == 0
         assert not c.pin(m)
@@ -145,17 +146,17 @@ def test_pinning_a_remote_path_built_on_the_local_part_holds_that_part(redis_ser
 
 def test_the_cost_rule_weighs_the_remote_with_its_measured_bandwidth(redis_server, tmp_path):
     tokens = tokens_for(3, 5)
-    with open_engine(tmp_path / "a", redis_server.url) as a:
+    with open_engine(tmp_path / "a", redis_server.url, PATIENT) as a:
         assert store_tokens(a, tokens).ok
     # prefill nearly free: no transfer is worth it; prefill dear: the remote is
     cheap = CostModel(prefill_s_per_token=1e-12, prefill_s_per_token2=0.0)
     with Engine.open(tmp_path / "b", LAYOUT, 1 << 30, remote=redis_server.url, cost=cheap,
-                     remote_options={**BUDGET, "write_behind": False}) as b:
+                     remote_options={**PATIENT, "write_behind": False}) as b:
         m = b.lookup(prefix(tokens))
         assert not m.hit and b.stats()["counters"]["remote.rejected_cost"] == 1
     dear = CostModel(prefill_s_per_token=1.0)
     with Engine.open(tmp_path / "c", LAYOUT, 1 << 30, remote=redis_server.url, cost=dear,
-                     remote_options={**BUDGET, "write_behind": False}) as c:
+                     remote_options={**PATIENT, "write_behind": False}) as c:
         m = c.lookup(prefix(tokens))
         assert m.hit and m.source == "remote" and m.transfer_s is not None and m.transfer_s < m.prefill_s
         restored_exactly(c, tokens, c.restore(m))
@@ -317,9 +318,9 @@ def test_a_reader_s_clean_up_never_deletes_another_engine_s_new_checkpoint(redis
     manifest it read: B's stays, and a third engine restores B's checkpoint bit for bit."""
     family = tokens_for(10, 5)
     client = redis_server.client()
-    with open_engine(tmp_path / "w", redis_server.url) as w:
+    with open_engine(tmp_path / "w", redis_server.url, PATIENT) as w:
         assert store_tokens(w, family[:8]).ok and store_tokens(w, family).ok
-    a, b = open_engine(tmp_path / "a", redis_server.url), open_engine(tmp_path / "b", redis_server.url)
+    a, b = open_engine(tmp_path / "a", redis_server.url, PATIENT), open_engine(tmp_path / "b", redis_server.url, PATIENT)
     try:
         m = a.lookup(prefix(family))
         assert [(x.start, x.end) for x in m.remote.hit.path] == [(0, 2), (2, 5)]
@@ -336,7 +337,7 @@ def test_a_reader_s_clean_up_never_deletes_another_engine_s_new_checkpoint(redis
         a.remote._forget = b_writes_first
         assert a.restore(m) is None
         assert wait_until(lambda: a.stats()["remote"]["forgotten"] + a.stats()["remote"].get("superseded", 0) == 1)
-        with open_engine(tmp_path / "c", redis_server.url) as c:
+        with open_engine(tmp_path / "c", redis_server.url, PATIENT) as c:
             m = c.lookup(prefix(family))
             assert m.source == "remote" and [(x.start, x.end) for x in m.remote.hit.path] == [(0, 5)]
             restored_exactly(c, family, c.restore(m))
