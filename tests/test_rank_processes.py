@@ -31,6 +31,7 @@ import time
 
 import pytest
 from conftest import BT, assert_restores, make_layout, node_at, store_tokens, tokens_for
+from remote_helpers import wait_until
 
 from prefixstore.base.errors import RankUnavailableError
 from prefixstore.base.keys import Prefix
@@ -502,11 +503,18 @@ def test_audit_exits_3_naming_a_rank_whose_server_is_stopped(tmp_path, capsys):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [spawn_rank(r, d, f"tcp://127.0.0.1:{port}", str(tmp_path / f"rank{r}.log"), cli=True)
-                 for r, d in enumerate(dirs)]
+        logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+        for f in logs:
+            f.unlink(missing_ok=True)
+        procs = [spawn_rank(r, d, f"tcp://127.0.0.1:{port}", str(logs[r]), cli=True) for r, d in enumerate(dirs)]
         try:
             if stop is not None:
                 os.kill(procs[stop].pid, signal.SIGSTOP)
+            # a loaded machine takes seconds to start a process that imports torch: the
+            # audit's --rank-timeout starts once the serving ones are up
+            waiting = [f for r, f in enumerate(logs) if r != stop]
+            assert wait_until(lambda: all(f.exists() and b"waiting for the coordinator" in f.read_bytes()
+                                          for f in waiting), timeout=120), _logs(tmp_path)
             rc = main(["audit", root, "--json", "--ranks", f"tcp://127.0.0.1:{port}", "--rank-timeout",
                        "20" if stop is None else "10"])
         finally:
