@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import assert_restores, key_at, store_tokens
@@ -98,17 +99,25 @@ def test_a_store_acknowledged_before_its_group_sync_is_caught(killed):
 
 
 class FailOneWrite(FaultHook):
-    """EIO on rank 1's shard write of the store whose key is ``key``; each log sync is
-    slowed so that the stores in flight share it."""
+    """EIO on rank 1's shard write of the store whose key is ``key``, once ``beside``
+    stores (itself included) were seen in flight during that write (waiting up to 10 s:
+    on a loaded machine the others may start only after it); each log sync is slowed
+    so that the stores in flight share it."""
 
-    def __init__(self, key: bytes) -> None:
-        self.key, self.in_flight, self.eng = key.hex(), 0, None
+    def __init__(self, key: bytes, beside: int = 3) -> None:
+        self.key, self.beside, self.eng = key.hex(), beside, None
+        self.seen: set[int] = set()  # the transactions in flight during the failing write
 
     def before(self, op, target, rank):
         if op == "sync":
             threading.Event().wait(0.02)
         if op == "write" and rank == 1 and self.key in os.path.basename(target):
-            self.in_flight = len({t for t in self.eng.holds.inflight_blocks.values()})
+            deadline = time.monotonic() + 10.0
+            while True:
+                self.seen |= set(self.eng.holds.inflight_blocks.values())  # one C call: no resize mid-read
+                if len(self.seen) >= self.beside or time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
             raise OSError(errno.EIO, "injected EIO on one store's write", target)
 
 
@@ -132,7 +141,7 @@ def test_a_write_fault_on_one_store_of_a_group_fails_only_that_store(tmp_path):
             x.join()
         assert results[bad].status == FAILED and "injected EIO" in results[bad].reason, results[bad]
         assert all(results[i].status == STORED for i in range(len(todo)) if i != bad), results
-        assert hook.in_flight >= 3  # the failed write had other stores in flight beside it
+        assert len(hook.seen) >= 3  # the failed write had other stores in flight beside it
         wal = eng.catalog.wal
         assert wal.syncs < wal.written  # their commits shared syncs
         for i, t in enumerate(todo):

@@ -327,6 +327,19 @@ def _logs(tmp_path) -> str:
     return "\n".join(out)
 
 
+def holds_flock(pid: int, path: str) -> bool:
+    """Whether process ``pid`` holds a flock on ``path`` (read from /proc/locks, so the
+    lock is never contended: a rank server that finds its directory locked exits)."""
+    ino = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()  # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF"
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[4] == str(pid) \
+                    and fields[5].rsplit(":", 1)[-1] == str(ino):
+                return True
+    return False
+
+
 def _reap(procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -503,18 +516,15 @@ def test_audit_exits_3_naming_a_rank_whose_server_is_stopped(tmp_path, capsys):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-        for f in logs:
-            f.unlink(missing_ok=True)
-        procs = [spawn_rank(r, d, f"tcp://127.0.0.1:{port}", str(logs[r]), cli=True) for r, d in enumerate(dirs)]
+        procs = [spawn_rank(r, d, f"tcp://127.0.0.1:{port}", str(tmp_path / f"rank{r}.log"), cli=True)
+                 for r, d in enumerate(dirs)]
         try:
             if stop is not None:
                 os.kill(procs[stop].pid, signal.SIGSTOP)
             # a loaded machine takes seconds to start a process that imports torch: the
-            # audit's --rank-timeout starts once the serving ones are up
-            waiting = [f for r, f in enumerate(logs) if r != stop]
-            assert wait_until(lambda: all(f.exists() and b"waiting for the coordinator" in f.read_bytes()
-                                          for f in waiting), timeout=120), _logs(tmp_path)
+            # audit's --rank-timeout starts once the serving ones hold their directories
+            serving = [(p, dirs[r]) for r, p in enumerate(procs) if r != stop]
+            assert wait_until(lambda: all(holds_flock(p.pid, d) for p, d in serving), timeout=120), _logs(tmp_path)
             rc = main(["audit", root, "--json", "--ranks", f"tcp://127.0.0.1:{port}", "--rank-timeout",
                        "20" if stop is None else "10"])
         finally:

@@ -182,8 +182,6 @@ class RankServer:
             except BlockingIOError:
                 raise LockedError(f"{self.directory} is served by another rank process") from None
             local = LocalRank(self.rank, self.directory, self.fs, self.hook)
-            print(f"rank-server: rank {self.rank}: serving {self.directory}; waiting for the coordinator "
-                  f"at {self.host}:{self.port}", flush=True)
             store = store_client(self.host, self.port, self.connect_timeout)
             if self.token is None:
                 print(f"rank-server: rank {self.rank}: warning: no token (--token-file, --token-env, "
