@@ -10,9 +10,10 @@ transaction's kind. An output with no handler (or a handler for no output) raise
 ``DriverDefinitionError`` when the driver is built, at engine open.
 
 ``fire`` must be the last statement of its commit: the row changes of that commit
-come first, so the invariants of the state reached see them. Firing again in the
-same commit moves past the state just reached; only the last fire's outputs run (a
-store with nothing to retire fires ``durable`` then ``retired`` in one commit).
+come first, so the invariants of the state reached see them. ``fire(c, txn, e1, e2)``
+moves through both edges with one read and one write of the row; only the last
+edge's outputs run (a store with nothing to retire fires ``durable`` then ``retired``
+in one commit).
 
 With ``debug`` on (``PREFIXSTORE_DEBUG_INVARIANTS=1`` in the environment, or the
 ``debug`` argument / attribute) ``begin`` and every ``fire`` assert the per-state
@@ -200,12 +201,26 @@ class Driver:
         self._assert(c, txn, m.initial)
         return txn
 
-    def fire(self, c: Any, txn: Txn, event: str) -> tuple[str, ...]:
-        """Feed ``event`` to ``txn`` in the state its journal row holds; return the
-        outputs to run after the commit. IllegalTransitionError when the row is gone,
-        belongs to another kind, or its state cannot take ``event``."""
-        t = self.transition(c, txn, event)
-        if self._machine(txn.kind).is_final(t.dst):
+    def fire(self, c: Any, txn: Txn, event: str, *then: str,
+             rows: Callable[[Transition], None] | None = None) -> tuple[str, ...]:
+        """Feed ``event`` to ``txn`` in the state its journal row holds, then each event
+        of ``then`` in the state the last one reached; return the last transition's
+        outputs, to run after the commit. The row is read once and written once (the
+        state finally reached, or deleted on a final state); with ``debug`` the
+        invariants of each state passed through are asserted as if the row held it.
+        ``rows(t)``: writes, before the row, what the first transition ``t`` asks of
+        the rows the transaction owns (its ``owned`` event). IllegalTransitionError
+        when the row is gone, belongs to another kind, or a state cannot take its event."""
+        kind, state = self._current(c, txn)
+        m = self._machine(kind)
+        t = m.transition(state, event)
+        if rows is not None:
+            rows(t)
+        for nxt in then:
+            if self.debug and (broken := violations(self.snapshot(c, txn, t.dst, row_state=t.dst))):
+                raise InvariantViolation(f"txn {txn.id}: " + "; ".join(broken))
+            t = m.transition(t.dst, nxt)
+        if m.is_final(t.dst):
             self.journal.delete(c, txn.id)
         else:
             self.journal.set_state(c, txn.id, t.dst)
@@ -246,8 +261,9 @@ class Driver:
 
     # ------------------------------------------------------------------ invariants
 
-    def snapshot(self, c: Any, txn: Txn, state: str) -> TxnSnapshot:
-        """The rows ``txn``'s invariants read, through ``c``, with ``txn`` in ``state``."""
+    def snapshot(self, c: Any, txn: Txn, state: str, row_state: str | None = None) -> TxnSnapshot:
+        """The rows ``txn``'s invariants read, through ``c``, with ``txn`` in ``state``;
+        ``row_state``: the state its journal row is taken to hold (None: read it)."""
         names = new_names(txn.kind, txn.payload)
         ids = named_nodes(txn.kind, txn.payload)
         files = self.journal.files(c, txn.id, names, ids, self.ranks)
@@ -260,8 +276,10 @@ class Driver:
             durable = frozenset(f.where for f in mine)
         else:
             durable = frozenset(f.where for f in mine if self.durable(f.rank, f.name) is not False)
-        cur = self.journal.state(c, txn.id)
-        return TxnSnapshot(txn.id, txn.kind, state, None if cur is None else cur[1], txn.payload,
+        if row_state is None:
+            cur = self.journal.state(c, txn.id)
+            row_state = None if cur is None else cur[1]
+        return TxnSnapshot(txn.id, txn.kind, state, row_state, txn.payload,
                            self.ranks, tuple(files), self.journal.nodes(c, node_ids), durable)
 
     def check(self, c: Any, txn: Txn, state: str) -> list[str]:

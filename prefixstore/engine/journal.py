@@ -97,15 +97,16 @@ def begin(led: Ledger, c: Any, kind: str, payload: dict[str, Any], rows=None) ->
     return led.driver.begin(c, kind, payload, rows)
 
 
-def fire(led: Ledger, c: Any, txn: Txn, event: str) -> tuple[str, ...]:
-    """Feed ``event`` to ``txn`` inside ``c`` (the commit's last statement); its outputs."""
-    return led.driver.fire(c, txn, event)
+def fire(led: Ledger, c: Any, txn: Txn, event: str, *then: str) -> tuple[str, ...]:
+    """Feed ``event``, then each of ``then``, to ``txn`` inside ``c`` (the commit's last
+    statement; the journal row read and written once); the last edge's outputs."""
+    return led.driver.fire(c, txn, event, *then)
 
 
-def skip(led: Ledger, c: Any, txn: Txn, output: str) -> tuple[str, ...]:
-    """End, inside ``c``, the state ``output`` would end, by its ``ok`` event (it has
-    nothing to do: a store with no old generation to retire); the outputs to run."""
-    return led.driver.fire(c, txn, MACHINES[txn.kind].outcome(output).ok)
+def skipped(txn: Txn, output: str) -> str:
+    """The event that ends the state ``output`` would end when it has nothing to do
+    (its ``ok``: a store with no old generation to retire), for ``fire``'s ``then``."""
+    return MACHINES[txn.kind].outcome(output).ok
 
 
 def run(led: Ledger, txn: Txn, outputs: tuple[str, ...]) -> None:
@@ -134,11 +135,12 @@ def unlink_owned(led: Ledger, txn: Txn, ok: str, failed: str, *, barrier: bool) 
 def advance(led: Ledger, txn: Txn, event: str, label: str) -> None:
     """Fire ``event`` in a commit of its own (``label``), with the row event its
     transition names for the rows ``txn`` owns (``owned``), then run its outputs."""
+    def rows(t) -> None:
+        if t.owned is not None:
+            led.catalog.owned_event(c, t.owned, txn.id)
+
     with led.catalog.txn(label) as c:
-        owned = led.driver.transition(c, txn, event).owned
-        if owned is not None:
-            led.catalog.owned_event(c, owned, txn.id)
-        outs = led.driver.fire(c, txn, event)
+        outs = led.driver.fire(c, txn, event, rows=rows)
     led.driver.run_outputs(txn, outs)
 
 

@@ -398,10 +398,9 @@ def publish(st: Storing, txn: Txn, plan: Plan, key: bytes, digests: bytes, start
                                           digests, has_snap, gen, now)
         st.catalog.publish_file(c, txn.id, txn.payload["name"], nid)
         st.recency.flush(st.index, st.catalog, c)
-        outs = journal.fire(st.ledger, c, txn, "durable")
-        if not old:  # nothing to retire: done in the same commit
-            outs = journal.skip(st.ledger, c, txn, "retire_old")
-        return nid, now, outs
+        # nothing to retire: done in the same commit (one read and write of the row)
+        then = () if old else (journal.skipped(txn, "retire_old"),)
+        return nid, now, journal.fire(st.ledger, c, txn, "durable", *then)
 
     def apply(out: tuple[int, int, tuple[str, ...]]) -> tuple[Node, Any]:
         nid, now, outs = out
