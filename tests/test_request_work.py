@@ -4,12 +4,17 @@ value has a test here that fails when the cache goes stale."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import time
 
+import pytest
 from conftest import make_layout, store_tokens, tokens_for
 
 from prefixstore.engine.api import Engine
 from prefixstore.engine.driver import DEBUG_ENV
+from prefixstore.gpu import diskroom
+from prefixstore.gpu.diskroom import LOW_WATER, ROOM_FRESH_S, DiskRoom, free_bytes
 
 
 def statements(conn: sqlite3.Connection, out: list[str]) -> None:
@@ -49,3 +54,99 @@ def test_a_refill_still_stops_in_published_until_its_old_files_go(tmp_path, monk
         assert node.generation == 2 and eng.audit().ok
     writes = [s.split(" WHERE")[0] for s in sql if s.startswith(("UPDATE journal", "DELETE FROM journal"))]
     assert writes == ["UPDATE journal SET state='PUBLISHED'", "DELETE FROM journal"], sql
+
+
+class Statvfs:
+    """Counts ``os.statvfs`` calls."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = 0
+        real = os.statvfs
+
+        def counted(path):
+            self.calls += 1
+            return real(path)
+
+        monkeypatch.setattr(os, "statvfs", counted)
+
+
+def test_a_store_measures_the_disk_once_for_its_space_step_and_intent(tmp_path, monkeypatch):
+    """A store that evicts nothing measures the catalog's file system once for its
+    space step, and its intent commit's reserve check takes that measure (before: a
+    second ``statvfs`` for the intent, a third for the publish when more than
+    ``ROOM_FRESH_S`` passed)."""
+    with Engine.open(str(tmp_path / "c"), make_layout(), 1 << 30) as eng:
+        store_tokens(eng, tokens_for(1, 2))
+        time.sleep(2 * ROOM_FRESH_S)
+        count = Statvfs(monkeypatch)
+        slow = []  # the publish's check measures again unless the writes took under ROOM_FRESH_S
+        real = eng.disk.root_room
+
+        def timed():
+            m = eng.disk._measured
+            slow.append(m is None or time.monotonic() - m[0] > ROOM_FRESH_S)
+            return real()
+
+        monkeypatch.setattr(eng.disk, "root_room", timed)
+        assert store_tokens(eng, tokens_for(2, 2)).status == "stored"
+    assert slow[0] is False  # the intent's check had the space step's measure
+    assert count.calls == 1 + sum(slow[1:]), (count.calls, slow)
+
+
+@pytest.fixture
+def disk(small_fs):
+    """A DiskRoom on a 16 MiB tmpfs of its own, holding its reserve, watching its root."""
+    root = os.path.join(small_fs, "cache")
+    os.mkdir(root)
+    d = DiskRoom(root, reserve_bytes=1 << 20)
+    d.bind([root], 1)
+    assert d.restore() and d.held
+    return d
+
+
+def fill(path: str, leave: int) -> None:
+    """Another writer takes the file system's free bytes down to ``leave``."""
+    with open(path, "wb") as f:
+        f.write(b"\xa5" * (free_bytes(path.rsplit("/", 1)[0]) - leave))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def test_a_reserve_check_measures_again_once_the_last_measure_is_too_old(disk, small_fs):
+    """The space step measured room; then another writer takes the disk below the
+    low-water mark. A catalog write more than ``ROOM_FRESH_S`` later measures again and
+    releases the reserve (a cache that kept the measure would keep it and let the
+    commit find no byte)."""
+    assert not disk.shortfall(4096, 1)
+    fill(os.path.join(small_fs, "filler"), LOW_WATER // 2)
+    time.sleep(2 * ROOM_FRESH_S)
+    disk.before_catalog_write()
+    assert not disk.held and disk.releases == 1
+
+
+def test_a_measure_serves_one_reserve_check_only(disk, small_fs, monkeypatch):
+    """A measure is spent by the check that takes it: the next check, however soon,
+    measures again and sees the disk another writer filled meanwhile."""
+    monkeypatch.setattr(diskroom, "ROOM_FRESH_S", 60.0)  # only the spending can make it measure
+    assert not disk.shortfall(4096, 1)
+    fill(os.path.join(small_fs, "filler"), LOW_WATER // 2)
+    disk.before_catalog_write()  # takes the space step's measure: room, as it was
+    assert disk.held
+    disk.before_catalog_write()
+    assert not disk.held and disk.releases == 1
+
+
+def test_the_space_step_after_evicting_measures_the_disk_once_more_not_twice(tmp_path, monkeypatch):
+    """A store that evicts measures the disk before (its shortfall) and once after the
+    evictions (the verdict): no second measure right after the first."""
+    layout = make_layout()
+    with Engine.open(str(tmp_path / "c"), layout, 1 << 30) as eng:
+        store_tokens(eng, tokens_for(1, 2))
+        one = eng.account.charged
+        eng.capacity = int(one * 1.5)  # the next store must evict the first
+        calls = []
+        real = eng.disk.shortfall
+        monkeypatch.setattr(eng.disk, "shortfall", lambda *a: calls.append(a) or real(*a))
+        assert store_tokens(eng, tokens_for(2, 2)).status == "stored"
+        assert len(eng.index) == 1
+    assert len(calls) == 2, calls

@@ -77,8 +77,7 @@ def room_for(rm: Room, needed: int, protect: set[int], files: int | None = None)
     cap = rm.account.capacity
     files = rm.layout.ranks if files is None else files
     reserve = retire_reserve(rm, protect)
-    rm.account.disk.hold_catalog_room()
-    short = rm.account.disk.shortfall(needed, files)
+    short = rm.account.disk.shortfall(needed, files, rm.account.disk.hold_catalog_room())
     if not short and rm.account.charged + needed + reserve <= cap * rm.account.high_watermark:
         rm.account.disk.restore()
         return None
@@ -90,13 +89,16 @@ def room_for(rm: Room, needed: int, protect: set[int], files: int | None = None)
     target = min(target, rm.account.charged - short.bytes)
     with rm.holds.fenced(protect):
         free(rm, rm.account.charged - target, protect, files=short.files)
-        for _ in range(DISK_ROUNDS):  # what the evictions' own commits took meanwhile
-            short = rm.account.disk.shortfall(needed, files)
+        # what the evictions' own commits took meanwhile; the last measure is the verdict
+        # (e.g. another writer took the room meanwhile)
+        short = rm.account.disk.shortfall(needed, files)
+        for _ in range(DISK_ROUNDS):
             if not short or disk_refusal(rm, short, protect) is not None:
                 break
             free(rm, short.bytes, protect, files=short.files)
-    if short := rm.account.disk.shortfall(needed, files):
-        return short.reason  # e.g. another writer took the room meanwhile
+            short = rm.account.disk.shortfall(needed, files)
+    if short:
+        return short.reason
     rm.account.disk.hold_catalog_room()
     rm.account.disk.restore()
     return None if rm.account.charged + needed <= cap else room.NO_SPACE

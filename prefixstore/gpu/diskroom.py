@@ -28,6 +28,7 @@ import ctypes
 import errno
 import os
 import stat
+import time
 from collections.abc import Iterable
 
 import attrs
@@ -60,6 +61,13 @@ low-water mark, so the cache's own stores never make the catalog release its res
 INODE_LOW_WATER = 2
 """Below this many free inodes there (the log and its index need one each to be
 created), the reserve is released and the disk counts as full."""
+ROOM_FRESH_S = 0.002
+"""How old a measure of the catalog's file system (``shortfall``'s, or a catalog
+write's own) may be for the next catalog write's reserve check to take it instead of
+measuring again; each measure serves one check, so no check sees one older than this.
+A fresh measure races another writer between it and the commit's write anyway; this
+widens that window by at most this much (a store's intent commit follows its space
+step by ~0.1 ms, so it takes that step's measure)."""
 
 
 FALLOC_FL_KEEP_SIZE = 1
@@ -189,6 +197,8 @@ class DiskRoom:
         self.releases = 0
         self._dirs: dict[int, tuple[str, int]] = {}  # device -> (a directory on it, ranks there)
         self._ranks = 1
+        self._root_dev: int | None = None  # the catalog's file system (``bind``)
+        self._measured: tuple[float, Room] | None = None  # the root's last measure, once (``ROOM_FRESH_S``)
         try:
             self.held = stat.S_ISREG(os.lstat(self.path).st_mode)
         except OSError:
@@ -198,6 +208,7 @@ class DiskRoom:
         """Watch the file systems of the ranks' local directories (others are skipped)."""
         self._ranks = max(1, ranks)
         self._dirs = {}
+        self._root_dev = _device(self.root)
         for d in rank_dirs:
             dev = _device(d) if d else None
             if dev is not None:
@@ -207,18 +218,33 @@ class DiskRoom:
     # -- the reserve ----------------------------------------------------------------
 
     def before_catalog_write(self) -> None:
-        """Release the reserve when the catalog's file system is nearly out of bytes or inodes."""
-        if self.held and low(free_room(self.root)):
+        """Release the reserve when the catalog's file system is nearly out of bytes or
+        inodes (measured now, or at most ``ROOM_FRESH_S`` ago by the step before)."""
+        if self.held and low(self.root_room()):
             self.release()
+
+    def root_room(self) -> Room:
+        """The catalog's file system's free room: the last measure when it is at most
+        ``ROOM_FRESH_S`` old and has served no check yet (it is then spent), else
+        measured now (and kept for the next check)."""
+        m, self._measured = self._measured, None
+        if m is not None and time.monotonic() - m[0] <= ROOM_FRESH_S:
+            return m[1]
+        room = free_room(self.root)
+        self._measured = (time.monotonic(), room)
+        return room
 
     def _spent(self) -> bool:
         return not (self.held and os.path.lexists(self.path))
 
     def tight(self) -> bool:
         """Whether the catalog's file system is nearly out of bytes with no reserve left
-        to give (a commit may then find no byte to grow into)."""
+        to give (a commit may then find no byte to grow into); measured only when the
+        reserve is spent."""
+        if not self._spent():
+            return False
         free = free_bytes(self.root)
-        return self._spent() and free is not None and free < LOW_WATER
+        return free is not None and free < LOW_WATER
 
     def full(self) -> bool:
         """Whether the catalog's file system is nearly out of bytes or of inodes with no
@@ -233,30 +259,33 @@ class DiskRoom:
                     f"{INODE_LOW_WATER} inodes (files)")
         return f"{room.bytes} bytes free", f"{LOW_WATER} bytes"
 
-    def hold_catalog_room(self) -> None:
+    def hold_catalog_room(self) -> int:
         """Allocate the catalog's next growth inside its files, without growing them:
         its log up to ``WAL_LIMIT_BYTES`` (reused from its start after a checkpoint)
         and ``ROW_ROOM`` past the database's end (a checkpoint's truncation gives that
-        back; it is taken again here). Best effort: a full disk leaves it free space."""
+        back; it is taken again here). Best effort: a full disk leaves it free space.
+        Returns ``catalog_room()`` as the files stand after it (for ``shortfall``)."""
         if self.catalog is None:
-            return
+            return self._room(0, 0, 0, 0)
         log = self.catalog + "-wal"
-        size, held = _allocated(log)
-        if size and held < WAL_LIMIT_BYTES:
-            allocate_beyond(log, 0, WAL_LIMIT_BYTES)
+        log_size, log_held = _allocated(log)
+        if log_size and log_held < WAL_LIMIT_BYTES and allocate_beyond(log, 0, WAL_LIMIT_BYTES):
+            log_size, log_held = _allocated(log)
         size, held = _allocated(self.catalog)
-        if size and held - size < ROW_ROOM:
-            allocate_beyond(self.catalog, size, ROW_ROOM)
+        if size and held - size < ROW_ROOM and allocate_beyond(self.catalog, size, ROW_ROOM):
+            size, held = _allocated(self.catalog)
+        return self._room(log_size, log_held, size, held)
 
     def catalog_room(self) -> int:
         """Free bytes the catalog's file system keeps for the catalog: the margin, less
         what its files hold allocated for their growth (``hold_catalog_room``), and at
         least ``MARGIN_FLOOR``."""
-        held = 0
-        if self.catalog is not None:
-            log_size, log_held = _allocated(self.catalog + "-wal")
-            size, db_held = _allocated(self.catalog)
-            held = min(max(log_held, log_size), WAL_LIMIT_BYTES) + min(max(0, db_held - size), ROW_ROOM)
+        if self.catalog is None:
+            return self._room(0, 0, 0, 0)
+        return self._room(*_allocated(self.catalog + "-wal"), *_allocated(self.catalog))
+
+    def _room(self, log_size: int, log_held: int, size: int, db_held: int) -> int:
+        held = min(max(log_held, log_size), WAL_LIMIT_BYTES) + min(max(0, db_held - size), ROW_ROOM)
         return max(self.margin - held, min(self.margin, MARGIN_FLOOR))
 
     def release(self) -> None:
@@ -302,18 +331,24 @@ class DiskRoom:
 
     # -- room for shards --------------------------------------------------------------
 
-    def shortfall(self, nbytes: int, files: int = 0) -> Shortfall:
+    def shortfall(self, nbytes: int, files: int = 0, catalog_room: int | None = None) -> Shortfall:
         """Bytes of shards and shard files to free so that writing ``nbytes`` more in
         ``files`` new files (both split evenly over the ranks; each file may take up
         to a block more than its bytes) leaves every watched file system its room: the
-        catalog's one keeps the byte and inode margins. The reserve is not counted:
-        taking it back is never a reason to evict."""
-        root_dev = _device(self.root)
-        catalog_room = self.catalog_room() if root_dev in self._dirs else 0
+        catalog's one keeps the byte and inode margins (``catalog_room``: what
+        ``hold_catalog_room`` just returned; None: measured). The reserve is not
+        counted: taking it back is never a reason to evict."""
+        root_dev = self._root_dev
+        if root_dev not in self._dirs:
+            catalog_room = 0
+        elif catalog_room is None:
+            catalog_room = self.catalog_room()
         short_bytes = short_files = 0
         for dev, (path, n) in self._dirs.items():
-            room = free_room(path)
             catalog = dev == root_dev
+            room = free_room(path)
+            if catalog:  # the next catalog write's reserve check may take it (``root_room``)
+                self._measured = (time.monotonic(), room)
             need_files = -(-files * n // self._ranks)
             need_bytes = nbytes * n // self._ranks + need_files * room.block + (catalog_room if catalog else 0)
             need_files += INODE_MARGIN if catalog else 0
