@@ -94,10 +94,13 @@ def transitions(monkeypatch) -> list[tuple[str, str, str, str]]:
     seen: list[tuple[str, str, str, str]] = []
     orig = Driver.fire
 
-    def fire(self, c, txn, event):
+    def fire(self, c, txn, event, *then, **kw):
         state = self.journal.state(c, txn.id)[1]
-        outs = orig(self, c, txn, event)
-        seen.append((txn.kind, state, event, self.machines[txn.kind].next(state, event)))
+        outs = orig(self, c, txn, event, *then, **kw)
+        for ev in (event, *then):  # each edge a multi-event fire passes through
+            nxt = self.machines[txn.kind].next(state, ev)
+            seen.append((txn.kind, state, ev, nxt))
+            state = nxt
         return outs
 
     monkeypatch.setattr(Driver, "fire", fire)

@@ -126,7 +126,8 @@ def test_the_engines_handlers_fire_the_events_their_table_declares(tmp_path, mon
     monkeypatch.setitem(transactions.MACHINES, "evict", renamed)
     fired: list[str] = []
     fire = Driver.fire
-    monkeypatch.setattr(Driver, "fire", lambda self, c, txn, event: fired.append(event) or fire(self, c, txn, event))
+    monkeypatch.setattr(Driver, "fire", lambda self, c, txn, event, *then, **kw:
+                        fired.extend((event, *then)) or fire(self, c, txn, event, *then, **kw))
     eng = Engine.open(str(tmp_path / "c"), make_layout(ranks=RANKS), 1 << 24)
     try:
         store_tokens(eng, tokens_for(3, 2))
