@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -118,10 +118,19 @@ def read(
     return Shard(buffer=buf)
 
 
-Placement = Mapping[str, tuple[int, memoryview]]
+Destination = memoryview | Sequence[memoryview]
+"""One placed range: a memoryview, or pieces of memory filled one after the other."""
+
+Placement = Mapping[str, tuple[int, Destination]]
 """Where a placed read puts a shard's tensors: ``entry name -> (byte offset inside the
 entry, destination)``; the destination takes the entry's bytes from that offset on, as
-many as it holds. Every other byte is read and hashed, and kept nowhere."""
+many as it holds (pieces: the first piece's bytes, then the next one's, ...). Every
+other byte is read and hashed, and kept nowhere."""
+
+
+def placed_bytes(dst: Destination) -> int:
+    """The bytes ``dst`` holds."""
+    return len(dst) if isinstance(dst, memoryview) else sum(len(p) for p in dst)
 
 
 def read_placed(tier: Tier, name: str, size: int, checksum: str, header: Header, place: Placement,
@@ -243,10 +252,14 @@ def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, memo
         if p is None:
             continue
         off, dst = p
-        if off < 0 or off + len(dst) > x.nbytes:
-            raise ValueError(f"placement of {x.name} ({off}+{len(dst)}) exceeds its {x.nbytes} bytes")
-        if len(dst):
-            out.append((x.begin + off, dst))
+        n = placed_bytes(dst)
+        if off < 0 or off + n > x.nbytes:
+            raise ValueError(f"placement of {x.name} ({off}+{n}) exceeds its {x.nbytes} bytes")
+        pos = x.begin + off
+        for piece in (dst,) if isinstance(dst, memoryview) else dst:
+            if len(piece):
+                out.append((pos, piece))
+                pos += len(piece)
     return out
 
 
