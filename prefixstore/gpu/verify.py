@@ -214,32 +214,61 @@ def _read_placed(fd: int, name: str, size: int, checksum: str, header: Header,
     return pos, head_why
 
 
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+"""Buffers one ``preadv`` fills at most."""
+
+
 def _pieces(pos: int, size: int, plan: list[tuple[int, memoryview]],
-            scratch: memoryview) -> tuple[list[tuple[int, memoryview]], list[bool]]:
+            scratch: memoryview) -> tuple[list[tuple[int, pieces.Destination]], list[bool]]:
     """The pieces that read the file from ``pos`` to ``size``: each placed destination
-    (in ``pieces.PIECE`` pieces) and the bytes between them through ``scratch``
-    (marked shared: read in turn by the hashing thread). A placed piece that does not
-    start where the last ended (a header that lies about its offsets) ends the placing:
-    the rest goes through ``scratch``."""
-    out: list[tuple[int, memoryview]] = []
+    (in ``pieces.PIECE`` pieces; small ones that follow each other in the file grouped
+    into one piece of several buffers, up to ``PIECE`` bytes and ``IOV_MAX`` buffers,
+    read by one ``preadv``) and the bytes between them through ``scratch`` (marked
+    shared: read in turn by the hashing thread). A placed piece that does not start
+    where the last ended (a header that lies about its offsets) ends the placing: the
+    rest goes through ``scratch``."""
+    out: list[tuple[int, pieces.Destination]] = []
     shared: list[bool] = []
+    group: list[memoryview] = []
+    at = held = 0  # the group's first byte in the file, its bytes
+
+    def flush() -> None:
+        nonlocal held
+        if group:
+            out.append((at, group.copy() if len(group) > 1 else group[0]))
+            shared.append(False)
+            group.clear()
+            held = 0
 
     def gap(end: int) -> None:
         nonlocal pos
+        flush()
         while pos < end:
             k = min(len(scratch), end - pos)
             out.append((pos, scratch[:k]))
             shared.append(True)
             pos += k
 
+    step = pieces.PIECE
     for begin, dst in plan:  # in file order, contiguous
-        gap(begin)
-        if pos != begin:
-            break
-        for p in _split(pos, dst):
-            out.append(p)
-            shared.append(False)
-        pos += len(dst)
+        if begin != pos:
+            gap(begin)
+            if pos != begin:
+                break
+        n = len(dst)
+        if n >= step:
+            flush()
+            for p in _split(pos, dst):
+                out.append(p)
+                shared.append(False)
+        else:
+            if held + n > step or len(group) >= IOV_MAX:
+                flush()
+            if not group:
+                at = pos
+            group.append(dst)
+            held += n
+        pos += n
     gap(size)
     return out, shared
 
