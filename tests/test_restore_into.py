@@ -279,6 +279,23 @@ def test_restore_into_pieces_fills_each_span_in_order_and_nothing_else(tmp_path,
             assert all(torch.equal(r.snapshot[k]["state"], ws[k]["state"]) for k in range(ranks))
 
 
+@pytest.mark.parametrize("backing", ["disk", "memory"])
+def test_pieces_of_one_span_inside_a_larger_buffer(tmp_path, backing):
+    """One span that starts inside its memory: the rows land from that element on."""
+    L = make_layout(ranks=1, snapshot=False)
+    toks = tokens_for(15, 4)
+    with Engine.open(str(tmp_path / "c"), L, CAP, backing=backing) as eng:
+        assert store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, BT), gpu_blocks=1)
+        n = (m.tokens - m.gpu_tokens) * 6
+        into = {s.name: Pieces(torch.full((n + 10,), SENTINEL, dtype=torch.bfloat16), [(7, n)]) for s in L.segments}
+        assert eng.restore(m, into=into) is not None
+        want = seg_tensors(L, toks)[0]
+        for name, p in into.items():
+            assert torch.equal(p.memory[7 : 7 + n], want[name][m.gpu_tokens : m.tokens].reshape(-1))
+            assert bool((p.memory[:7].float() == SENTINEL).all()) and bool((p.memory[7 + n :].float() == SENTINEL).all())
+
+
 def test_pieces_in_place_read_nothing_through_a_staging_buffer(tmp_path):
     L = make_layout(ranks=1, snapshot=False)
     toks = tokens_for(12, 6)

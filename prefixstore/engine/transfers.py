@@ -463,16 +463,26 @@ class _Dest:
     def views(self, lo: int, n: int) -> memoryview | list[memoryview]:
         """The destination of a placed read of bytes ``[lo, lo + n)`` (``verify.Placement``)."""
         if len(self.at) == 1:
-            return memoryview(self.flat[lo : lo + n])
+            a = self.at[0] + lo
+            return memoryview(self.flat[a : a + n])
         if self.mv is None:
             self.mv = memoryview(self.flat)
-        mv = self.mv
-        return [mv[a : a + k] for a, k in self.ranges(lo, n)]
+        mv, at, lens, starts, end = self.mv, self.at, self.lens, self.starts, lo + n
+        k0 = bisect.bisect_right(starts, lo) - 1
+        k1 = bisect.bisect_left(starts, end, k0)  # spans k0..k1-1 hold [lo, end)
+        out = [mv[a : a + k] for a, k in zip(at[k0:k1], lens[k0:k1], strict=True)]
+        cut = end - starts[k1 - 1]  # the last span's bytes inside the range
+        if cut < lens[k1 - 1]:
+            out[-1] = out[-1][:cut]
+        skip = lo - starts[k0]  # the first span's bytes before it
+        if skip:
+            out[0] = out[0][skip:]
+        return out
 
     def ops(self, lo: int, src: Any, src_off: int, n: int) -> list[tuple[Any, int, Any, int, int]]:
         """``upload_batch`` ops copying ``src[src_off:]`` into bytes ``[lo, lo + n)``."""
         if len(self.at) == 1:
-            return [(self.flat, lo, src, src_off, n)]
+            return [(self.flat, self.at[0] + lo, src, src_off, n)]
         out = []
         for a, k in self.ranges(lo, n):
             out.append((self.flat, a, src, src_off, k))

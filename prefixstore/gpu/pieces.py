@@ -192,7 +192,7 @@ Destination = memoryview | Sequence[memoryview]
 
 def nbytes(out: Destination) -> int:
     """The bytes ``out`` takes."""
-    return len(out) if out.__class__ is memoryview else sum(len(b) for b in out)
+    return len(out) if out.__class__ is memoryview else sum(map(len, out))
 
 
 def read_full(fd: int, pos: int, out: Destination) -> int:
@@ -234,6 +234,10 @@ def hash_landed(hasher, out: Destination, k: int) -> None:
     """Feed the first ``k`` bytes of ``out`` to ``hasher``."""
     if out.__class__ is memoryview:
         hasher.update(out[:k])
+        return
+    if k >= nbytes(out):  # all of it (the common case)
+        for b in out:
+            hasher.update(b)
         return
     for b in out:
         if k <= 0:

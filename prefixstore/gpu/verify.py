@@ -13,6 +13,8 @@ audit, recovery's re-attaching) reads and checks them here and gets a typed outc
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -130,7 +132,7 @@ other byte is read and hashed, and kept nowhere."""
 
 def placed_bytes(dst: Destination) -> int:
     """The bytes ``dst`` holds."""
-    return len(dst) if isinstance(dst, memoryview) else sum(len(p) for p in dst)
+    return len(dst) if dst.__class__ is memoryview else sum(map(len, dst))
 
 
 def read_placed(tier: Tier, name: str, size: int, checksum: str, header: Header, place: Placement,
@@ -218,10 +220,10 @@ IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 102
 """Buffers one ``preadv`` fills at most."""
 
 
-def _pieces(pos: int, size: int, plan: list[tuple[int, memoryview]],
+def _pieces(pos: int, size: int, plan: list[tuple[int, Destination]],
             scratch: memoryview) -> tuple[list[tuple[int, pieces.Destination]], list[bool]]:
     """The pieces that read the file from ``pos`` to ``size``: each placed destination
-    (in ``pieces.PIECE`` pieces; small ones that follow each other in the file grouped
+    (in ``pieces.PIECE`` pieces; small buffers that follow each other in the file grouped
     into one piece of several buffers, up to ``PIECE`` bytes and ``IOV_MAX`` buffers,
     read by one ``preadv``) and the bytes between them through ``scratch`` (marked
     shared: read in turn by the hashing thread). A placed piece that does not start
@@ -231,6 +233,7 @@ def _pieces(pos: int, size: int, plan: list[tuple[int, memoryview]],
     shared: list[bool] = []
     group: list[memoryview] = []
     at = held = 0  # the group's first byte in the file, its bytes
+    step = pieces.PIECE
 
     def flush() -> None:
         nonlocal held
@@ -249,32 +252,44 @@ def _pieces(pos: int, size: int, plan: list[tuple[int, memoryview]],
             shared.append(True)
             pos += k
 
-    step = pieces.PIECE
+    def large(dst: memoryview) -> None:
+        nonlocal pos
+        flush()
+        for p in _split(pos, dst):
+            out.append(p)
+            shared.append(False)
+        pos += len(dst)
+
     for begin, dst in plan:  # in file order, contiguous
         if begin != pos:
             gap(begin)
             if pos != begin:
                 break
-        n = len(dst)
-        if n >= step:
-            flush()
-            for p in _split(pos, dst):
-                out.append(p)
-                shared.append(False)
-        else:
-            if held + n > step or len(group) >= IOV_MAX:
-                flush()
+        bufs = [dst] if dst.__class__ is memoryview else dst
+        ends = list(itertools.accumulate(map(len, bufs)))  # each buffer's end, from this entry's start
+        i, done = 0, 0
+        while i < len(bufs):
+            j = min(bisect.bisect_right(ends, done + step - held, i), i + IOV_MAX - len(group))
+            if j == i:  # the next buffer does not fit the group
+                if group:
+                    flush()
+                else:
+                    large(bufs[i])
+                    done = ends[i]
+                    i += 1
+                continue
             if not group:
                 at = pos
-            group.append(dst)
-            held += n
-        pos += n
+            group.extend(bufs[i:j])
+            held += ends[j - 1] - done
+            pos += ends[j - 1] - done
+            done, i = ends[j - 1], j
     gap(size)
     return out, shared
 
 
-def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, memoryview]]:
-    """(file offset, destination) of each placed piece, in file order."""
+def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, Destination]]:
+    """(file offset, destination) of each placed entry, in file order."""
     out = []
     for x in entries:
         p = place.get(x.name)
@@ -284,11 +299,8 @@ def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, memo
         n = placed_bytes(dst)
         if off < 0 or off + n > x.nbytes:
             raise ValueError(f"placement of {x.name} ({off}+{n}) exceeds its {x.nbytes} bytes")
-        pos = x.begin + off
-        for piece in (dst,) if isinstance(dst, memoryview) else dst:
-            if len(piece):
-                out.append((pos, piece))
-                pos += len(piece)
+        if n:
+            out.append((x.begin + off, dst))
     return out
 
 
