@@ -46,7 +46,8 @@ from prefixstore.base.keys import Prefix  # noqa: E402
 from prefixstore.engine.api import Engine  # noqa: E402
 from prefixstore.fuzz import plants  # noqa: E402
 
-PAGE, LAYERS, HEADS, DIM = 4, 3, 2, 8
+PAGE, LAYERS, HEADS, DIM = 4, 3, 4, 512  # layer_first: 16 KiB pieces, over MIN_PIECE_BYTES
+SMALL = {"heads": 2, "dim": 8}  # 128-byte pieces: staged (MIN_PIECE_BYTES)
 DEVICE_TOKENS = 256
 SENTINEL = 0x5A
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
@@ -148,7 +149,7 @@ class Watch:
 
 
 def case(root: str, layout: str, name: str) -> dict[str, Any]:
-    host = host_pool(layout)
+    host = host_pool(layout, **(SMALL if name == "small" else {}))
     rk = drv.Rank(root, kv=host)
     try:
         keys = drv.page_keys(7, 12)
@@ -159,7 +160,7 @@ def case(root: str, layout: str, name: str) -> dict[str, Any]:
             damage(root, keys)
         else:
             store(rk, [], keys, store_at)
-        slots = {"consecutive": [4 * (8 + i) for i in range(12)],
+        slots = {"consecutive": [4 * (8 + i) for i in range(12)], "small": [4 * (8 + i) for i in range(12)],
                  "scattered": [4 * s for s in (40, 3, 17, 18, 19, 60, 2, 33, 34, 9, 50, 61)],
                  "damaged": [4 * s for s in range(60, 0, -5)][:12]}[name]
         pool = rk.backend.pool(adapter.KV)
@@ -197,7 +198,7 @@ def main(out: str, root: str) -> None:
     and the adapter counting a missed restore's pages as read."""
     results = {}
     for label, name in [(f"{layout}/{name}", name) for layout in LAYOUTS
-                        for name in ("consecutive", "scattered", "damaged")]:
+                        for name in ("consecutive", "scattered", "damaged", "small")]:
         results[label] = run_case(root, label, name)
     with plants.get("skip-read-checksum").active():
         for layout in LAYOUTS:

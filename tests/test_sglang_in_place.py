@@ -26,6 +26,7 @@ import sglang_driver as drv  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 
 from prefixstore.adapters import sglang as adapter  # noqa: E402
+from prefixstore.adapters import sglang_pages  # noqa: E402
 from prefixstore.adapters.sglang_pages import PageSlots  # noqa: E402
 from prefixstore.base.keys import Prefix  # noqa: E402
 from prefixstore.engine.api import Engine  # noqa: E402
@@ -141,6 +142,13 @@ def test_end_to_end_slots_are_the_restores_into_tensor(tmp_path, monkeypatch):
         rk.close()
 
 
+@pytest.fixture
+def any_piece(monkeypatch):
+    """Pieces of any size are read in place (the doubles' pages are 128-byte pieces, under
+    ``MIN_PIECE_BYTES``)."""
+    monkeypatch.setattr(sglang_pages, "MIN_PIECE_BYTES", 0)
+
+
 def staged_only(monkeypatch) -> None:
     """Every restore through the pool's staging buffer (as for pages that cannot be proved
     to be pieces of the pool's memory)."""
@@ -149,7 +157,7 @@ def staged_only(monkeypatch) -> None:
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("path", ["in place", "staged"])
-def test_scattered_slots_get_exactly_their_pages(tmp_path, monkeypatch, layout, path):
+def test_scattered_slots_get_exactly_their_pages(tmp_path, monkeypatch, any_piece, layout, path):
     """In place: Pieces over the pool's memory, no staging buffer; staged: one memcpy per
     page from the staging buffer, reused by the next call."""
     rk = drv.Rank(str(tmp_path), kv=pools()[layout])
@@ -197,8 +205,8 @@ def _damaged_fetch(tmp_path, layout: str, contiguous: bool):
 
 @pytest.mark.parametrize(("layout", "contiguous", "staged"), [("page_first", True, False), ("page_first", False, False),
                                                               ("layer_first", False, False), ("layer_first", False, True)])
-def test_a_damaged_shard_restored_in_place_is_a_miss_and_the_rest_is_intact(tmp_path, monkeypatch, layout,
-                                                                            contiguous, staged):
+def test_a_damaged_shard_restored_in_place_is_a_miss_and_the_rest_is_intact(tmp_path, monkeypatch, any_piece,
+                                                                            layout, contiguous, staged):
     if staged:
         staged_only(monkeypatch)
     rk, keys, slots, hits = _damaged_fetch(tmp_path, layout, contiguous)
@@ -211,7 +219,7 @@ def test_a_damaged_shard_restored_in_place_is_a_miss_and_the_rest_is_intact(tmp_
 
 
 @pytest.mark.parametrize("path", ["one tensor", "pieces", "staged"])
-def test_the_checks_above_catch_an_adapter_that_counts_a_failed_restore(tmp_path, monkeypatch, path):
+def test_the_checks_above_catch_an_adapter_that_counts_a_failed_restore(tmp_path, monkeypatch, any_piece, path):
     """A planted adapter bug (pages of a restore that missed reported as hits) is what
     ``problems`` reports, on every path: one tensor over consecutive slots, Pieces over
     scattered ones, the staging buffer."""
@@ -303,6 +311,17 @@ def test_real_mha_pools_are_restored_in_place_bit_for_bit(real, layout, slots):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", REAL_LAYOUTS)
+def test_real_mha_pools_of_small_pieces_are_staged_bit_for_bit(real, layout):
+    """Pieces averaging under MIN_PIECE_BYTES (128 bytes in layer_first here, 384 in the
+    others) cost more than the memcpy they save: such a pool is staged, its pages exact."""
+    got = real[f"{layout}/small"]
+    assert got["hits"] == [True] * 12 and got["problems"] == []
+    assert got["into"] == [{"kind": "tensor", "pool_memory": False}] and got["adapter_staging"]
+    assert got["generic_pages"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", REAL_LAYOUTS)
 def test_a_damaged_shard_restored_into_a_real_mha_pool_is_a_miss_and_the_rest_is_intact(real, layout):
     got = real[f"{layout}/damaged"]
     assert got["hits"] == [True] * 5 + [False] * 7  # the intact parent is served, the damaged child is not
@@ -341,7 +360,24 @@ def test_page_pieces_are_the_views_c_order_memory():
     assert page_pieces(buf[0, 0, :4, :, ::2], 4 * 2 * 4 * 2) is not None  # one element a piece, still exact
 
 
-def test_pages_sharing_memory_are_staged_not_pieces(tmp_path, monkeypatch):
+def test_pages_in_small_pieces_are_staged(tmp_path, monkeypatch):
+    """The layer_first double's pages are 6 pieces of 128 bytes: under MIN_PIECE_BYTES,
+    so restored through the staging buffer, exactly."""
+    rk = drv.Rank(str(tmp_path), kv=LayerFirstPool(256, drv.PAGE))
+    try:
+        keys = drv.page_keys(6, 4)
+        store(rk, [], keys)
+        refuse_torch_copy(monkeypatch, rk.kv)
+        slots = [4 * s for s in (9, 10, 11, 12)]
+        assert rk.backend.pool(adapter.KV).slots.destination(slots) is None
+        hits = get_into(rk, [], keys, slots)
+        assert hits == [True] * 4 and problems(rk, keys, slots, hits) == []
+        assert rk.backend.pool(adapter.KV).slots._staging is not None
+    finally:
+        rk.close()
+
+
+def test_pages_sharing_memory_are_staged_not_pieces(tmp_path, monkeypatch, any_piece):
     """Host indices naming one page twice (or overlapping pages): the pieces would share
     bytes, so the restore is staged and each slot gets its page."""
     rk = drv.Rank(str(tmp_path), kv=LayerFirstPool(256, drv.PAGE))

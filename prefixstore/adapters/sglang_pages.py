@@ -34,6 +34,13 @@ STAGING_MAX_BYTES = 256 << 20
 MAX_PAGE_PIECES = 4096
 """The most pieces of memory one page may be in to be restored in place (more: staged)."""
 
+MIN_PIECE_BYTES = 8 << 10
+"""The smallest average piece (after merging neighbours) a restore is read in place
+into: each piece costs a buffer of a ``preadv`` and a hash update, and below this the
+staged read and its memcpy per page were measured faster (``bench/sglang_in_place.py``
+over a real ``layer_first`` pool: 1 and 2 KiB pieces about 2x slower in place, 4 KiB
+slower, 8 KiB even, 64 KiB 25% faster)."""
+
 
 def _view(host: Any, index: int) -> torch.Tensor | None:
     """Page ``index`` as a view that can be reinterpreted as bytes, or None."""
@@ -114,7 +121,8 @@ class PageSlots:
         ``Pieces`` (the pages' pieces, those that lie end to end merged); None when that
         cannot be proved (``page_pieces``: a page's view is not a strided CPU view of the
         pool's storage whose pieces hold exactly ``page_bytes``, or two pages share a
-        byte), then the restore is staged."""
+        byte) or when the pieces average under ``MIN_PIECE_BYTES``: then the restore is
+        staged."""
         if not self.in_place or not indices:
             return None
         first = _view(self.host, indices[0])
@@ -142,6 +150,8 @@ class PageSlots:
         cut = np.flatnonzero(starts[1:] != starts[:-1] + piece) + 1  # where a piece does not follow the last
         if not len(cut):
             return torch.empty(0, dtype=torch.uint8).set_(storage, int(starts[0]), (len(starts) * piece,))
+        if len(starts) * piece < MIN_PIECE_BYTES * (len(cut) + 1):  # pieces too small to pay for themselves
+            return None
         bounds = np.concatenate([[0], cut, [len(starts)]])
         spans = np.stack([starts[bounds[:-1]], np.diff(bounds) * piece], axis=1)
         memory = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,))
