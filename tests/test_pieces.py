@@ -83,6 +83,50 @@ def test_a_file_cut_short_stops_at_the_cut_piece(tmp_path, helpers):
     assert bytes(out[: len(data)]) == data
 
 
+def _grouped(out: memoryview, sizes: list[int], per: int) -> list[tuple[int, list[memoryview]]]:
+    """``out`` cut into buffers of ``sizes`` (cycled), ``per`` buffers a piece."""
+    bufs, pos, k = [], 0, 0
+    while pos < len(out):
+        n = sizes[k % len(sizes)]
+        bufs.append((pos, out[pos : pos + n]))
+        pos += n
+        k += 1
+    return [(bufs[i][0], [b for _, b in bufs[i : i + per]]) for i in range(0, len(bufs), per)]
+
+
+@pytest.mark.parametrize("cut", [None, 5 * 1000 + 3])  # the file ends inside a group, inside a buffer
+def test_pieces_of_several_buffers_are_read_in_one_call_and_hashed_in_order(tmp_path, helpers, monkeypatch, cut):
+    """A piece that is a list of buffers (``verify._pieces`` groups small destinations)
+    fills them in order with one ``preadv``; a file cut short stops inside the buffer it
+    ends in, and what was read is what was hashed."""
+    path, data = _file(tmp_path, 64 * 1000)
+    if cut is not None:
+        data = data[:cut]
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+    out = bytearray(64 * 1000)
+    todo = _grouped(memoryview(out), [1000, 7, 993, 2000], 6)
+    calls = []
+    real = os.preadv
+
+    def counting(fd, bufs, pos):
+        calls.append(len(bufs))
+        return real(fd, bufs, pos)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    h = xxhash.xxh3_128()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pieces.read_hashed(fd, todo, h, helpers) == len(data)
+    finally:
+        os.close(fd)
+    assert h.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+    assert bytes(out[: len(data)]) == data
+    assert bytes(out[len(data):]) == bytes(len(out) - len(data))
+    if cut is None:
+        assert calls.count(6) == len(todo) - 1  # one call per group (the last may be shorter)
+
+
 def test_an_io_error_is_raised_only_once_every_taken_piece_has_landed(tmp_path, helpers, monkeypatch):
     """A helper's piece fails while later pieces are still being read by other helpers:
     the error reaches the caller only after those reads finished, so nothing writes

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import BT, make_layout, seg_tensors, snap_tensors, store_tokens, tokens_for
 
+from prefixstore.base.destination import Pieces
 from prefixstore.base.errors import DtypeError, InvalidInputError, ShapeError
 from prefixstore.base.keys import Prefix
 from prefixstore.engine.api import Engine
@@ -224,3 +225,175 @@ def test_the_common_into_check_agrees_with_the_full_checks(tmp_path):
         assert taken == {"list"}  # the common case takes the one pass; the rest the full checks
         good = outputs(L, rows)
         assert validate.into(L, dev, m, good) == [dict(t) for t in good]
+
+
+# ------------------------------------------------------------------ into= Pieces
+
+def scattered(L, rows: int, seed: int) -> tuple[list[dict[str, Pieces]], list[dict[str, torch.Tensor]]]:
+    """Per rank and segment, ``Pieces`` over one buffer of SENTINEL: the segment's elements
+    in spans of 1 to 7 elements, in shuffled places with gaps between them; and the buffers."""
+    g = torch.Generator().manual_seed(seed)
+    into, memories = [], []
+    for _ in range(L.ranks):
+        d, m = {}, {}
+        for s in L.segments:
+            n = rows * int(torch.tensor(s.shape).prod())
+            sizes = []
+            while sum(sizes) < n:
+                sizes.append(min(int(torch.randint(1, 8, (1,), generator=g)), n - sum(sizes)))
+            slots = torch.randperm(len(sizes), generator=g).tolist()  # span k goes to slot slots[k]
+            memory = m[s.name] = torch.full((8 * len(sizes),), SENTINEL, dtype=s.torch_dtype)
+            d[s.name] = Pieces(memory, [(8 * slots[k], sizes[k]) for k in range(len(sizes))])
+        into.append(d)
+        memories.append(m)
+    return into, memories
+
+
+def gathered(p: Pieces) -> torch.Tensor:
+    return torch.cat([p.memory[o : o + n] for o, n in p.spans.tolist()])
+
+
+@pytest.mark.parametrize("backing", ["disk", "memory"])  # read in place / uploaded from a tier's buffer
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_restore_into_pieces_fills_each_span_in_order_and_nothing_else(tmp_path, backing, ranks):
+    L = make_layout(ranks=ranks, snapshot=True)
+    toks = tokens_for(11, 8)
+    with Engine.open(str(tmp_path / "c"), L, CAP, backing=backing) as eng:
+        assert store_tokens(eng, toks[: 3 * BT]).ok and store_tokens(eng, toks).ok  # two nodes
+        want = seg_tensors(L, toks)
+        for gpu_blocks in (0, 2, 5):
+            m = eng.lookup(Prefix.from_tokens(toks, BT), gpu_blocks=gpu_blocks)
+            rows = m.tokens - m.gpu_tokens
+            into, memories = scattered(L, rows, gpu_blocks)
+            r = eng.restore(m, into=into)
+            assert r is not None
+            for k in range(ranks):
+                for name, p in into[k].items():
+                    assert r.segments[k][name] is p
+                    assert torch.equal(gathered(p), want[k][name][m.gpu_tokens : m.tokens].reshape(-1)), (gpu_blocks, k)
+                    covered = torch.zeros(len(memories[k][name]), dtype=torch.bool)
+                    for o, n in p.spans.tolist():
+                        covered[o : o + n] = True
+                    assert bool((memories[k][name][~covered].float() == SENTINEL).all())  # the gaps untouched
+            ws = snap_tensors(L, toks)
+            assert all(torch.equal(r.snapshot[k]["state"], ws[k]["state"]) for k in range(ranks))
+
+
+@pytest.mark.parametrize("backing", ["disk", "memory"])
+def test_pieces_of_one_span_inside_a_larger_buffer(tmp_path, backing):
+    """One span that starts inside its memory: the rows land from that element on."""
+    L = make_layout(ranks=1, snapshot=False)
+    toks = tokens_for(15, 4)
+    with Engine.open(str(tmp_path / "c"), L, CAP, backing=backing) as eng:
+        assert store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, BT), gpu_blocks=1)
+        n = (m.tokens - m.gpu_tokens) * 6
+        into = {s.name: Pieces(torch.full((n + 10,), SENTINEL, dtype=torch.bfloat16), [(7, n)]) for s in L.segments}
+        assert eng.restore(m, into=into) is not None
+        want = seg_tensors(L, toks)[0]
+        for name, p in into.items():
+            assert torch.equal(p.memory[7 : 7 + n], want[name][m.gpu_tokens : m.tokens].reshape(-1))
+            assert bool((p.memory[:7].float() == SENTINEL).all()) and bool((p.memory[7 + n :].float() == SENTINEL).all())
+
+
+def test_pieces_in_place_read_nothing_through_a_staging_buffer(tmp_path):
+    L = make_layout(ranks=1, snapshot=False)
+    toks = tokens_for(12, 6)
+    with Engine.open(str(tmp_path / "c"), L, CAP) as eng:
+        assert store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, BT))
+        pool0 = eng.stats()["transfers"]["staging_pool"]
+        into, _ = scattered(L, m.tokens, 3)
+        assert eng.restore(m, into=into) is not None
+        pool1 = eng.stats()["transfers"]["staging_pool"]
+        assert (pool1["allocs"], pool1["reuses"]) == (pool0["allocs"], pool0["reuses"])
+        assert eng.stats()["transfers"]["copies"]["host_copy_bytes"] == 0
+
+
+def test_a_damaged_shard_restored_into_pieces_is_a_miss(tmp_path):
+    L = make_layout(snapshot=False)
+    toks = tokens_for(13, 4)
+    root = str(tmp_path / "c")
+    with Engine.open(root, L, CAP) as eng:
+        assert store_tokens(eng, toks).ok
+    (path,) = shard_paths(root)
+    flip_bit(path, os.path.getsize(path) - 1)
+    with Engine.open(root, L, CAP) as eng:
+        m = eng.lookup(Prefix.from_tokens(toks, BT))
+        into, _ = scattered(L, m.tokens, 4)
+        assert eng.restore(m, into=into) is None
+        assert eng.counters.snapshot().get("lookups.damaged_on_restore") == 1
+
+
+BAD_PIECES = ["too few", "too many", "dtype", "meta memory", "strided memory", "outside", "negative",
+              "overlap", "overlaps a tensor", "not a tensor"]
+
+
+@pytest.mark.parametrize("bad", BAD_PIECES)
+def test_bad_pieces_are_a_typed_error_and_nothing_is_written_or_read(tmp_path, bad):
+    L = make_layout(ranks=2, snapshot=False)
+    toks = tokens_for(14, 4)
+    with Engine.open(str(tmp_path / "c"), L, CAP) as eng:
+        assert store_tokens(eng, toks).ok
+        m = eng.lookup(Prefix.from_tokens(toks, BT))
+        into, memories = scattered(L, m.tokens, 5)
+        n = m.tokens * 6
+        p = into[1]["v"]
+        mem = p.memory
+        expect: type[Exception] = ShapeError
+        if bad == "too few":
+            into[1]["v"] = Pieces(mem, [*p.spans.tolist()[:-1], (p.spans[-1, 0], p.spans[-1, 1] - 1)])
+        elif bad == "too many":
+            into[1]["v"] = Pieces(torch.cat([mem, mem]), [*p.spans.tolist(), (len(mem), 1)])
+        elif bad == "dtype":
+            into[1]["v"] = Pieces(torch.full((len(mem),), SENTINEL, dtype=torch.float32), p.spans)
+            expect = DtypeError
+        elif bad == "meta memory":
+            into[1]["v"] = Pieces(torch.empty(len(mem), dtype=torch.bfloat16, device="meta"), p.spans)
+            expect = InvalidInputError
+        elif bad == "strided memory":
+            into[1]["v"] = Pieces(torch.full((2 * len(mem),), SENTINEL, dtype=torch.bfloat16)[::2], p.spans)
+        elif bad == "outside":
+            into[1]["v"] = Pieces(mem, [*p.spans.tolist()[:-1], (len(mem) - 1, p.spans[-1, 1] + 1)])
+        elif bad == "negative":
+            into[1]["v"] = Pieces(mem, [(-1, 1), (0, n - 1)])
+        elif bad == "overlap":
+            into[1]["v"] = Pieces(mem, [(0, n // 2), (n // 2 - 1, n - n // 2)])
+            expect = InvalidInputError
+        elif bad == "overlaps a tensor":  # a piece inside rank 0's plain tensor
+            into[0]["k"] = torch.full((m.tokens, 2, 3), SENTINEL, dtype=torch.bfloat16)
+            into[1]["v"] = Pieces(into[0]["k"].reshape(-1), [(0, n)])
+            expect = InvalidInputError
+        else:
+            into[1]["v"] = Pieces(["not a tensor"], p.spans)
+            expect = InvalidInputError
+        c0 = eng.stats()["transfers"]["copies"]["tier_read_bytes"]
+        with pytest.raises(expect):
+            eng.restore(m, into=into)
+        assert eng.stats()["transfers"]["copies"]["tier_read_bytes"] == c0  # nothing read
+        for per in memories:
+            assert all(bool((t.float() == SENTINEL).all()) for t in per.values())  # nothing written
+        for per in into:
+            for x in per.values():
+                t = x.memory if isinstance(x, Pieces) else x
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    assert bool((t.float() == SENTINEL).all())
+        assert eng.restore(m) is not None  # the engine is unharmed
+
+
+@pytest.mark.parametrize("spans", [[(0, 1, 2)], [[0.5, 1]], "ab", 3])
+def test_pieces_spans_that_are_not_integer_pairs_are_refused_when_built(spans):
+    with pytest.raises(InvalidInputError):
+        Pieces(torch.zeros(4), spans)
+
+
+def test_pieces_of_views_are_their_spans_of_one_storage():
+    buf = torch.arange(40, dtype=torch.float32).reshape(2, 20)
+    p = Pieces.of([buf[1, 4:9], buf[0, 0:3]])
+    assert p.memory.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert p.spans.tolist() == [[24, 5], [0, 3]]
+    assert torch.equal(gathered(p), torch.cat([buf[1, 4:9], buf[0, 0:3]]))
+    with pytest.raises(InvalidInputError):
+        Pieces.of([buf[0, :3], torch.zeros(3)])  # another storage
+    with pytest.raises(InvalidInputError):
+        Pieces.of([buf[:, 0]])  # not contiguous

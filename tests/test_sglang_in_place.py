@@ -1,8 +1,11 @@
 """The SGLang adapter restores KV pages where they sit in the host pool: straight into
-the slots (``Engine.restore(into=...)``) when they lie end to end, else through a
-staging buffer and one numpy memcpy per page; never through ``set_from_flat_data_page``
-(torch's copy) when the pool's pages are views of its memory. A page is a hit only
-after its restore verified; slots outside a call's destinations are never written."""
+the slots (``Engine.restore(into=...)``): one tensor when they lie end to end, else
+``Pieces`` over the pool's memory (SGLang's real MHA pools, whose pages are 2 or 2 x
+layers pieces, included: ``tests/sglang_mha.py``), and through a staging buffer and one
+numpy memcpy per page only when the pieces cannot be proved; never through
+``set_from_flat_data_page`` (torch's copy) when the pool's pages are views of its
+memory. A page is a hit only after its restore verified; slots outside a call's
+destinations are never written."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import sglang_driver as drv  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 
 from prefixstore.adapters import sglang as adapter  # noqa: E402
+from prefixstore.adapters import sglang_pages  # noqa: E402
+from prefixstore.adapters.sglang_pages import PageSlots  # noqa: E402
 from prefixstore.base.keys import Prefix  # noqa: E402
 from prefixstore.engine.api import Engine  # noqa: E402
 
@@ -137,21 +142,53 @@ def test_end_to_end_slots_are_the_restores_into_tensor(tmp_path, monkeypatch):
         rk.close()
 
 
+@pytest.fixture
+def any_piece(monkeypatch):
+    """Pieces of any size are read in place (the doubles' pages are 128-byte pieces, under
+    ``MIN_PIECE_BYTES``)."""
+    monkeypatch.setattr(sglang_pages, "MIN_PIECE_BYTES", 0)
+
+
+def staged_only(monkeypatch) -> None:
+    """Every restore through the pool's staging buffer (as for pages that cannot be proved
+    to be pieces of the pool's memory)."""
+    monkeypatch.setattr(PageSlots, "destination", lambda self, indices: None)
+
+
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_scattered_slots_get_exactly_their_pages_by_memcpy(tmp_path, monkeypatch, layout):
+@pytest.mark.parametrize("path", ["in place", "staged"])
+def test_scattered_slots_get_exactly_their_pages(tmp_path, monkeypatch, any_piece, layout, path):
+    """In place: Pieces over the pool's memory, no staging buffer; staged: one memcpy per
+    page from the staging buffer, reused by the next call."""
     rk = drv.Rank(str(tmp_path), kv=pools()[layout])
+    seen = []
+    real = Engine.restore
+
+    def spy(self, match, *, into=None):
+        seen.append(type(into["page"]).__name__)
+        return real(self, match, into=into)
+
     try:
         keys = drv.page_keys(2, 12)
         store(rk, [], keys)
         refuse_torch_copy(monkeypatch, rk.kv)
+        monkeypatch.setattr(Engine, "restore", spy)
+        if path == "staged":
+            staged_only(monkeypatch)
         slots = [4 * s for s in (40, 3, 17, 18, 19, 60, 2, 33, 34, 9, 50, 61)]
         hits = get_into(rk, [], keys, slots)
         assert hits == [True] * 12
         assert problems(rk, keys, slots, hits) == []
+        staging = rk.backend.pool(adapter.KV).slots._staging
         moved = slots[6:] + slots[:6]
-        again = get_into(rk, [], keys, moved)  # the staging buffer reused
+        again = get_into(rk, [], keys, moved)
         assert again == [True] * 12
         assert problems(rk, keys, moved, again) == []
+        if path == "in place":
+            assert seen == ["Pieces", "Pieces"] and staging is None
+        else:
+            assert seen == ["Tensor", "Tensor"] and staging is not None
+            assert rk.backend.pool(adapter.KV).slots._staging is staging  # reused
     finally:
         rk.close()
 
@@ -166,9 +203,12 @@ def _damaged_fetch(tmp_path, layout: str, contiguous: bool):
     return rk, keys, slots, get_into(rk, [], keys, slots)
 
 
-@pytest.mark.parametrize(("layout", "contiguous"), [("page_first", True), ("page_first", False),
-                                                    ("layer_first", False)])
-def test_a_damaged_shard_restored_in_place_is_a_miss_and_the_rest_is_intact(tmp_path, layout, contiguous):
+@pytest.mark.parametrize(("layout", "contiguous", "staged"), [("page_first", True, False), ("page_first", False, False),
+                                                              ("layer_first", False, False), ("layer_first", False, True)])
+def test_a_damaged_shard_restored_in_place_is_a_miss_and_the_rest_is_intact(tmp_path, monkeypatch, any_piece,
+                                                                            layout, contiguous, staged):
+    if staged:
+        staged_only(monkeypatch)
     rk, keys, slots, hits = _damaged_fetch(tmp_path, layout, contiguous)
     try:
         assert hits == [True] * 5 + [False] * 7  # the intact parent is served, the damaged child is not
@@ -178,10 +218,11 @@ def test_a_damaged_shard_restored_in_place_is_a_miss_and_the_rest_is_intact(tmp_
         rk.close()
 
 
-@pytest.mark.parametrize("contiguous", [True, False])
-def test_the_checks_above_catch_an_adapter_that_counts_a_failed_restore(tmp_path, monkeypatch, contiguous):
+@pytest.mark.parametrize("path", ["one tensor", "pieces", "staged"])
+def test_the_checks_above_catch_an_adapter_that_counts_a_failed_restore(tmp_path, monkeypatch, any_piece, path):
     """A planted adapter bug (pages of a restore that missed reported as hits) is what
-    ``problems`` reports, for the in-place and the staged path alike."""
+    ``problems`` reports, on every path: one tensor over consecutive slots, Pieces over
+    scattered ones, the staging buffer."""
     real = adapter._Pool.restore_pages
 
     def planted(self, m, base, indices):
@@ -189,7 +230,9 @@ def test_the_checks_above_catch_an_adapter_that_counts_a_failed_restore(tmp_path
         return got if got is not None else min(m.blocks - base, len(indices))
 
     monkeypatch.setattr(adapter._Pool, "restore_pages", planted)
-    rk, keys, slots, hits = _damaged_fetch(tmp_path, "page_first", contiguous)
+    if path == "staged":
+        staged_only(monkeypatch)
+    rk, keys, slots, hits = _damaged_fetch(tmp_path, "page_first", path == "one tensor")
     try:
         assert hits == [True] * 12
         assert any("a hit with other bytes" in p for p in problems(rk, keys, slots, hits))
@@ -218,5 +261,140 @@ def test_a_pool_of_copied_pages_still_round_trips(tmp_path):
         hits = get_into(rk, [], keys, slots)
         assert hits == [True] * 6
         assert problems(rk, keys, slots, hits) == []
+    finally:
+        rk.close()
+
+
+# ------------------------------------------------- SGLang's real MHATokenToKVPoolHost, in place
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REAL_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """``tests/sglang_mha.py``'s cases over SGLang's real MHA host pools, in a process of
+    its own (SGLang's host pool module imports thousands of modules and sets environment
+    variables; it also needs the torchvision stand-in)."""
+    import json
+    import subprocess
+
+    root = tmp_path_factory.mktemp("mha")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    out = root / "out.json"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sglang_mha.py"), str(out), str(root)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+# (layout, spans a call of 12 pages is in): layer_first 2 x 3 layers per page, none next to the
+# next page's; the other layouts K and V halves, 2 per page
+REAL_SPANS = {"layer_first": 72, "page_first": 24, "page_first_direct": 24, "page_head": 24}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", REAL_LAYOUTS)
+@pytest.mark.parametrize("slots", ["consecutive", "scattered"])
+def test_real_mha_pools_are_restored_in_place_bit_for_bit(real, layout, slots):
+    got = real[f"{layout}/{slots}"]
+    assert got["in_place"]
+    assert got["hits"] == [True] * 12
+    assert got["problems"] == []  # every page bit for bit, every other slot untouched
+    # one restore, into Pieces over the pool's own kv_buffer: no staging buffer, no copy
+    assert got["into"] == [{"kind": "pieces", "spans": REAL_SPANS[layout], "pool_memory": True}]
+    assert not got["adapter_staging"] and got["engine_staged"] == 0 and got["host_copy_bytes"] == 0
+    assert got["generic_pages"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", REAL_LAYOUTS)
+def test_real_mha_pools_of_small_pieces_are_staged_bit_for_bit(real, layout):
+    """Pieces averaging under MIN_PIECE_BYTES (128 bytes in layer_first here, 384 in the
+    others) cost more than the memcpy they save: such a pool is staged, its pages exact."""
+    got = real[f"{layout}/small"]
+    assert got["hits"] == [True] * 12 and got["problems"] == []
+    assert got["into"] == [{"kind": "tensor", "pool_memory": False}] and got["adapter_staging"]
+    assert got["generic_pages"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", REAL_LAYOUTS)
+def test_a_damaged_shard_restored_into_a_real_mha_pool_is_a_miss_and_the_rest_is_intact(real, layout):
+    got = real[f"{layout}/damaged"]
+    assert got["hits"] == [True] * 5 + [False] * 7  # the intact parent is served, the damaged child is not
+    assert got["problems"] == []
+    assert got["damaged_nodes"] == 1
+    assert [x["kind"] for x in got["into"]] == ["pieces", "pieces"]  # the child, then the parent alone
+    assert not got["adapter_staging"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", ["skip-read-checksum", "counts-a-miss"])
+@pytest.mark.parametrize("layout", REAL_LAYOUTS)
+def test_the_checks_catch_a_planted_bug_on_the_real_pools_in_place_path(real, plant, layout):
+    """The fuzz registry's ``skip-read-checksum`` and an adapter that counts a failed
+    restore as a hit, on the Pieces path: both are what ``problems`` reports."""
+    got = real[f"{plant}/{layout}"]
+    assert got["into"][0]["kind"] == "pieces"
+    assert got["hits"] == [True] * 12
+    assert any("a hit with other bytes" in p for p in got["problems"])
+
+
+def test_page_pieces_are_the_views_c_order_memory():
+    from prefixstore.adapters.sglang_pages import page_pieces
+
+    buf = torch.zeros((2, 3, 64, 2, 8), dtype=torch.bfloat16)  # layer_first: (k/v, layers, slots, heads, dim)
+    v = buf[:, :, 8:12]
+    piece, rel = page_pieces(v, v.numel() * 2)
+    assert piece == 4 * 2 * 8 * 2
+    want = [(kv * buf.stride(0) + layer * buf.stride(1)) * 2 for kv in range(2) for layer in range(3)]
+    assert rel.tolist() == want  # C order: K's layers, then V's
+    assert torch.equal(torch.cat([buf.view(torch.uint8).reshape(-1)[v.data_ptr() - buf.data_ptr() + r:][:piece]
+                                  for r in want]), v.reshape(-1).view(torch.uint8))
+    assert page_pieces(v, v.numel() * 2 + 2) is None  # not the page's size
+    assert page_pieces(v, v.numel() * 2, max_pieces=5) is None  # too many pieces
+    assert page_pieces(buf[0, 0, :4].expand(2, 4, 2, 8), 2 * 4 * 16 * 2) is None  # two pieces on one memory
+    assert page_pieces(buf[0, 0, :4, :, ::2], 4 * 2 * 4 * 2) is not None  # one element a piece, still exact
+
+
+def test_pages_in_small_pieces_are_staged(tmp_path, monkeypatch):
+    """The layer_first double's pages are 6 pieces of 128 bytes: under MIN_PIECE_BYTES,
+    so restored through the staging buffer, exactly."""
+    rk = drv.Rank(str(tmp_path), kv=LayerFirstPool(256, drv.PAGE))
+    try:
+        keys = drv.page_keys(6, 4)
+        store(rk, [], keys)
+        refuse_torch_copy(monkeypatch, rk.kv)
+        slots = [4 * s for s in (9, 10, 11, 12)]
+        assert rk.backend.pool(adapter.KV).slots.destination(slots) is None
+        hits = get_into(rk, [], keys, slots)
+        assert hits == [True] * 4 and problems(rk, keys, slots, hits) == []
+        assert rk.backend.pool(adapter.KV).slots._staging is not None
+    finally:
+        rk.close()
+
+
+def test_pages_sharing_memory_are_staged_not_pieces(tmp_path, monkeypatch, any_piece):
+    """Host indices naming one page twice (or overlapping pages): the pieces would share
+    bytes, so the restore is staged and each slot gets its page."""
+    rk = drv.Rank(str(tmp_path), kv=LayerFirstPool(256, drv.PAGE))
+    seen = []
+    real_restore = Engine.restore
+
+    def spy(self, match, *, into=None):
+        seen.append(None if into is None else type(into["page"]).__name__)
+        return real_restore(self, match, into=into)
+
+    try:
+        keys = drv.page_keys(5, 3)
+        store(rk, [], keys)
+        monkeypatch.setattr(Engine, "restore", spy)
+        assert get_into(rk, [], keys[:2], [40, 40]) == [True, True]
+        assert torch.equal(flat(rk.kv, 40), expected(rk.kv, keys[1]))  # the last write wins, as a copy would
+        assert seen == ["Tensor"]  # the staging buffer, not Pieces over the pool
+        assert rk.backend.pool(adapter.KV).slots._staging is not None
     finally:
         rk.close()

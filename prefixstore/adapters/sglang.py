@@ -302,15 +302,17 @@ class _Pool:
 
     def restore_pages(self, m: Match, base: int, indices: Sequence[int]) -> int | None:
         """Restore ``m`` (pages ``base..m.blocks``) into the slots at ``indices``: the
-        pages written, or None when the restore missed. Straight into the slots when they
-        lie end to end (``PageSlots.run``), else through the pool's staging buffer and one
-        memcpy per page."""
+        pages written, or None when the restore missed. Straight into the slots
+        (``PageSlots.destination``: one tensor when they lie end to end, else the pieces
+        of memory they are in), else through the pool's staging buffer and one memcpy
+        per page."""
         rows, skip = m.tokens - m.gpu_tokens, base * self.bt - m.gpu_tokens
         n = min((rows - skip) // self.bt, len(indices))
         rb = self.page_bytes // self.bt
-        direct = self.slots.run(indices[:n]) if skip == 0 and rows == n * self.bt else None
+        direct = self.slots.destination(indices[:n]) if skip == 0 and rows == n * self.bt else None
         if direct is not None:
-            return n if self.engine.restore(m, into={"page": direct.view(rows, rb)}) is not None else None
+            into = {"page": direct.view(rows, rb) if isinstance(direct, torch.Tensor) else direct}
+            return n if self.engine.restore(m, into=into) is not None else None
         with self.slots.staging(rows * rb) as stage:
             r = self.engine.restore(m, into=None if stage is None else {"page": stage.view(rows, rb)})
             if r is None:

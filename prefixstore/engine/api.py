@@ -340,7 +340,8 @@ class Engine(Parts):
         its node damaged and the restore reports a miss: other bytes are never
         returned. ``into``: the caller's tensors to fill (a mapping of the layout's
         segments, or one per rank; the rows the match restores, contiguous, on the
-        executor's device), returned as the segments; refused with a typed error
+        executor's device; or a segment's ``Pieces``: spans of one tensor's memory the
+        rows fill in order), returned as the segments; refused with a typed error
         before anything is read. After a miss their contents are unspecified.
         """
         validate.match(self.identity, self.root, match)

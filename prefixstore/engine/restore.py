@@ -6,6 +6,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from prefixstore.base.destination import Pieces
 from prefixstore.base.layout import Layout
 from prefixstore.engine import health, lookup, transfers
 from prefixstore.engine.catalog import Catalog
@@ -50,7 +51,7 @@ class Restoring:
     fetch: transfers.Fetch
 
 
-def restore(rs: Restoring, match: Match, into: list[dict[str, torch.Tensor]] | None = None) -> Restored | None:
+def restore(rs: Restoring, match: Match, into: list[dict[str, torch.Tensor | Pieces]] | None = None) -> Restored | None:
     """Read, verify and return the tensors of ``match`` (a hit); None on a miss.
     ``into``: the output tensors per rank (checked by ``validate.into``)."""
     with rs.guard.lock:

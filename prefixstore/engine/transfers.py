@@ -19,15 +19,18 @@ measured faster than reads without (``gpu/pieces.py``).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
 import torch
 
+from prefixstore.base.destination import Pieces
 from prefixstore.base.layout import Layout
 from prefixstore.engine.counters import Counters
 from prefixstore.engine.guard import CallGuard
@@ -160,7 +163,7 @@ def _fetch_placed(f: Fetch, x: Node, r: int, row: tuple[str, int, str], place: v
         return None
     if isinstance(got, verify.Damage):
         return f"rank {r}: {got.why}"
-    return _Placed(snap, sum(len(d) for _, d in place.values()))
+    return _Placed(snap, sum(verify.placed_bytes(d) for _, d in place.values()))
 
 
 def _fetch(f: Fetch, x: Node, r: int, row: tuple[str, int, str], from_ram: bool) -> Any:
@@ -215,7 +218,7 @@ _NOT_RESIDENT = object()
 
 
 def restore_nodes(f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match,
-                  into: list[dict[str, torch.Tensor]] | None = None) -> Any:
+                  into: list[dict[str, torch.Tensor | Pieces]] | None = None) -> Any:
     """Read, verify and upload the shards of ``nodes`` (root first).
 
     Returns ``(segments, snapshot, files)`` per rank, a ``Damage``, or None on a
@@ -250,7 +253,7 @@ class _Restore:
     """
 
     f: Fetch
-    into: list[dict[str, torch.Tensor]] | None
+    into: list[dict[str, torch.Tensor | Pieces]] | None
     """The caller's output tensors per rank (None: allocated here)."""
     end: Node
     chunks: list[tuple[Node, int, tuple, int, int, int]]
@@ -275,7 +278,7 @@ class _Restore:
     """Some shard was uploaded from a buffer (not read in place)."""
 
     def __init__(self, f: Fetch, nodes: list[Node], rows: dict[int, dict[int, tuple]], match: Match,
-                 into: list[dict[str, torch.Tensor]] | None = None) -> None:
+                 into: list[dict[str, torch.Tensor | Pieces]] | None = None) -> None:
         L = f.layout
         self.into = into
         bt = L.block_tokens
@@ -312,7 +315,7 @@ class _Restore:
                 outs = self.into if self.into is not None else [
                     {s.name: ex.empty((self.rows_out, *s.shape), s.torch_dtype) for s in L.segments}
                     for _ in range(L.ranks)]
-                self.flats = [{n: ex.flat(t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
+                self.flats = [{n: _Dest.of(ex, t) for n, t in o.items()} for o in outs]  # byte views: cheap slices
                 while self.nxt < min(f.transfers.window, len(self.missing)):
                     self.read_next()
                 ex.begin_uploads()
@@ -375,8 +378,8 @@ class _Restore:
         the snapshot (of the last node) into tensors of its own."""
         x, r, _, o, cut, ntok = self.chunks[i]
         ex, L, flat = self.f.executor, self.f.layout, self.flats[r]
-        place = {f"seg.{name}": (cut * rb, memoryview(flat[name][o * rb : (o + ntok) * rb]))
-                 for name, rb in self.seg_rows}
+        place: dict[str, tuple[int, Any]] = {
+            f"seg.{name}": (cut * rb, flat[name].views(o * rb, ntok * rb)) for name, rb in self.seg_rows}
         snap: dict[str, torch.Tensor] = {}
         if x is self.end and L.has_snapshot:
             for s in L.snapshots:
@@ -395,7 +398,8 @@ class _Restore:
         for i, item in self.ready:
             x, r, _, o, cut, ntok = chunks[i]
             src, offs, dst = ex.source(item.buffer), item.offs, flats[r]
-            ops += [(dst[name], o * rb, src, offs[name] + cut * rb, ntok * rb) for name, rb in seg_rows]
+            for name, rb in seg_rows:
+                ops += dst[name].ops(o * rb, src, offs[name] + cut * rb, ntok * rb)
         tu, cu = clock(), cpu()
         ex.upload_batch(ops)
         moved = sum(op[4] for op in ops)
@@ -416,6 +420,74 @@ class _Restore:
         self.ready.clear()
         self.move += clock() - tu
         self.move_cpu += cpu() - cu
+
+
+@attrs.define(slots=True, eq=False)
+class _Dest:
+    """One output segment as bytes: ``flat`` (``ex.flat`` of the tensor, or of a
+    ``Pieces``' memory) and the byte ranges of it the segment's bytes fill in order
+    (``at``: where each begins in ``flat``; ``starts``: its first byte in the segment)."""
+
+    flat: Any
+    at: list[int]
+    lens: list[int]
+    starts: list[int]
+    mv: memoryview | None = None
+
+    @classmethod
+    def of(cls, ex: Any, out: torch.Tensor | Pieces) -> _Dest:
+        if not isinstance(out, Pieces):
+            flat = ex.flat(out)
+            return cls(flat, [0], [len(flat)], [0])
+        es = out.memory.element_size()
+        at = (out.spans[:, 0] * es).tolist()
+        lens = (out.spans[:, 1] * es).tolist()
+        starts = [0, *itertools.accumulate(lens)][:-1]
+        return cls(ex.flat(out.memory), at, lens, starts)
+
+    def ranges(self, lo: int, n: int) -> Iterator[tuple[int, int]]:
+        """(offset in ``flat``, bytes) covering the segment's bytes ``[lo, lo + n)``."""
+        if len(self.at) == 1:
+            yield self.at[0] + lo, n
+            return
+        k = bisect.bisect_right(self.starts, lo) - 1
+        end = lo + n
+        while lo < end:
+            inside = lo - self.starts[k]
+            take = min(self.lens[k] - inside, end - lo)
+            if take > 0:
+                yield self.at[k] + inside, take
+                lo += take
+            k += 1
+
+    def views(self, lo: int, n: int) -> memoryview | list[memoryview]:
+        """The destination of a placed read of bytes ``[lo, lo + n)`` (``verify.Placement``)."""
+        if len(self.at) == 1:
+            a = self.at[0] + lo
+            return memoryview(self.flat[a : a + n])
+        if self.mv is None:
+            self.mv = memoryview(self.flat)
+        mv, at, lens, starts, end = self.mv, self.at, self.lens, self.starts, lo + n
+        k0 = bisect.bisect_right(starts, lo) - 1
+        k1 = bisect.bisect_left(starts, end, k0)  # spans k0..k1-1 hold [lo, end)
+        out = [mv[a : a + k] for a, k in zip(at[k0:k1], lens[k0:k1], strict=True)]
+        cut = end - starts[k1 - 1]  # the last span's bytes inside the range
+        if cut < lens[k1 - 1]:
+            out[-1] = out[-1][:cut]
+        skip = lo - starts[k0]  # the first span's bytes before it
+        if skip:
+            out[0] = out[0][skip:]
+        return out
+
+    def ops(self, lo: int, src: Any, src_off: int, n: int) -> list[tuple[Any, int, Any, int, int]]:
+        """``upload_batch`` ops copying ``src[src_off:]`` into bytes ``[lo, lo + n)``."""
+        if len(self.at) == 1:
+            return [(self.flat, self.at[0] + lo, src, src_off, n)]
+        out = []
+        for a, k in self.ranges(lo, n):
+            out.append((self.flat, a, src, src_off, k))
+            src_off += k
+        return out
 
 
 def _discard(item: Any) -> None:

@@ -9,13 +9,17 @@ layout, its identity), one function per kind of argument.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from prefixstore.base.destination import Pieces
 from prefixstore.base.errors import (
     BlockSizeMismatchError,
+    DtypeError,
     ForeignMatchError,
     InvalidArgumentError,
     ShapeError,
@@ -53,32 +57,94 @@ def match(cache_id: str, root: str, value: Any, argument: str = "match") -> Matc
     return value
 
 
-def into(layout: Layout, device: torch.device, m: Match, value: Any) -> list[dict[str, torch.Tensor]] | None:
+def into(layout: Layout, device: torch.device, m: Match, value: Any) -> list[dict[str, Any]] | None:
     """``restore(..., into=)``: per rank, the layout's segments with the rows the match
-    restores, contiguous, on the executor's ``device``, each its own memory (None: none
-    given). Checked before anything is read, so a refused ``into`` is left untouched."""
+    restores, each a contiguous tensor or ``Pieces`` (spans of a contiguous tensor of the
+    segment's dtype holding exactly its rows' elements), on the executor's ``device``, no
+    two sharing a byte (None: none given). Checked before anything is read, so a refused ``into`` is
+    left untouched."""
     if value is None:
         return None
     fast = _into_common(layout, device, m.tokens - m.gpu_tokens, value)
     if fast is not None:
         return fast
     per = _rank_tensors(layout, "into", value)
-    _storable("into", per)
     rows = m.tokens - m.gpu_tokens
-    seen: list[tuple[int, int]] = []
+    specs = {s.name: s for s in layout.segments}
+    spans: list[tuple[np.ndarray, str]] = []  # byte ranges [lo, hi) of each destination
     for r, t in enumerate(per):
-        layout.check_segments(r, t, rows)
+        if set(t) != set(specs):
+            raise ShapeError(f"rank {r}: segment tensors {sorted(t)} do not match layout {sorted(specs)}")
+        # each Pieces entry stands in as a tensor of no memory with its segment's shape: checked below
+        layout.check_segments(r, {n: _shaped(specs[n], rows) if isinstance(x, Pieces) else x
+                                  for n, x in t.items()}, rows)
         for name, x in t.items():
-            if not x.is_contiguous():
-                raise ShapeError(f"into: rank {r}: {name!r} is not contiguous")
-            if x.device.type != device.type or (device.index is not None and x.device.index != device.index):
-                raise InvalidArgumentError("into", f"rank {r}: {name!r} is on {x.device}, the executor's outputs on {device}")
-            lo = x.data_ptr()
-            span = (lo, lo + x.numel() * x.element_size())
-            if any(a < span[1] and span[0] < b for a, b in seen):
-                raise InvalidArgumentError("into", f"rank {r}: {name!r} overlaps another tensor of into")
-            seen.append(span)
+            label = f"rank {r}: {name!r}"
+            if isinstance(x, Pieces):
+                spans.append(_pieces(x, specs[name], rows, label, device))
+            else:
+                _destination(x, label, device)
+                lo = x.data_ptr()
+                spans.append((np.array([[lo, lo + x.numel() * x.element_size()]], dtype=np.int64), label))
+    _disjoint(spans)
     return [dict(t) for t in per]
+
+
+def _shaped(spec: Any, rows: int) -> torch.Tensor:
+    """A stand-in with the segment's shape and dtype, for a ``Pieces`` entry (checked by
+    ``_pieces``): no memory."""
+    return torch.empty((rows, *spec.shape), dtype=spec.torch_dtype, device="meta")
+
+
+def _destination(x: torch.Tensor, label: str, device: torch.device) -> None:
+    """One tensor a restore writes: strided with data, contiguous, on ``device``."""
+    if x.device.type == "meta" or x.layout != torch.strided:
+        raise InvalidArgumentError("into", f"{label} is a {x.layout} tensor on {x.device}; need a strided tensor with data")
+    if not x.is_contiguous():
+        raise ShapeError(f"into: {label} is not contiguous")
+    if x.device.type != device.type or (device.index is not None and x.device.index != device.index):
+        raise InvalidArgumentError("into", f"{label} is on {x.device}, the executor's outputs on {device}")
+
+
+def _pieces(x: Pieces, spec: Any, rows: int, label: str, device: torch.device) -> tuple[np.ndarray, str]:
+    """The byte ranges ``[lo, hi)`` of ``x``'s spans, checked: its memory a destination of
+    the segment's dtype, the spans inside it and holding exactly ``rows`` rows."""
+    mem = x.memory
+    if not isinstance(mem, torch.Tensor):
+        raise InvalidArgumentError("into", f"{label}: Pieces memory is a {type(mem).__name__}, not a tensor")
+    _destination(mem, f"{label} (Pieces memory)", device)
+    if mem.dtype != spec.torch_dtype:
+        raise DtypeError(f"into: {label}: Pieces memory has dtype {mem.dtype}, layout says {spec.dtype}")
+    off, n = x.spans[:, 0], x.spans[:, 1]
+    if len(off) and (int(off.min()) < 0 or int(n.min()) < 0 or int((off + n).max()) > mem.numel()):
+        raise ShapeError(f"into: {label}: a span lies outside its Pieces memory of {mem.numel()} elements")
+    want, got = rows * math.prod(spec.shape), int(n.sum())
+    if got != want:
+        raise ShapeError(f"into: {label}: its {len(n)} spans hold {got} elements, "
+                         f"{rows} rows of {tuple(spec.shape)} are {want}")
+    es = mem.element_size()
+    lo = mem.data_ptr() + off * es
+    return np.stack([lo, lo + n * es], axis=1), label
+
+
+def _disjoint(spans: list[tuple[np.ndarray, str]]) -> None:
+    """No two destinations share a byte: sorted by start, each range begins after every
+    earlier one ended (empty ranges aside)."""
+    if not spans:
+        return
+    ranges = np.concatenate([a for a, _ in spans])
+    owner = np.concatenate([np.full(len(a), k) for k, (a, _) in enumerate(spans)])
+    keep = ranges[:, 1] > ranges[:, 0]
+    ranges, owner = ranges[keep], owner[keep]
+    order = np.argsort(ranges[:, 0], kind="stable")
+    lo, hi, owner = ranges[order, 0], ranges[order, 1], owner[order]
+    ends = np.maximum.accumulate(hi)
+    bad = np.nonzero(lo[1:] < ends[:-1])[0]
+    if len(bad):
+        j = int(bad[0]) + 1
+        prev = int(np.nonzero(hi[:j] == ends[j - 1])[0][0])
+        a, b = spans[int(owner[j])][1], spans[int(owner[prev])][1]
+        raise InvalidArgumentError("into", f"{a} overlaps {b}" if a != b else f"{a}: two of its spans overlap")
 
 
 def _into_common(layout: Layout, device: torch.device, rows: int, value: Any) -> list[dict[str, torch.Tensor]] | None:

@@ -185,8 +185,20 @@ def usable_cpus() -> int:
     return len(_affinity())
 
 
-def read_full(fd: int, pos: int, out: memoryview) -> int:
-    """Read ``len(out)`` bytes at ``pos`` into ``out``; fewer only at end of file."""
+Destination = memoryview | Sequence[memoryview]
+"""Where one piece lands: a buffer, or buffers filled one after the other (one
+``preadv`` for several small destinations that follow each other in the file)."""
+
+
+def nbytes(out: Destination) -> int:
+    """The bytes ``out`` takes."""
+    return len(out) if out.__class__ is memoryview else sum(map(len, out))
+
+
+def read_full(fd: int, pos: int, out: Destination) -> int:
+    """Read ``nbytes(out)`` bytes at ``pos`` into ``out``; fewer only at end of file."""
+    if out.__class__ is not memoryview:
+        return _read_vector(fd, pos, out)
     got, n = 0, len(out)
     while got < n:
         k = os.preadv(fd, [out[got:]], pos + got)
@@ -196,11 +208,50 @@ def read_full(fd: int, pos: int, out: memoryview) -> int:
     return got
 
 
+def _read_vector(fd: int, pos: int, out: Sequence[memoryview]) -> int:
+    """``read_full`` into buffers: one ``preadv``; after a short read, the rest buffer
+    by buffer from where it stopped."""
+    got = os.preadv(fd, out, pos)
+    if got <= 0:
+        return 0
+    if got >= nbytes(out):
+        return got
+    done = 0
+    for b in out:
+        n = len(b)
+        if done + n <= got:
+            done += n
+            continue
+        have = max(0, got - done)  # of this buffer, already read
+        k = read_full(fd, pos + done + have, b[have:])
+        done += have + k
+        if have + k < n:  # the end of the file
+            break
+    return done
+
+
+def hash_landed(hasher, out: Destination, k: int) -> None:
+    """Feed the first ``k`` bytes of ``out`` to ``hasher``."""
+    if out.__class__ is memoryview:
+        hasher.update(out[:k])
+        return
+    if k >= nbytes(out):  # all of it (the common case)
+        for b in out:
+            hasher.update(b)
+        return
+    for b in out:
+        if k <= 0:
+            return
+        n = len(b)
+        hasher.update(b if n <= k else b[:k])
+        k -= n
+
+
 @attrs.define(eq=False, slots=True)
 class _Claims:
     """The pieces of one read: which are taken, which landed, what each read got."""
 
-    pieces: Sequence[tuple[int, memoryview]]
+    pieces: Sequence[tuple[int, Destination]]
     shared: Sequence[bool]
     """Pieces read by the hashing thread only (their destination is reused)."""
     landed: list[threading.Event]
@@ -241,7 +292,7 @@ def _help(fd: int, claims: _Claims) -> None:
         claims.read(fd, i)
 
 
-def read_hashed(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpers: Helpers | None = None,
+def read_hashed(fd: int, pieces: Sequence[tuple[int, Destination]], hasher, helpers: Helpers | None = None,
                 shared: Sequence[bool] | None = None) -> int:
     """Read each ``(file offset, destination)`` of ``pieces`` (contiguous, in file
     order) and feed them to ``hasher`` in that order; the bytes read and hashed, up to
@@ -264,18 +315,18 @@ def read_hashed(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpe
     return total
 
 
-def _read_alone(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher) -> int:
+def _read_alone(fd: int, pieces: Sequence[tuple[int, Destination]], hasher) -> int:
     total = 0
     for pos, out in pieces:
         k = read_full(fd, pos, out)
-        hasher.update(out[:k])
+        hash_landed(hasher, out, k)
         total += k
-        if k < len(out):
+        if k < nbytes(out):
             break
     return total
 
 
-def _read_helped(fd: int, pieces: Sequence[tuple[int, memoryview]], hasher, helpers: Helpers, count: int,
+def _read_helped(fd: int, pieces: Sequence[tuple[int, Destination]], hasher, helpers: Helpers, count: int,
                  flags: Sequence[bool], parallel: int) -> int:
     n = len(pieces)
     claims = _Claims(pieces, flags, [threading.Event() for _ in range(n)], [0] * n, [None] * n)
@@ -313,8 +364,8 @@ def _hash_in_order(fd: int, claims: _Claims, hasher) -> int:
             if err is not None:
                 raise err
             k = claims.got[j]
-        hasher.update(out[:k])
+        hash_landed(hasher, out, k)
         total += k
-        if k < len(out):
+        if k < nbytes(out):
             break
     return total

@@ -13,9 +13,11 @@ audit, recovery's re-attaching) reads and checks them here and gets a typed outc
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -118,10 +120,19 @@ def read(
     return Shard(buffer=buf)
 
 
-Placement = Mapping[str, tuple[int, memoryview]]
+Destination = memoryview | Sequence[memoryview]
+"""One placed range: a memoryview, or pieces of memory filled one after the other."""
+
+Placement = Mapping[str, tuple[int, Destination]]
 """Where a placed read puts a shard's tensors: ``entry name -> (byte offset inside the
 entry, destination)``; the destination takes the entry's bytes from that offset on, as
-many as it holds. Every other byte is read and hashed, and kept nowhere."""
+many as it holds (pieces: the first piece's bytes, then the next one's, ...). Every
+other byte is read and hashed, and kept nowhere."""
+
+
+def placed_bytes(dst: Destination) -> int:
+    """The bytes ``dst`` holds."""
+    return len(dst) if dst.__class__ is memoryview else sum(map(len, dst))
 
 
 def read_placed(tier: Tier, name: str, size: int, checksum: str, header: Header, place: Placement,
@@ -205,47 +216,90 @@ def _read_placed(fd: int, name: str, size: int, checksum: str, header: Header,
     return pos, head_why
 
 
-def _pieces(pos: int, size: int, plan: list[tuple[int, memoryview]],
-            scratch: memoryview) -> tuple[list[tuple[int, memoryview]], list[bool]]:
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+"""Buffers one ``preadv`` fills at most."""
+
+
+def _pieces(pos: int, size: int, plan: list[tuple[int, Destination]],
+            scratch: memoryview) -> tuple[list[tuple[int, pieces.Destination]], list[bool]]:
     """The pieces that read the file from ``pos`` to ``size``: each placed destination
-    (in ``pieces.PIECE`` pieces) and the bytes between them through ``scratch``
-    (marked shared: read in turn by the hashing thread). A placed piece that does not
-    start where the last ended (a header that lies about its offsets) ends the placing:
-    the rest goes through ``scratch``."""
-    out: list[tuple[int, memoryview]] = []
+    (in ``pieces.PIECE`` pieces; small buffers that follow each other in the file grouped
+    into one piece of several buffers, up to ``PIECE`` bytes and ``IOV_MAX`` buffers,
+    read by one ``preadv``) and the bytes between them through ``scratch`` (marked
+    shared: read in turn by the hashing thread). A placed piece that does not start
+    where the last ended (a header that lies about its offsets) ends the placing: the
+    rest goes through ``scratch``."""
+    out: list[tuple[int, pieces.Destination]] = []
     shared: list[bool] = []
+    group: list[memoryview] = []
+    at = held = 0  # the group's first byte in the file, its bytes
+    step = pieces.PIECE
+
+    def flush() -> None:
+        nonlocal held
+        if group:
+            out.append((at, group.copy() if len(group) > 1 else group[0]))
+            shared.append(False)
+            group.clear()
+            held = 0
 
     def gap(end: int) -> None:
         nonlocal pos
+        flush()
         while pos < end:
             k = min(len(scratch), end - pos)
             out.append((pos, scratch[:k]))
             shared.append(True)
             pos += k
 
-    for begin, dst in plan:  # in file order, contiguous
-        gap(begin)
-        if pos != begin:
-            break
+    def large(dst: memoryview) -> None:
+        nonlocal pos
+        flush()
         for p in _split(pos, dst):
             out.append(p)
             shared.append(False)
         pos += len(dst)
+
+    for begin, dst in plan:  # in file order, contiguous
+        if begin != pos:
+            gap(begin)
+            if pos != begin:
+                break
+        bufs = [dst] if dst.__class__ is memoryview else dst
+        ends = list(itertools.accumulate(map(len, bufs)))  # each buffer's end, from this entry's start
+        i, done = 0, 0
+        while i < len(bufs):
+            j = min(bisect.bisect_right(ends, done + step - held, i), i + IOV_MAX - len(group))
+            if j == i:  # the next buffer does not fit the group
+                if group:
+                    flush()
+                else:
+                    large(bufs[i])
+                    done = ends[i]
+                    i += 1
+                continue
+            if not group:
+                at = pos
+            group.extend(bufs[i:j])
+            held += ends[j - 1] - done
+            pos += ends[j - 1] - done
+            done, i = ends[j - 1], j
     gap(size)
     return out, shared
 
 
-def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, memoryview]]:
-    """(file offset, destination) of each placed piece, in file order."""
+def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, Destination]]:
+    """(file offset, destination) of each placed entry, in file order."""
     out = []
     for x in entries:
         p = place.get(x.name)
         if p is None:
             continue
         off, dst = p
-        if off < 0 or off + len(dst) > x.nbytes:
-            raise ValueError(f"placement of {x.name} ({off}+{len(dst)}) exceeds its {x.nbytes} bytes")
-        if len(dst):
+        n = placed_bytes(dst)
+        if off < 0 or off + n > x.nbytes:
+            raise ValueError(f"placement of {x.name} ({off}+{n}) exceeds its {x.nbytes} bytes")
+        if n:
             out.append((x.begin + off, dst))
     return out
 
