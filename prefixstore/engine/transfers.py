@@ -39,7 +39,7 @@ from prefixstore.engine.results import Match
 from prefixstore.engine.tiering import Tiers
 from prefixstore.gpu import shards, verify
 from prefixstore.gpu.executor import Buffer
-from prefixstore.gpu.pieces import Helpers, usable_cpus
+from prefixstore.gpu.pieces import Helpers, nbytes, usable_cpus
 from prefixstore.gpu.tier import Capability, has
 from prefixstore.gpu.workers import Worker
 
@@ -163,7 +163,7 @@ def _fetch_placed(f: Fetch, x: Node, r: int, row: tuple[str, int, str], place: v
         return None
     if isinstance(got, verify.Damage):
         return f"rank {r}: {got.why}"
-    return _Placed(snap, sum(verify.placed_bytes(d) for _, d in place.values()))
+    return _Placed(snap, sum(nbytes(d) for _, d in place.values()))
 
 
 def _fetch(f: Fetch, x: Node, r: int, row: tuple[str, int, str], from_ram: bool) -> Any:

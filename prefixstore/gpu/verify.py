@@ -17,7 +17,7 @@ import bisect
 import itertools
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import attrs
 import torch
@@ -120,19 +120,13 @@ def read(
     return Shard(buffer=buf)
 
 
-Destination = memoryview | Sequence[memoryview]
-"""One placed range: a memoryview, or pieces of memory filled one after the other."""
+Destination = pieces.Destination
 
 Placement = Mapping[str, tuple[int, Destination]]
 """Where a placed read puts a shard's tensors: ``entry name -> (byte offset inside the
 entry, destination)``; the destination takes the entry's bytes from that offset on, as
 many as it holds (pieces: the first piece's bytes, then the next one's, ...). Every
 other byte is read and hashed, and kept nowhere."""
-
-
-def placed_bytes(dst: Destination) -> int:
-    """The bytes ``dst`` holds."""
-    return len(dst) if dst.__class__ is memoryview else sum(map(len, dst))
 
 
 def read_placed(tier: Tier, name: str, size: int, checksum: str, header: Header, place: Placement,
@@ -221,7 +215,7 @@ IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 102
 
 
 def _pieces(pos: int, size: int, plan: list[tuple[int, Destination]],
-            scratch: memoryview) -> tuple[list[tuple[int, pieces.Destination]], list[bool]]:
+            scratch: memoryview) -> tuple[list[tuple[int, Destination]], list[bool]]:
     """The pieces that read the file from ``pos`` to ``size``: each placed destination
     (in ``pieces.PIECE`` pieces; small buffers that follow each other in the file grouped
     into one piece of several buffers, up to ``PIECE`` bytes and ``IOV_MAX`` buffers,
@@ -229,7 +223,7 @@ def _pieces(pos: int, size: int, plan: list[tuple[int, Destination]],
     shared: read in turn by the hashing thread). A placed piece that does not start
     where the last ended (a header that lies about its offsets) ends the placing: the
     rest goes through ``scratch``."""
-    out: list[tuple[int, pieces.Destination]] = []
+    out: list[tuple[int, Destination]] = []
     shared: list[bool] = []
     group: list[memoryview] = []
     at = held = 0  # the group's first byte in the file, its bytes
@@ -296,7 +290,7 @@ def _plan(entries: list[shards.Entry], place: Placement) -> list[tuple[int, Dest
         if p is None:
             continue
         off, dst = p
-        n = placed_bytes(dst)
+        n = pieces.nbytes(dst)
         if off < 0 or off + n > x.nbytes:
             raise ValueError(f"placement of {x.name} ({off}+{n}) exceeds its {x.nbytes} bytes")
         if n:
