@@ -115,15 +115,22 @@ def test_bad_into_is_a_typed_error_and_nothing_is_written_or_read(tmp_path, bad)
         assert eng.restore(m) is not None  # the engine is unharmed
 
 
-@pytest.mark.parametrize("where", ["header", "restored rows", "rows the GPU holds", "last byte"])
-def test_a_damaged_byte_anywhere_in_the_file_is_a_miss_even_where_nothing_is_kept(tmp_path, where):
-    """Bytes the restore does not keep (rows the GPU holds) are hashed too."""
+def one_shard(tmp_path, seed: int):
+    """A cache in ``tmp_path/c`` holding one stored request of 4 blocks (no snapshot):
+    its layout, tokens, root and the one shard file."""
     L = make_layout(snapshot=False)
-    toks = tokens_for(4, 4)
+    toks = tokens_for(seed, 4)
     root = str(tmp_path / "c")
     with Engine.open(root, L, CAP) as eng:
         assert store_tokens(eng, toks).ok
     (path,) = shard_paths(root)
+    return L, toks, root, path
+
+
+@pytest.mark.parametrize("where", ["header", "restored rows", "rows the GPU holds", "last byte"])
+def test_a_damaged_byte_anywhere_in_the_file_is_a_miss_even_where_nothing_is_kept(tmp_path, where):
+    """Bytes the restore does not keep (rows the GPU holds) are hashed too."""
+    L, toks, root, path = one_shard(tmp_path, 4)
     data = Path(path).read_bytes()
     start = 8 + int.from_bytes(data[:8], "little")
     row = L.payload_bytes(1, False)  # bytes per token row
@@ -311,12 +318,7 @@ def test_pieces_in_place_read_nothing_through_a_staging_buffer(tmp_path):
 
 
 def test_a_damaged_shard_restored_into_pieces_is_a_miss(tmp_path):
-    L = make_layout(snapshot=False)
-    toks = tokens_for(13, 4)
-    root = str(tmp_path / "c")
-    with Engine.open(root, L, CAP) as eng:
-        assert store_tokens(eng, toks).ok
-    (path,) = shard_paths(root)
+    L, toks, root, path = one_shard(tmp_path, 13)
     flip_bit(path, os.path.getsize(path) - 1)
     with Engine.open(root, L, CAP) as eng:
         m = eng.lookup(Prefix.from_tokens(toks, BT))
